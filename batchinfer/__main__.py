@@ -1,0 +1,3 @@
+from batchinfer.cli import main
+
+main()

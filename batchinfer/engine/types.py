@@ -1,0 +1,65 @@
+"""Requests in, results out: the engine's public value types.
+
+`jobs/` builds `Request`s from rows and consumes `RequestOutput`s; nothing here touches
+tensors, so these types are cheap to create for millions of rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Literal, Optional
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0          # 0 → greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 → off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0                     # with the request's `seed_key` and sample index → one RNG stream
+    stop: tuple[str, ...] = ()        # stop strings (need a detokenizer on the engine)
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.n < 1:
+            raise ValueError("n must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0 or self.min_tokens < 0:
+            raise ValueError("top_k and min_tokens must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: Hashable               # echoed back in every output
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed_key: int = 0                  # e.g. the row index: same seed_key + seed + sample → same tokens
+    skip_samples: tuple[int, ...] = () # sample indices already done (resume): not generated
+
+
+FinishReason = Literal["stop", "length", "error"]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: Hashable
+    sample_index: int
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int                 # prompt tokens reused from the prefix cache
+    completion_tokens: int
+    error: Optional[str] = None        # set with finish_reason == "error" (e.g. prompt too long)
