@@ -1,0 +1,1 @@
+"""Building blocks of the GDN-hybrid decoder: mixers (GDN, gated attention), MLPs, rotary."""

@@ -1,0 +1,54 @@
+"""Gated full attention: GQA with per-head q/k RMSNorm, partial RoPE and a sigmoid output gate.
+
+The q projection yields, per head, `d` query channels followed by `d` gate channels (the
+checkpoint's own interleave); the attention output is multiplied elementwise by
+sigmoid(gate) before the output projection. q, k and v are one fused projection here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchinfer.models.config import ModelConfig
+from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
+from batchinfer.models.layers.params import empty_param
+from batchinfer.models.layers.rotary import RotaryEmbedding
+from kernels import ops
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, cache_index: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.cache_index = cache_index  # which kv_k / kv_v pool of ModelCaches this layer owns
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = d = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.scale = d ** -0.5
+        # Rows: [q_h | gate_h] per head h (2·H·d), then k (H_kv·d), then v (H_kv·d).
+        qkv_rows = 2 * self.num_heads * d + 2 * self.num_kv_heads * d
+        self.qkv_proj = empty_param(qkv_rows, config.hidden_size, dtype=dtype, device=device)
+        self.q_norm = empty_param(d, dtype=dtype, device=device)
+        self.k_norm = empty_param(d, dtype=dtype, device=device)
+        self.o_proj = empty_param(config.hidden_size, self.num_heads * d, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches,
+                rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T, H, H_kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_proj)  # [T, 2Hd + 2H_kv·d]
+        q_and_gate, k, v = qkv.split([2 * H * d, H_kv * d, H_kv * d], dim=-1)
+        q, gate = q_and_gate.view(T, H, 2 * d).split([d, d], dim=-1)  # [T, H, d] each
+        q = rotary.rotate(ops.rms_norm(q, self.q_norm, self.eps), cos, sin)  # [T, H, d]
+        k = rotary.rotate(ops.rms_norm(k.view(T, H_kv, d), self.k_norm, self.eps), cos, sin)  # [T, H_kv, d]
+        v = v.reshape(T, H_kv, d).contiguous()  # kernels may assume dense rows
+
+        k_cache, v_cache = caches.kv_k[self.cache_index], caches.kv_v[self.cache_index]
+        ops.store_kv(k, v, k_cache, v_cache, batch.out_kv_slots)
+        if batch.is_decode:
+            o = ops.attention_decode(q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr, self.scale)
+        else:
+            o = ops.attention_prefill(q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr,
+                                      batch.cu_seqlens, self.scale)  # [T, H, d]
+        o = o * torch.sigmoid(gate)  # the gate is per head and channel
+        return F.linear(o.reshape(T, H * d), self.o_proj)  # [T, hidden]

@@ -1,0 +1,70 @@
+"""Gated DeltaNet mixer: the linear-attention layer of the hybrid.
+
+One fused input projection yields q|k|v (the conv channels), the output gate z, and the
+per-value-head b (write strength) and a (decay); the causal conv with SiLU runs over q|k|v,
+then the gated delta rule (prefill: chunked; decode: recurrent or ReplaySSM), a gated
+RMSNorm with silu(z), and the output projection. All state lives in `ModelCaches`, indexed
+by this layer's `cache_index` and by the batch's state slots.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchinfer.models.config import ModelConfig
+from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
+from batchinfer.models.layers.params import empty_param
+from kernels import ops
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, cache_index: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.cache_index = cache_index  # which conv / ssm / ring tensors of ModelCaches are ours
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.k_head_dim = config.linear_key_head_dim
+        self.v_head_dim = config.linear_value_head_dim
+        self.eps = config.rms_norm_eps
+        self.conv_dim = config.conv_dim
+        value_dim = config.gdn_value_dim
+        # Rows: q | k | v (the conv channels), z, b, a.
+        self.split_sizes = [self.conv_dim, value_dim, self.num_v_heads, self.num_v_heads]
+        self.in_proj = empty_param(sum(self.split_sizes), config.hidden_size, dtype=dtype, device=device)
+        self.conv_weight = empty_param(self.conv_dim, config.linear_conv_kernel_dim, dtype=dtype, device=device)
+        # The decay parameters stay fp32: exp(A_log) is sensitive and they are tiny.
+        self.A_log = empty_param(self.num_v_heads, dtype=torch.float32, device=device)
+        self.dt_bias = empty_param(self.num_v_heads, dtype=torch.float32, device=device)
+        self.norm_weight = empty_param(self.v_head_dim, dtype=dtype, device=device)  # plain weight, not 1+w
+        self.out_proj = empty_param(config.hidden_size, value_dim, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        T = x.shape[0]
+        H_k, H_v, d_k, d_v = self.num_k_heads, self.num_v_heads, self.k_head_dim, self.v_head_dim
+        j = self.cache_index
+        mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(self.split_sizes, dim=-1)
+        mixed_qkv = mixed_qkv.contiguous()  # [T, D_conv]
+        slots = batch.state_slots
+        if batch.is_decode:
+            mixed_qkv = ops.causal_conv1d_decode(mixed_qkv, self.conv_weight, None, caches.conv[j], slots)
+        else:
+            mixed_qkv = ops.causal_conv1d_prefill(mixed_qkv, self.conv_weight, None, caches.conv[j], slots,
+                                                  batch.cu_seqlens)
+        q, k, v = mixed_qkv.split([H_k * d_k, H_k * d_k, H_v * d_v], dim=-1)
+        q = q.reshape(T, H_k, d_k).contiguous()
+        k = k.reshape(T, H_k, d_k).contiguous()
+        v = v.reshape(T, H_v, d_v).contiguous()
+        a, b = a.contiguous(), b.contiguous()  # [T, H_v]
+        gdn_args = (q, k, v, a, b, self.A_log, self.dt_bias)
+
+        if batch.is_decode and batch.replay:
+            o = ops.replay_decode(*gdn_args, caches.ssm[j], caches.ring_k[j], caches.ring_u[j], caches.ring_g[j],
+                                  caches.cursor, slots)
+        elif batch.is_decode:
+            o = ops.gdn_decode(*gdn_args, caches.ssm[j], slots)
+        else:
+            o = ops.gdn_prefill(*gdn_args, caches.ssm[j], slots, batch.cu_seqlens)  # [T, H_v, d_v]
+
+        o = ops.gated_rms_norm(o, z.reshape(T, H_v, d_v), self.norm_weight, self.eps)  # [T, H_v, d_v]
+        return F.linear(o.reshape(T, H_v * d_v), self.out_proj)  # [T, hidden]

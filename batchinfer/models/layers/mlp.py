@@ -1,0 +1,103 @@
+"""Feed-forward blocks: dense SwiGLU, and top-k MoE with a sigmoid-gated shared expert.
+
+MoE routing follows transformers' Qwen3-Next / Qwen3.5-MoE router exactly: softmax over all
+experts in fp32, top-k, optional renormalisation of the k weights. Routed tokens are sorted
+by expert and run as one grouped matmul per projection (`torch._grouped_mm`, where the
+device and dtype support it), else one matmul per expert.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchinfer.models.config import ModelConfig
+from batchinfer.models.layers.params import empty_param
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) · up(x)) with gate|up stacked row-wise in `gate_up` [2I, hidden]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
+    return F.linear(F.silu(gate) * up, down)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.gate_up = empty_param(2 * intermediate, hidden, dtype=dtype, device=device)  # rows: gate | up
+        self.down = empty_param(hidden, intermediate, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.gate_up, self.down)  # [T, hidden]
+
+
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    # CUDA's grouped GEMM is bf16-only and needs Hopper (sm90) or newer; the CPU
+    # implementation takes any float dtype.
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return x.is_cuda and x.dtype == torch.bfloat16 and _cuda_capability(x.device.index or 0) >= (9, 0)
+
+
+@lru_cache(maxsize=None)
+def _cuda_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts, self.top_k = E, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.router = empty_param(E, H, dtype=dtype, device=device)
+        self.experts_gate_up = empty_param(E, 2 * I, H, dtype=dtype, device=device)  # per expert: gate | up
+        self.experts_down = empty_param(E, H, I, dtype=dtype, device=device)
+        self.shared_expert = DenseMLP(H, config.shared_expert_intermediate_size, dtype, device)
+        self.shared_expert_gate = empty_param(1, H, dtype=dtype, device=device)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids [T, k] and their weights [T, k] (x.dtype)."""
+        # Router logits in fp32: a bf16 rounding that flips a near-tied top-k choice is a
+        # discontinuous jump in the output (cheap: E x hidden).
+        probs = torch.softmax(F.linear(x.float(), self.router.float()), dim=-1)  # [T, E]
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        routed = self._run_experts(x, experts, weights)  # [T, hidden]
+        shared = self.shared_expert(x) * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+        return routed + shared
+
+    def _run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        T, k = experts.shape
+        flat_experts = experts.reshape(-1)  # [T·k]
+        order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert
+        token_of = order // k  # [T·k] source token of each sorted assignment
+        x_sorted = x[token_of]  # [T·k, hidden]
+        # Fixed-size count (bincount's output size depends on the data: a host sync, which
+        # would break CUDA-graph capture of decode steps).
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))  # [E]
+        if _grouped_mm_supported(x):
+            offsets = counts.cumsum(0).to(torch.int32)  # end of each expert's group
+            gate_up = torch._grouped_mm(x_sorted, self.experts_gate_up.transpose(1, 2), offs=offsets)
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = torch._grouped_mm((F.silu(gate) * up).contiguous(), self.experts_down.transpose(1, 2), offs=offsets)
+        else:
+            y = torch.empty_like(x_sorted)
+            start = 0
+            for expert, count in enumerate(counts.tolist()):
+                if count:
+                    rows = slice(start, start + count)
+                    y[rows] = swiglu(x_sorted[rows], self.experts_gate_up[expert], self.experts_down[expert])
+                    start += count
+        y = y * weights.reshape(-1)[order, None]  # [T·k, hidden]
+        return torch.zeros_like(x).index_add_(0, token_of, y)

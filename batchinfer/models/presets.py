@@ -1,0 +1,75 @@
+"""Named random-weight models at real shapes, built directly on the device.
+
+Each preset is a Hugging Face-style config dict (so it goes through the same config parsing
+as a checkpoint); weights are drawn on the target device in the target dtype, deterministic
+by seed. `build_model` takes a preset name or a checkpoint directory.
+
+Sizes in bf16: qwen3.5-27b ≈ 54 GB (fits one H200); qwen3-next-80b-a3b ≈ 160 GB, which does
+not fit one GPU (no tensor parallelism here) — it is useful for shapes and cache budgeting.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchinfer.models.config import ModelConfig, ModelConfigError, model_config_from_dict
+from batchinfer.models.loader import load_model
+from batchinfer.models.qwen3_hybrid import HybridModel
+from batchinfer.models.random_init import init_random_, make_generator
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "full_attention_interval": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "max_position_embeddings": 4096,
+    },
+    "qwen3.5-27b": {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+        "full_attention_interval": 4, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "max_position_embeddings": 262144,
+    },
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
+        "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": False, "max_position_embeddings": 262144,
+    },
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ModelConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return model_config_from_dict(PRESETS[name])
+
+
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> HybridModel:
+    """A model of `config` with deterministic random weights drawn on `device` in `dtype`."""
+    model = HybridModel(config, dtype, device)
+    generator = make_generator(seed, device)
+    for name, param in model.named_parameters():  # fixed order → same weights for the same seed
+        init_random_(param.data, name, config.num_layers, generator)
+    return model
+
+
+def build_model(preset_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str = "cpu", seed: int = 0) -> HybridModel:
+    """A preset name (random weights) or a checkpoint directory (loaded weights)."""
+    if str(preset_or_path) in PRESETS:
+        return random_model(preset_config(str(preset_or_path)), dtype, device, seed)
+    return load_model(preset_or_path, dtype, device)

@@ -1,0 +1,103 @@
+"""The GDN-hybrid decoder (Qwen3.5 / Qwen3.5-MoE / Qwen3-Next) over packed varlen batches.
+
+`HybridModel.forward(batch, caches)` runs one engine step: the new tokens of B sequences
+packed into T rows, every GDN and attention state passed in through `ModelCaches` and
+updated in place. Each layer is pre-norm: x + mixer(norm(x)), then x + mlp(norm(x)), with
+the family's (1 + weight) RMSNorm. Parameters are allocated empty on the target device;
+`loader.load_weights` or a preset's random init fills them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchinfer.models.config import LINEAR_ATTENTION, ModelConfig
+from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
+from batchinfer.models.layers.attention import GatedAttention
+from batchinfer.models.layers.gdn import GatedDeltaNet
+from batchinfer.models.layers.mlp import DenseMLP, SparseMoE
+from batchinfer.models.layers.params import empty_param
+from batchinfer.models.layers.rotary import RotaryEmbedding
+from kernels import ops
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.is_gdn = config.layer_types[layer_id] == LINEAR_ATTENTION
+        self.input_norm = empty_param(config.hidden_size, dtype=dtype, device=device)
+        self.post_norm = empty_param(config.hidden_size, dtype=dtype, device=device)
+        if self.is_gdn:
+            self.mixer = GatedDeltaNet(config, config.gdn_layer_ids.index(layer_id), dtype, device)
+        else:
+            self.mixer = GatedAttention(config, config.attn_layer_ids.index(layer_id), dtype, device)
+        if config.is_moe_layer(layer_id):
+            self.mlp = SparseMoE(config, dtype, device)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype, device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches,
+                rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = ops.rms_norm(x, self.input_norm, self.eps)
+        if self.is_gdn:
+            x = x + self.mixer(h, batch, caches)
+        else:
+            x = x + self.mixer(h, batch, caches, rotary, cos, sin)
+        return x + self.mlp(ops.rms_norm(x, self.post_norm, self.eps))  # [T, hidden]
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.embed = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.final_norm = empty_param(config.hidden_size, dtype=dtype, device=device)
+        # Tied checkpoints reuse the embedding matrix; it is then not a separate parameter.
+        self.lm_head = None if config.tie_word_embeddings else empty_param(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, device)
+
+    @property
+    def output_embedding(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head  # [vocab, hidden]
+
+    # no_grad, not inference_mode: inference tensors would forbid callers' in-place edits of
+    # the logits (e.g. a sampler's repetition penalty).
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Logits [N, vocab] fp32 for the tokens at `batch.logits_indices`."""
+        if caches.has_replay and not batch.is_decode:
+            _fold_pending_ring_entries(self.config, batch.state_slots, caches)
+        x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(batch.positions)  # [T, rot/2] each
+        for layer in self.layers:
+            x = layer(x, batch, caches, self.rotary, cos, sin)
+        if batch.is_decode and batch.replay:
+            # Every GDN layer appended one ring entry at index cursor % L (a full ring was
+            # folded first), so the shared cursor advances once, after all layers.
+            slots = batch.state_slots
+            caches.cursor[slots] = caches.cursor[slots] % caches.ring_len + 1
+        x = ops.rms_norm(x[batch.logits_indices], self.final_norm, self.config.rms_norm_eps)  # [N, hidden]
+        return F.linear(x, self.output_embedding).float()  # [N, vocab]
+
+
+def _fold_pending_ring_entries(config: ModelConfig, slots: torch.Tensor, caches: ModelCaches) -> None:
+    """Prefill continues from the ReplaySSM checkpoint, so pending ring entries must be in it.
+
+    The cache contract already hands prefill only folded states (cursor 0); this keeps a
+    slot that decoded through ReplaySSM and then receives more prompt tokens (e.g. a chat
+    turn) exact instead of silently dropping its last tokens. One sync per prefill step.
+    """
+    pending = slots[caches.cursor[slots] != 0]
+    if pending.numel() == 0:
+        return
+    for j in range(len(config.gdn_layer_ids)):
+        ops.replay_fold(caches.ssm[j], caches.ring_k[j], caches.ring_u[j], caches.ring_g[j], caches.cursor,
+                        pending, pending)
+    caches.cursor[pending] = 0
