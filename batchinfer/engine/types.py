@@ -63,3 +63,4 @@ class RequestOutput:
     cached_tokens: int                 # prompt tokens reused from the prefix cache
     completion_tokens: int
     error: Optional[str] = None        # set with finish_reason == "error" (e.g. prompt too long)
+    theoretical_max_cached_tokens: int = 0  # the planner's ideal reuse for this sample

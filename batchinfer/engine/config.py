@@ -1,0 +1,72 @@
+"""Engine settings: one frozen dataclass, validated on creation, resolved against the host."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import torch
+
+StateCacheMode = Literal["extra_buffer", "no_buffer"]
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"                 # "auto" → cuda when available, else cpu
+    dtype: str = "auto"                  # "auto" → bf16 on CUDA, fp32 on CPU
+    prefix_cache: bool = True            # False: every prompt is prefilled from scratch
+    state_cache: StateCacheMode = "extra_buffer"
+    replayssm: bool = True               # decode GDN layers through checkpoint + ring
+    ring_len: int = 16                   # ReplaySSM ring length L
+    ckpt_dtype: Optional[str] = None     # ReplaySSM checkpoint dtype; None → the model dtype
+    track_interval: int = 256            # also checkpoint every this many prompt tokens (unplanned reuse)
+    max_running: int = 256               # sequences decoding at once
+    max_batch_tokens: int = 8192         # prefill tokens per step
+    max_model_len: Optional[int] = None  # None → the model's max_position_embeddings
+    memory_fraction: float = 0.9         # share of free device memory for weights + pools
+    memory_budget_bytes: Optional[int] = None  # explicit pool budget (tests force eviction with it)
+    plan_window: Optional[int] = None    # rows planned together; None → the whole input
+    cuda_graphs: bool = True             # capture decode steps (CUDA only)
+
+    def __post_init__(self) -> None:
+        if self.state_cache not in ("extra_buffer", "no_buffer"):
+            raise ValueError(f"state_cache must be 'extra_buffer' or 'no_buffer', not {self.state_cache!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, not {self.dtype!r}")
+        if self.ckpt_dtype is not None and self.ckpt_dtype not in _DTYPES:
+            raise ValueError(f"ckpt_dtype must be one of {sorted(_DTYPES)}, not {self.ckpt_dtype!r}")
+        for name in ("ring_len", "track_interval", "max_running", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError("memory_fraction must be in (0, 1]")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise ValueError("memory_budget_bytes must be > 0")
+        if self.plan_window is not None and self.plan_window < 1:
+            raise ValueError("plan_window must be >= 1")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def resolved_ckpt_dtype(self) -> torch.dtype:
+        """bf16 checkpoints when the model runs in bf16 (the ReplaySSM saving), fp32 otherwise."""
+        if self.ckpt_dtype is not None:
+            return _DTYPES[self.ckpt_dtype]
+        return torch.bfloat16 if self.resolved_dtype() == torch.bfloat16 else torch.float32
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]

@@ -1,0 +1,117 @@
+"""Decode steps replayed from CUDA graphs at a ladder of batch sizes.
+
+A decode step's shapes depend only on the batch size B, except the flat list of context KV
+slots. So every input lives in a static buffer sized for the largest bucket; a step of B
+sequences runs the graph of the smallest bucket b >= B, the b - B padding rows pointing at
+the pools' scratch rows (`pad_slot`: never allocated, free to be overwritten). The context
+list gets a fixed capacity of `ctx_cap` slots per row; a step whose contexts do not fit runs
+eagerly instead (the runner falls back when `run` returns None).
+
+Without CUDA (`capture=False`) the same static-buffer path runs the model directly, so the
+padding and buffer logic is tested on the CPU.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
+
+_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    return [b for b in _LADDER if b < max_batch] + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model, caches: ModelCaches, device: torch.device, *, replay: bool, max_batch: int,
+                 pad_state_slot: int, pad_kv_slot: int, ctx_cap: int, capture: bool = True) -> None:
+        self.model, self.caches, self.device, self.replay = model, caches, device, replay
+        self.sizes = bucket_sizes(max_batch)
+        self.pad_state_slot, self.pad_kv_slot, self.ctx_cap = pad_state_slot, pad_kv_slot, ctx_cap
+        self.capture = capture
+        b_max = self.sizes[-1]
+
+        def buffer(n: int, dtype=torch.int64) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        self.input_ids = buffer(b_max)                      # [B_max]
+        self.positions = buffer(b_max)                      # [B_max]
+        self.state_slots = buffer(b_max)                    # [B_max]
+        self.out_kv_slots = buffer(b_max)                   # [B_max]
+        self.kv_indptr = buffer(b_max + 1, torch.int32)     # [B_max + 1]
+        self.kv_indices = buffer(b_max * ctx_cap)           # [B_max · ctx_cap]
+        self.cu_seqlens = torch.arange(b_max + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(b_max, dtype=torch.int64, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._pool = None
+
+    def _batch(self, b: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:b], positions=self.positions[:b], cu_seqlens=self.cu_seqlens[:b + 1],
+            is_decode=True, state_slots=self.state_slots[:b], out_kv_slots=self.out_kv_slots[:b],
+            kv_indices=self.kv_indices[:b * self.ctx_cap], kv_indptr=self.kv_indptr[:b + 1],
+            logits_indices=self.logits_indices[:b], replay=self.replay)
+
+    def _point_at_scratch(self) -> None:
+        """Every row a padding row: warm-up and capture runs then touch scratch slots only."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.state_slots.fill_(self.pad_state_slot)
+        self.out_kv_slots.fill_(self.pad_kv_slot)
+        self.kv_indices.fill_(self.pad_kv_slot)
+        self.kv_indptr.copy_(torch.arange(self.kv_indptr.numel(), dtype=torch.int32))
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first (the smaller ones reuse its memory pool)."""
+        if not self.capture:
+            return
+        self._point_at_scratch()
+        for b in reversed(self.sizes):
+            batch = self._batch(b)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compile Triton kernels and settle allocations first
+                for _ in range(2):
+                    self.model.forward(batch, self.caches)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._logits[b] = self.model.forward(batch, self.caches)  # [b, V]
+            self._pool = graph.pool()
+            self._graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode graphs for batch sizes %s", self.sizes)
+
+    @torch.inference_mode()
+    def run(self, token_ids: Sequence[int], positions: Sequence[int], state_slots: Sequence[int],
+            contexts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Logits [B, V] of one decode step, or None when it does not fit (run it eagerly)."""
+        B = len(token_ids)
+        b = next((s for s in self.sizes if s >= B), None)
+        lengths = [c.numel() for c in contexts]
+        total = sum(lengths) + (0 if b is None else b - B)
+        if b is None or total > b * self.ctx_cap:
+            return None
+        pad = b - B
+        ctx = torch.cat(list(contexts) + [torch.full((pad,), self.pad_kv_slot, dtype=torch.int64)])  # [total]
+        indptr = torch.tensor([0] + lengths + [1] * pad, dtype=torch.int64).cumsum(0).to(torch.int32)
+        rows = torch.tensor([list(token_ids) + [0] * pad, list(positions) + [0] * pad,
+                             list(state_slots) + [self.pad_state_slot] * pad,
+                             [int(c[-1]) for c in contexts] + [self.pad_kv_slot] * pad], dtype=torch.int64)
+        self.input_ids[:b].copy_(rows[0], non_blocking=True)
+        self.positions[:b].copy_(rows[1], non_blocking=True)
+        self.state_slots[:b].copy_(rows[2], non_blocking=True)
+        self.out_kv_slots[:b].copy_(rows[3], non_blocking=True)  # the new token's slot ends its context
+        self.kv_indptr[:b + 1].copy_(indptr, non_blocking=True)
+        self.kv_indices[:total].copy_(ctx, non_blocking=True)
+        if not self.capture:
+            return self.model.forward(self._batch(b), self.caches)[:B]
+        self._graphs[b].replay()
+        return self._logits[b][:B]

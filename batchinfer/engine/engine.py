@@ -1,0 +1,284 @@
+"""The engine: requests in, planned and batched through the model, results streamed out.
+
+`Engine.generate` reads requests a planning window at a time, plans each window (sorted
+DFS order, branch points, ideal reuse), and runs continuous-batching steps until every
+sample of the window is done, streaming each (request, sample) the moment it finishes. The
+next window joins as soon as the current one has no sequence left waiting for admission.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from typing import Iterable, Iterator, Optional, Sequence as Seq
+
+import torch
+
+from batchinfer.engine.config import EngineConfig, dtype_name
+from batchinfer.engine.cuda_graphs import DecodeGraphs
+from batchinfer.engine.model_runner import ModelRunner, SequenceChunk
+from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
+from batchinfer.engine.sampler import SampleRow, SamplingTensors, sample
+from batchinfer.engine.scheduler import Scheduler
+from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
+from batchinfer.engine.stats import EngineStats, StatsTally
+from batchinfer.engine.types import Request, RequestOutput
+from cache.budget import build_pools, memory_budget, plan_pools
+from cache.shapes import shapes_from_model_config
+from cache.state_cache import CacheConfig, StateCache
+
+log = logging.getLogger(__name__)
+_CPU_DEFAULT_BUDGET_BYTES = 256 << 20  # no free-memory query on the CPU: a modest fixed pool
+_GRAPH_CTX_CAP = 32768  # context slots per row in the decode graphs' buffer; longer steps run eagerly
+_PATH_STATES = 16  # cached states that one prompt path may pin (see plan_pools below)
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig, *, eos_token_ids: Seq[int] = (),
+                 detokenize: Optional[Detokenize] = None, model_name: str = "") -> None:
+        """`model` is a built `HybridModel` on config's device (see `from_pretrained`)."""
+        self.config = config
+        self.model = model
+        self.model_name = model_name
+        self.device = config.resolved_device()
+        model_config = model.config
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        eos = tuple(eos_token_ids) or tuple(model_config.eos_token_ids)
+        self.stop_rules = StopRules(frozenset(eos), self.max_model_len, detokenize)
+
+        cache_config = CacheConfig(mode=config.state_cache, prefix_cache=config.prefix_cache)
+        ring_len = config.ring_len if config.replayssm else 0
+        kv_shape, state_shape = shapes_from_model_config(
+            model_config, config.resolved_dtype(), ring_len=ring_len, ckpt_dtype=config.resolved_ckpt_dtype())
+        self.pool_plan = plan_pools(
+            kv_shape, state_shape, self._budget_bytes(), max_running=config.max_running,
+            slots_per_request=cache_config.slots_per_request,
+            # A running request's tree lock pins every state on its path (branch points and
+            # interval checkpoints), so keep room for a path's worth even with few requests.
+            cache_states_per_request=1.0 + _PATH_STATES / config.max_running)
+        kv_pool, state_pool = build_pools(self.pool_plan, kv_shape, state_shape, self.device)
+        self.cache = StateCache(kv_pool, state_pool, cache_config)
+        caches = state_pool.model_caches(kv_pool)
+        self.runner = ModelRunner(model, caches, self.device, replay=config.replayssm,
+                                  decode_graphs=self._decode_graphs(caches, kv_pool, state_pool))
+        self.tally = StatsTally()
+        self.scheduler = Scheduler(
+            self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.max_batch_tokens,
+            track_interval=config.track_interval, wait_for_leaders=cache_config.tracks, tally=self.tally)
+        self._windows = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig(), seed: int = 0,
+                        eos_token_ids: Seq[int] = (), detokenize: Optional[Detokenize] = None) -> "Engine":
+        """A checkpoint directory or a preset name (random weights drawn from `seed`).
+
+        EOS: `eos_token_ids`, or when empty the checkpoint config's `eos_token_id`."""
+        from batchinfer.models.presets import build_model
+
+        built = build_model(model, config.resolved_dtype(), config.resolved_device(), seed=seed)
+        return cls(built, config, eos_token_ids=eos_token_ids, detokenize=detokenize, model_name=str(model))
+
+    def _decode_graphs(self, caches, kv_pool, state_pool) -> Optional[DecodeGraphs]:
+        if not (self.config.cuda_graphs and self.device.type == "cuda"):
+            return None
+        graphs = DecodeGraphs(self.model, caches, self.device, replay=self.config.replayssm,
+                              max_batch=self.pool_plan.max_running, pad_state_slot=state_pool.pad_slot,
+                              pad_kv_slot=kv_pool.pad_slot, ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP))
+        try:
+            graphs.capture_all()
+        except Exception as err:  # e.g. an op that syncs with the host (MoE routing): run eagerly
+            log.warning("decode CUDA graphs disabled, capture failed: %s", err)
+            return None
+        return graphs
+
+    def _budget_bytes(self) -> int:
+        if self.config.memory_budget_bytes is not None:
+            return self.config.memory_budget_bytes
+        if self.device.type == "cuda":
+            return memory_budget(self.device, self.config.memory_fraction)
+        return memory_budget(self.device, self.config.memory_fraction, cpu_total_bytes=_CPU_DEFAULT_BUDGET_BYTES)
+
+    # ---- planning --------------------------------------------------------------------------
+    @staticmethod
+    def plan(prompts: Seq[Seq[int]], n: int | Seq[int] = 1) -> PlanSummary:
+        return plan_prompts(prompts, n)
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
+        """Stream one output per (request, sample not skipped), in completion order."""
+        source = iter(requests)
+        window = self.config.plan_window
+        exhausted = False
+        started, completed = time.perf_counter(), False
+        try:
+            while True:
+                if not exhausted and not self.scheduler.waiting:
+                    batch = list(itertools.islice(source, window))
+                    exhausted = window is None or len(batch) < window
+                    for failed in self._enqueue(batch):
+                        yield self._complete(failed)
+                if not self.scheduler.has_work:
+                    if exhausted:
+                        completed = True
+                        return
+                    continue
+                for seq in self._step():
+                    yield self._complete(seq)
+        finally:
+            if not completed:  # closed early or failed: the next generate() must start clean
+                self.scheduler.abandon()
+            self.tally.add(wall_seconds=time.perf_counter() - started)
+
+    def _enqueue(self, requests: list[Request]) -> list[Sequence]:
+        """Plan a window and queue its samples; returns the samples rejected outright."""
+        window_id = next(self._windows)
+        rejected, accepted, samples = [], [], []
+        for request in requests:
+            skipped = set(request.skip_samples)
+            wanted = [s for s in range(request.sampling.n) if s not in skipped]
+            reason = self._reject_reason(request)
+            if reason is not None:
+                for s in wanted:
+                    rejected.append(Sequence(request, s, priority=(window_id, -1), planned_reuse=0,
+                                             checkpoints=frozenset(), leader=None, finish_reason="error",
+                                             error=reason))
+            elif wanted:
+                accepted.append(request)
+                samples.append(wanted)
+        plan = make_plan([r.prompt_token_ids for r in accepted], [len(s) for s in samples])
+        seqs: list[Sequence] = []
+        for order, row in enumerate(plan.rows):
+            seqs.append(Sequence(
+                accepted[row.prompt_index], samples[row.prompt_index][row.sample_index], (window_id, order),
+                planned_reuse=row.resume_depth, checkpoints=frozenset(row.checkpoints),
+                leader=None if row.leader is None else seqs[row.leader]))
+        self.scheduler.add(seqs)
+        return rejected
+
+    def _reject_reason(self, request: Request) -> Optional[str]:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            return "empty prompt"
+        if n >= self.max_model_len:
+            return f"prompt has {n} tokens; max_model_len {self.max_model_len} leaves no room to generate"
+        vocab = self.model.config.vocab_size
+        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
+            return f"prompt has token ids outside the vocabulary [0, {vocab})"
+        return None
+
+    def _complete(self, seq: Sequence) -> RequestOutput:
+        if seq.finish_reason == "error":
+            self.tally.add(requests=1)
+        else:
+            self.tally.add(requests=1, prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_tokens or 0,
+                           theoretical_max_cached_tokens=seq.planned_reuse, output_tokens=seq.num_outputs)
+        return seq.to_output()
+
+    # ---- one step --------------------------------------------------------------------------
+    def _step(self) -> list[Sequence]:
+        plan = self.scheduler.schedule()
+        done = []
+        for seq in plan.failed:
+            seq.finish_reason = "error"
+            done.append(seq)
+        if plan.prefill:
+            with self._timed("prefill_seconds"):
+                done += self._run_prefill(plan.prefill)
+        if plan.decode:
+            with self._timed("decode_seconds"):
+                done += self._run_decode(plan.decode)
+        return done
+
+    def _run_prefill(self, items: list[tuple[Sequence, int]]) -> list[Sequence]:
+        chunks = [SequenceChunk(token_ids=seq.tokens[seq.computed:seq.computed + n], start=seq.computed,
+                                state_slot=seq.handle.working_slot,
+                                context_kv=seq.handle.kv_indices[:seq.computed + n],
+                                wants_logits=seq.computed + n == len(seq.tokens))
+                  for seq, n in items]
+        logits = self.runner.prefill(chunks)  # [N, V] for the chunks that end their tokens
+        for seq, n in items:
+            self._advance(seq, n)
+        return self._sample_and_stop([seq for (seq, _), c in zip(items, chunks) if c.wants_logits], logits)
+
+    def _run_decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        chunks = [SequenceChunk(token_ids=seq.tokens[seq.computed:seq.computed + 1], start=seq.computed,
+                                state_slot=seq.handle.working_slot,
+                                context_kv=seq.handle.kv_indices[:seq.computed + 1], wants_logits=True)
+                  for seq in seqs]
+        logits = self.runner.decode(chunks)  # [B, V]
+        if self.config.replayssm:
+            ring_len = self.config.ring_len
+            # A full ring (cursor == L) is folded into the checkpoint by this step's kernel.
+            self.tally.add(replayssm_flushes=sum(seq.ring_cursor == ring_len for seq in seqs))
+            for seq in seqs:
+                seq.ring_cursor = seq.ring_cursor % ring_len + 1
+        for seq in seqs:
+            self._advance(seq, 1)
+        return self._sample_and_stop(seqs, logits)
+
+    def _advance(self, seq: Sequence, n: int) -> None:
+        """`n` more tokens computed; snapshot and donate the state if that position is tracked."""
+        seq.computed += n
+        seq.high_water = max(seq.high_water, seq.computed)
+        if self.scheduler.should_track(seq) and self.cache.track(seq.handle, seq.computed):
+            self.cache.donate(seq.handle)  # at once: planned followers may be admitted next step
+
+    def _sample_and_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        if not seqs:
+            return []
+        rows = []
+        for seq in seqs:
+            params = seq.request.sampling
+            rows.append(SampleRow(
+                params, seq.request.seed_key, seq.sample_index, position=seq.num_outputs,
+                seen_token_ids=seq.tokens if params.repetition_penalty != 1.0 else (),
+                banned_token_ids=self.stop_rules.banned_ids(seq)))
+        tokens = sample(logits, SamplingTensors.build(rows, logits.device)).tolist()
+        done = []
+        for seq, token in zip(seqs, tokens):
+            seq.tokens.append(token)
+            reason = self.stop_rules.finish_reason(seq)
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                done.append(seq)
+        return done
+
+    @contextlib.contextmanager
+    def _timed(self, stat: str):
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # GPU work is asynchronous: bill it to its phase
+        self.tally.add(**{stat: time.perf_counter() - start})
+
+    # ---- reporting -------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        cache = self.cache.stats()
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:  # logical peak: weights plus the pool slots ever in use
+            plan = self.pool_plan
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            peak = (weights + cache.peak_kv_used * plan.bytes_per_kv_token
+                    + cache.peak_states_used * plan.bytes_per_state_slot)
+        return self.tally.snapshot(states_tracked=cache.states_tracked, states_donated=cache.states_donated,
+                                   states_evicted=cache.states_evicted, peak_memory_bytes=peak)
+
+    def settings(self) -> dict:
+        """The settings this engine runs with (resolved), for stats.json."""
+        plan = self.pool_plan
+        return {
+            **self.config.to_dict(),
+            "model": self.model_name,
+            "device": str(self.device),
+            "dtype": dtype_name(self.config.resolved_dtype()),
+            "ckpt_dtype": dtype_name(self.config.resolved_ckpt_dtype()) if self.config.replayssm else None,
+            "max_model_len": self.max_model_len,
+            "max_running_effective": plan.max_running,
+            "kv_slots": plan.kv_slots,
+            "state_slots": plan.state_slots,
+            "eos_token_ids": sorted(self.stop_rules.eos_token_ids),
+        }

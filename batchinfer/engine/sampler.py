@@ -1,0 +1,189 @@
+"""Token sampling on the device, reproducible per (seed, seed_key, sample index, position).
+
+Randomness is a counter-based hash, not a generator with state: the noise for token id v of a
+row is a pure function of (seed, seed_key, sample_index, position, v). The same request sample
+therefore draws the same token at the same position whatever else shares the batch, across
+reruns and after a preemption recomputes it. Sampling is Gumbel-max over the filtered,
+temperature-scaled logits: argmax(logits / T + G), G = -log(-log(u)), which draws exactly
+from softmax(logits / T) restricted to the kept tokens.
+
+The hash works on 32-bit words held in int64 tensors; every product stays below 2^63, so no
+step relies on signed overflow.
+
+Order of operations (as Hugging Face's processors): repetition penalty → banned tokens
+(min_tokens) → greedy argmax, or temperature → top-k → top-p → min-p → Gumbel-max.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from batchinfer.engine.types import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
+_NOISE_ELEMENTS_PER_CHUNK = 1 << 24  # bounds the [rows, vocab] int64 temporaries (~128 MB each)
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x · constant) mod 2^32 for x < 2^32, split in 16-bit halves so products stay < 2^63."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche finaliser (xorshift-multiply, 'lowbias32' constants)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _split64(value: int) -> tuple[int, int]:
+    value &= _MASK64
+    return value & _MASK32, value >> 32
+
+
+def row_keys(words: torch.Tensor) -> torch.Tensor:
+    """Two 32-bit keys per row from its identity words [N, W] (each < 2^32) → [N, 2] int64."""
+    first = torch.full_like(words[:, 0], 0x9E3779B9)
+    second = torch.full_like(words[:, 0], 0x85EBCA6B)
+    for column in range(words.shape[1]):
+        first = _mix32(first ^ words[:, column])
+        second = _mix32(second ^ first)
+    return torch.stack([first, second], dim=1)
+
+
+def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u in (0, 1) for every (row, token id): [N, 2] int64 keys → [N, V] fp32."""
+    token_ids = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
+    h = _mix32(keys[:, :1] ^ token_ids)          # [N, V]
+    h = _mix32(h ^ keys[:, 1:])
+    # The top 24 bits fit an fp32 mantissa exactly; the +0.5 keeps u strictly inside (0, 1).
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One sequence to sample a token for, described on the host."""
+    params: SamplingParams
+    seed_key: int
+    sample_index: int
+    position: int                       # index of the token being drawn among the outputs
+    seen_token_ids: Sequence[int] = ()  # prompt + outputs so far (only read for repetition penalty)
+    banned_token_ids: Sequence[int] = ()  # e.g. stop tokens while below min_tokens
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """One step's sampling parameters as device tensors, one row per sampled sequence."""
+    temperature: torch.Tensor           # [N] fp32, 0 → greedy
+    top_k: torch.Tensor                 # [N] int64, 0 → off
+    top_p: torch.Tensor                 # [N] fp32
+    min_p: torch.Tensor                 # [N] fp32
+    repetition_penalty: torch.Tensor    # [N] fp32
+    keys: torch.Tensor                  # [N, 2] int64 hash keys of (seed, seed_key, sample, position)
+    seen_token_ids: torch.Tensor | None  # [N, M] int64 (rows padded by repeating an id), or None
+    banned_rows: torch.Tensor | None     # [K] int64
+    banned_token_ids: torch.Tensor | None  # [K] int64
+    sampled_rows: torch.Tensor | None   # [N_s] int64 rows with temperature > 0 (None: all greedy)
+    needs_top_k_top_p: bool             # host-side flags, so sampling never waits on the device
+    needs_min_p: bool
+
+    @staticmethod
+    def build(rows: Sequence[SampleRow], device: torch.device) -> "SamplingTensors":
+        def floats(values):
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        words = []
+        for row in rows:
+            seed_lo, seed_hi = _split64(row.params.seed)
+            key_lo, key_hi = _split64(row.seed_key)
+            words.append((seed_lo, seed_hi, key_lo, key_hi, row.sample_index & _MASK32,
+                          row.position & _MASK32))
+        keys = row_keys(torch.tensor(words, dtype=torch.int64, device=device).reshape(len(rows), 6))
+
+        seen = None
+        if any(row.params.repetition_penalty != 1.0 for row in rows):
+            width = max(1, max(len(row.seen_token_ids) for row in rows))
+            padded = [list(row.seen_token_ids) + [row.seen_token_ids[0] if row.seen_token_ids else 0]
+                      * (width - len(row.seen_token_ids)) for row in rows]
+            seen = torch.tensor(padded, dtype=torch.int64, device=device)
+        sampled = [i for i, row in enumerate(rows) if row.params.temperature > 0]
+        banned = [(i, t) for i, row in enumerate(rows) for t in row.banned_token_ids]
+        banned_rows = banned_ids = None
+        if banned:
+            pairs = torch.tensor(banned, dtype=torch.int64, device=device)
+            banned_rows, banned_ids = pairs[:, 0], pairs[:, 1]
+        return SamplingTensors(
+            temperature=floats([row.params.temperature for row in rows]),
+            top_k=torch.tensor([row.params.top_k for row in rows], dtype=torch.int64, device=device),
+            top_p=floats([row.params.top_p for row in rows]),
+            min_p=floats([row.params.min_p for row in rows]),
+            repetition_penalty=floats([row.params.repetition_penalty for row in rows]),
+            keys=keys, seen_token_ids=seen, banned_rows=banned_rows, banned_token_ids=banned_ids,
+            sampled_rows=torch.tensor(sampled, dtype=torch.int64, device=device) if sampled else None,
+            needs_top_k_top_p=any(rows[i].params.top_k > 0 or rows[i].params.top_p < 1 for i in sampled),
+            needs_min_p=any(rows[i].params.min_p > 0 for i in sampled))
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> None:
+    """Seen tokens: positive logits divided by the penalty, negative ones multiplied (in place)."""
+    picked = logits.gather(1, seen)                            # [N, M]
+    factor = penalty[:, None]
+    logits.scatter_(1, seen, torch.where(picked > 0, picked / factor, picked * factor))
+
+
+def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """-inf below each row's threshold; ties at the threshold are all kept (deterministic)."""
+    ordered, _ = scaled.sort(dim=1, descending=True)           # [N, V]
+    vocab = scaled.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = ordered.gather(1, (k - 1)[:, None])                   # [N, 1]
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(dim=1)
+    mass_before = probs.cumsum(dim=1) - probs                   # exclusive cumulative mass
+    kept = (mass_before < top_p[:, None]).sum(dim=1).clamp(min=1)  # the top token always stays
+    threshold = torch.maximum(kth, ordered.gather(1, (kept - 1)[:, None]))
+    return scaled.masked_fill(scaled < threshold, float("-inf"))
+
+
+def _filter_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with p < min_p · p_max, i.e. logit < max + log(min_p)."""
+    top = scaled.max(dim=1, keepdim=True).values
+    floor = top + torch.log(min_p.clamp(min=1e-30))[:, None]
+    return scaled.masked_fill((scaled < floor) & (min_p[:, None] > 0), float("-inf"))
+
+
+def _gumbel_argmax(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    rows = max(1, _NOISE_ELEMENTS_PER_CHUNK // scaled.shape[1])
+    picks = []
+    for start in range(0, scaled.shape[0], rows):
+        chunk = scaled[start:start + rows]
+        u = uniform_noise(keys[start:start + rows], scaled.shape[1])
+        picks.append((chunk - torch.log(-torch.log(u))).argmax(dim=1))
+    return torch.cat(picks)
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Draw one token per row: logits [N, V] → token ids [N] int64 (on the logits' device)."""
+    logits = logits.float().clone()
+    if params.seen_token_ids is not None:
+        _apply_repetition_penalty(logits, params.seen_token_ids, params.repetition_penalty)
+    if params.banned_rows is not None:
+        logits[params.banned_rows, params.banned_token_ids] = float("-inf")
+
+    tokens = logits.argmax(dim=1)                               # greedy rows keep these
+    sampled = params.sampled_rows
+    if sampled is None:
+        return tokens
+    scaled = logits[sampled] / params.temperature[sampled, None]
+    if params.needs_top_k_top_p:
+        scaled = _filter_top_k_top_p(scaled, params.top_k[sampled], params.top_p[sampled])
+    if params.needs_min_p:
+        scaled = _filter_min_p(scaled, params.min_p[sampled])
+    tokens[sampled] = _gumbel_argmax(scaled, params.keys[sampled])
+    return tokens

@@ -1,0 +1,169 @@
+"""Continuous batching: admission in plan order, chunked prefill, decode, preemption.
+
+Each step runs at most one prefill forward (chunks of several sequences, ≤ max_batch_tokens
+new tokens) and one decode forward (every running sequence with exactly one token to feed).
+A prefill chunk ends at the sequence's next boundary: a planned branch point it leads, a
+multiple of track_interval inside the prompt, or the end of its tokens — so the GDN state at
+every such position exists at a chunk end and can be tracked.
+
+Admission follows the plan's DFS order. A sequence planned to resume from a branch state
+waits until its leader has computed past that point (the state is then in the tree), so the
+reuse it gets equals the plan's regardless of max_running; only eviction under memory
+pressure can make it less. When a decode token finds no KV slot even after eviction, the
+youngest running sequence is preempted: all its slots are freed, and it is re-admitted later
+to recompute prompt + generated tokens (resuming from whatever the cache still holds).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.stats import StatsTally
+
+_ADMISSION_SCAN_FACTOR = 4  # waiting entries inspected per free running place, per step
+
+
+@dataclass
+class StepPlan:
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    decode: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # cannot run even alone: finish with an error
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, cache, *, max_running: int, max_batch_tokens: int, track_interval: int,
+                 wait_for_leaders: bool, tally: StatsTally) -> None:
+        self.cache = cache                    # cache.StateCache
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.track_interval = track_interval
+        self.wait_for_leaders = wait_for_leaders  # only when planned states are tracked (extra_buffer)
+        self.tally = tally
+        self.waiting: list[Sequence] = []     # sorted by priority
+        self.running: list[Sequence] = []     # in admission order (youngest last)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            bisect.insort(self.waiting, seq, key=lambda s: s.priority)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._admit(plan)
+        self._reserve_decode_slots(plan)
+        budget = self.max_batch_tokens
+        for seq in self.running:
+            if seq.pending < 2 or budget == 0:
+                continue
+            chunk = min(seq.pending, self.next_boundary(seq) - seq.computed, budget)
+            plan.prefill.append((seq, chunk))
+            budget -= chunk
+        return plan
+
+    def next_boundary(self, seq: Sequence) -> int:
+        """First position after `computed` where a prefill chunk must end."""
+        end = len(seq.tokens)
+        later = [p for p in seq.checkpoints if p > seq.computed]
+        if later:
+            end = min(end, min(later))
+        if seq.computed < seq.prompt_len:
+            interval_mark = (seq.computed // self.track_interval + 1) * self.track_interval
+            if interval_mark <= seq.prompt_len:
+                end = min(end, interval_mark)
+        return end
+
+    def should_track(self, seq: Sequence) -> bool:
+        """Whether the state at `seq.computed` (just reached) is a planned or interval checkpoint."""
+        p = seq.computed
+        return 0 < p <= seq.prompt_len and (p in seq.checkpoints or p % self.track_interval == 0)
+
+    # ---- admission -------------------------------------------------------------------------
+    def _admit(self, plan: StepPlan) -> None:
+        free_places = self.max_running - len(self.running)
+        scanned, limit = 0, max(1, free_places) * _ADMISSION_SCAN_FACTOR
+        i = 0
+        while i < len(self.waiting) and free_places > 0 and scanned < limit:
+            seq = self.waiting[i]
+            scanned += 1
+            if self.wait_for_leaders and not seq.is_ready():
+                i += 1
+                continue
+            handle = self.cache.admit(id(seq), seq.tokens)
+            if handle is None:
+                if not self.running:  # nothing will ever free room for it
+                    self.waiting.pop(i)
+                    plan.failed.append(seq)
+                    seq.error = f"the cache cannot hold this sequence ({len(seq.tokens)} tokens) even alone"
+                    continue
+                break  # keep plan order: wait for running sequences to free room
+            self.waiting.pop(i)
+            self._start(seq, handle)
+            free_places -= 1
+
+    def _start(self, seq: Sequence, handle) -> None:
+        seq.handle = handle
+        seq.computed = handle.resume_len
+        seq.ring_cursor = 0  # admission copies or zeroes the working state: cursor 0
+        if seq.cached_tokens is None:
+            seq.cached_tokens = handle.resume_len
+        else:
+            self.tally.add(recomputed_tokens=len(seq.tokens) - handle.resume_len)
+        seq.high_water = max(seq.high_water, seq.computed)
+        # KV matched past the resume point, for want of a state there. The last token is always
+        # recomputed (it yields the logits), so a KV hit on it is not counted as discarded.
+        usable_kv = min(handle.matched_kv_len, len(seq.tokens) - 1)
+        self.tally.add(discarded_kv_tokens=max(0, usable_kv - handle.resume_len))
+        self.running.append(seq)
+
+    # ---- decode slots and preemption -------------------------------------------------------
+    def _reserve_decode_slots(self, plan: StepPlan) -> None:
+        """KV slots for every decode token; preempt the youngest sequences when there are none."""
+        for seq in list(self.running):
+            if seq.pending != 1 or seq.handle is None:
+                continue
+            missing = seq.tokens[seq.handle.num_tokens:]  # the last sampled token, not yet fed
+            while missing and self.cache.append(seq.handle, missing) is None:
+                victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    self._drop(seq)
+                    plan.failed.append(seq)
+                    seq.error = f"the KV cache cannot hold this sequence ({len(seq.tokens)} tokens) even alone"
+                    break
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                plan.decode.append(seq)
+        plan.decode = [s for s in plan.decode if s.handle is not None]
+
+    def preempt(self, seq: Sequence) -> None:
+        self._drop(seq)
+        seq.computed = 0
+        bisect.insort(self.waiting, seq, key=lambda s: s.priority)
+        self.tally.add(preemptions=1)
+
+    def _drop(self, seq: Sequence) -> None:
+        self.cache.abort(seq.handle)
+        seq.handle = None
+        self.running.remove(seq)
+
+    # ---- completion ------------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        self.cache.finish(seq.handle, seq.computed)
+        seq.handle = None
+        self.running.remove(seq)
+
+    def abandon(self) -> None:
+        """Drop every queued and running sequence (their slots go back; the tree stays)."""
+        for seq in list(self.running):
+            self._drop(seq)
+        self.waiting.clear()

@@ -1,0 +1,106 @@
+"""One (request, sample) pair as the engine runs it: tokens, progress, plan links, stop rules."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence as Seq
+
+from batchinfer.engine.types import Request, RequestOutput
+
+Detokenize = Callable[[Seq[int]], str]
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    sample_index: int
+    priority: tuple[int, int]            # (planning window, DFS position): admission order
+    planned_reuse: int                   # the planner's ideal reuse for this sample
+    checkpoints: frozenset[int]          # planned branch depths this sequence's prefill leads
+    leader: Optional["Sequence"]         # produces the state at `planned_reuse` (None: no reuse)
+    tokens: list[int] = field(default_factory=list)  # prompt, then sampled outputs
+    handle: object = None                # cache.SeqHandle while running, else None
+    computed: int = 0                    # leading tokens whose KV and GDN state are in place
+    high_water: int = 0                  # most tokens ever computed; survives preemption
+    cached_tokens: Optional[int] = None  # prompt tokens reused at the first admission
+    ring_cursor: int = 0                 # host mirror of the slot's ReplaySSM cursor
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.request.prompt_token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def outputs(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to feed to the model (the last sampled token counts)."""
+        return len(self.tokens) - self.computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def is_ready(self) -> bool:
+        """The state this sequence plans to resume from exists (or never will: leader done)."""
+        leader = self.leader
+        return leader is None or leader.finished or leader.high_water >= self.planned_reuse
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request.request_id, sample_index=self.sample_index,
+            token_ids=tuple(self.outputs), finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_len, cached_tokens=self.cached_tokens or 0,
+            completion_tokens=self.num_outputs, error=self.error,
+            theoretical_max_cached_tokens=self.planned_reuse)
+
+
+@dataclass(frozen=True)
+class StopRules:
+    """Engine-wide stopping inputs: EOS ids, the model's length limit, the detokenizer."""
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    detokenize: Optional[Detokenize] = None
+
+    def stop_ids(self, seq: Sequence) -> set[int]:
+        params = seq.request.sampling
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= self.eos_token_ids
+        return ids
+
+    def banned_ids(self, seq: Sequence) -> tuple[int, ...]:
+        """Stop tokens may not be drawn before min_tokens outputs."""
+        if seq.num_outputs < seq.request.sampling.min_tokens:
+            return tuple(sorted(self.stop_ids(seq)))
+        return ()
+
+    def finish_reason(self, seq: Sequence) -> Optional[str]:
+        """After a token was appended: "stop", "length" or None (go on). The stop token stays
+        in the output; a stop string ends generation at the token that completed it."""
+        params = seq.request.sampling
+        if seq.num_outputs > params.min_tokens:  # the newest token was drawn at index >= min_tokens
+            if seq.tokens[-1] in self.stop_ids(seq) or self._hit_stop_string(seq):
+                return "stop"
+        if seq.num_outputs >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        stops = seq.request.sampling.stop
+        if not stops or self.detokenize is None:
+            return False
+        # A stop string can span tokens; a window of a few more tokens than its characters covers it.
+        window = max(len(s) for s in stops) + 8
+        text = self.detokenize(seq.outputs[-window:])
+        return any(s in text for s in stops)

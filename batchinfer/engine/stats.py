@@ -1,0 +1,67 @@
+"""Engine statistics: a mutable tally the engine updates, and the frozen snapshot it hands out."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    requests: int = 0                     # (request, sample) pairs finished, errors included
+    prompt_tokens: int = 0                # Σ prompt length over finished samples
+    cached_tokens: int = 0                # prompt tokens reused from the prefix cache
+    theoretical_max_cached_tokens: int = 0  # the planner's ideal for the same samples
+    discarded_kv_tokens: int = 0          # KV matched past the deepest state: recomputed anyway
+    recomputed_tokens: int = 0            # prompt + output tokens prefilled again after preemption
+    states_tracked: int = 0
+    states_donated: int = 0
+    states_evicted: int = 0
+    replayssm_flushes: int = 0            # sequence-steps that folded a full ring into the checkpoint
+    output_tokens: int = 0
+    preemptions: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    peak_memory_bytes: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def ideal_hit_rate(self) -> float:
+        return self.theoretical_max_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        return self.output_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(cache_hit_rate=self.cache_hit_rate, ideal_hit_rate=self.ideal_hit_rate,
+                   prompt_tokens_per_second=self.prompt_tokens_per_second,
+                   output_tokens_per_second=self.output_tokens_per_second)
+        return out
+
+
+class StatsTally:
+    """Counters the engine bumps as it runs; `snapshot()` freezes them (plus cache counters)."""
+
+    def __init__(self) -> None:
+        self._values = {f.name: f.default for f in fields(EngineStats)}
+
+    def add(self, **increments: float) -> None:
+        for name, value in increments.items():
+            self._values[name] += value
+
+    def set_max(self, name: str, value: float) -> None:
+        self._values[name] = max(self._values[name], value)
+
+    def get(self, name: str) -> float:
+        return self._values[name]
+
+    def snapshot(self, **overrides: float) -> EngineStats:
+        return replace(EngineStats(**self._values), **overrides)

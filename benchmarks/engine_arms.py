@@ -1,0 +1,209 @@
+"""Engine arms on shared-prefix workloads (GPU): what planned reuse and ReplaySSM buy.
+
+    python benchmarks/engine_arms.py --quick            # < 5 min on one H200
+    python benchmarks/engine_arms.py --layers 16 --hf   # deeper, plus transformers' generate
+
+Model: the qwen3.5-27b preset in bf16 with random weights (`--layers N` keeps the 3:1
+GDN/attention pattern with fewer layers). Workloads (random token ids, ignore_eos, so every
+sample generates exactly `--output-tokens`):
+
+    rag       8 groups × 32 prompts: a 2048-token document shared per group + 128 unique tokens
+    fewshot   32 groups × 8 prompts: a 512-token few-shot prefix per group + 128 unique tokens
+    control   256 prompts of 640 unique tokens (nothing to share)
+
+Arms: `recurrent+extra_buffer` (ReplaySSM off), `replay+no_buffer`, `replay+extra_buffer`;
+`--hf` adds transformers' generate (same shapes, its own random weights; batches of
+`--hf-batch`, no prefix reuse) after the engine arms, once the engine's memory is freed.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.engine import Engine
+from batchinfer.engine.types import Request, SamplingParams
+from batchinfer.models.config import model_config_from_dict
+from batchinfer.models.presets import PRESETS, random_model
+
+DEFAULT_PRESET = "qwen3.5-27b"
+ARMS = {
+    "recurrent+extra_buffer": dict(replayssm=False, state_cache="extra_buffer"),
+    "replay+no_buffer": dict(replayssm=True, state_cache="no_buffer"),
+    "replay+extra_buffer": dict(replayssm=True, state_cache="extra_buffer"),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    groups: int
+    per_group: int
+    prefix_len: int
+    suffix_len: int
+
+    def prompts(self, vocab: int, seed: int = 0) -> list[list[int]]:
+        rng = random.Random(seed)
+        out = []
+        for _ in range(self.groups):
+            prefix = [rng.randrange(vocab) for _ in range(self.prefix_len)]
+            out += [prefix + [rng.randrange(vocab) for _ in range(self.suffix_len)] for _ in range(self.per_group)]
+        rng.shuffle(out)  # the planner, not the input order, must find the sharing
+        return out
+
+
+def workloads(quick: bool) -> list[Workload]:
+    scale = 2 if quick else 1  # --quick halves the groups
+    return [Workload("rag", 8 // scale, 32, 2048, 128),
+            Workload("fewshot", 32 // scale, 8, 512, 128),
+            Workload("control", 256 // scale, 1, 0, 640)]
+
+
+def build_model(preset: str, layers: int | None, device: str, seed: int = 0):
+    raw = dict(PRESETS[preset])
+    if layers:
+        raw["num_hidden_layers"] = layers
+    config = model_config_from_dict(raw)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return random_model(config, dtype, device, seed=seed), raw
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args) -> dict:
+    config = EngineConfig(device=args.device, cuda_graphs=not args.no_graphs, max_running=args.max_running,
+                          max_batch_tokens=args.max_batch_tokens, memory_budget_bytes=args.budget_bytes,
+                          **ARMS[arm])
+    engine = Engine(model, config, model_name=args.preset)
+    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    # Unrelated warm-up prompts: Triton compilation and graph capture stay out of the timing,
+    # and nothing the timed run could reuse lands in the cache.
+    rng = random.Random(12345)
+    warm = [Request(f"warm{i}", tuple(rng.randrange(model.config.vocab_size) for _ in range(200 + 37 * i)),
+                    SamplingParams(max_tokens=4, ignore_eos=True)) for i in range(4)]
+    for _ in engine.generate(warm):
+        pass
+    requests = [Request(i, tuple(p), params, seed_key=i) for i, p in enumerate(prompts)]
+    before = engine.stats
+    _sync(args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    count = sum(1 for _ in engine.generate(requests))
+    _sync(args.device)
+    wall = time.perf_counter() - start
+    stats = engine.stats
+    prompt = stats.prompt_tokens - before.prompt_tokens
+    cached = stats.cached_tokens - before.cached_tokens
+    ideal = stats.theoretical_max_cached_tokens - before.theoretical_max_cached_tokens
+    output = stats.output_tokens - before.output_tokens
+    result = dict(arm=arm, samples=count, hit=cached / prompt, ideal_hit=ideal / prompt,
+                  prompt_tps=prompt / wall, output_tps=output / wall, wall_s=wall,
+                  peak_gib=engine.stats.peak_memory_bytes / 2**30,
+                  max_running=engine.pool_plan.max_running, preemptions=stats.preemptions - before.preemptions,
+                  flushes=stats.replayssm_flushes - before.replayssm_flushes,
+                  discarded_kv=stats.discarded_kv_tokens - before.discarded_kv_tokens)
+    del engine
+    _free(args.device)
+    return result
+
+
+def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch: int) -> dict:
+    import transformers as tf
+
+    text = {k: v for k, v in raw_config.items() if k not in ("architectures", "model_type")}
+    with torch.device("cuda"):
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text)).to(torch.bfloat16).eval()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device="cuda")
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_tokens,
+                       min_new_tokens=output_tokens, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    prompt = sum(len(p) for p in prompts)
+    result = dict(arm="transformers.generate", samples=len(prompts), hit=0.0, ideal_hit=float("nan"),
+                  prompt_tps=prompt / wall, output_tps=len(prompts) * output_tokens / wall, wall_s=wall,
+                  peak_gib=torch.cuda.max_memory_allocated() / 2**30, max_running=batch, preemptions=0,
+                  flushes=0, discarded_kv=0)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'workload':<9} {'arm':<24} {'hit%':>6} {'ideal%':>7} {'prompt tok/s':>13} {'out tok/s':>10} "
+              f"{'wall s':>8} {'peak GiB':>9} {'running':>8} {'preempt':>8}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['workload']:<9} {r['arm']:<24} {100 * r['hit']:6.1f} {100 * r['ideal_hit']:7.1f} "
+              f"{r['prompt_tps']:13,.0f} {r['output_tps']:10,.0f} {r['wall_s']:8.1f} {r['peak_gib']:9.1f} "
+              f"{r['max_running']:8d} {r['preemptions']:8d}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="8 layers, half the groups, 32 output tokens")
+    parser.add_argument("--layers", type=int, default=None, help="model depth (multiple of 4; default 64)")
+    parser.add_argument("--output-tokens", type=int, default=None, help="default 64 (32 with --quick)")
+    parser.add_argument("--workloads", default="rag,fewshot,control")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--max-running", type=int, default=256)
+    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
+    parser.add_argument("--hf", action="store_true", help="add transformers' generate as a baseline")
+    parser.add_argument("--hf-batch", type=int, default=32)
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--preset", default=DEFAULT_PRESET, help="e.g. tiny, for a CPU smoke run")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--budget-bytes", type=int, default=None, help="pool budget (default: free memory)")
+    args = parser.parse_args()
+    layers = args.layers or (8 if args.quick else None)
+    output_tokens = args.output_tokens or (32 if args.quick else 64)
+
+    model, raw = build_model(args.preset, layers, args.device)
+    vocab = model.config.vocab_size
+    chosen = [w for w in workloads(args.quick) if w.name in args.workloads.split(",")]
+    rows = []
+    for workload in chosen:
+        prompts = workload.prompts(vocab)
+        for arm in args.arms.split(","):
+            rows.append({"workload": workload.name, **run_arm(model, arm, prompts, output_tokens, args)})
+            print_table(rows[-1:])
+    del model
+    _free(args.device)
+    if args.hf:
+        for workload in chosen:
+            rows.append({"workload": workload.name,
+                         **run_hf(raw, workload.prompts(vocab), output_tokens, args.hf_batch)})
+    print()
+    print(f"{args.preset}, {layers or raw['num_hidden_layers']} layers, {output_tokens} output tokens")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

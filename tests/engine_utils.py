@@ -1,0 +1,63 @@
+"""Shared helpers for the engine tests: tiny models, workloads, running an engine to the end."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import torch
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.engine import Engine
+from batchinfer.engine.types import Request, SamplingParams
+from batchinfer.models.presets import preset_config, random_model
+
+TINY_VOCAB = 512
+
+
+def tiny_model(seed: int = 0):
+    """The `tiny` preset (4 layers: 3 GDN + 1 attention) with random fp32 weights on the CPU."""
+    return random_model(preset_config("tiny"), torch.float32, "cpu", seed=seed)
+
+
+def make_engine(model, **settings) -> Engine:
+    base = dict(device="cpu", dtype="fp32", memory_budget_bytes=16 << 20, ring_len=4, track_interval=32)
+    return Engine(model, EngineConfig(**{**base, **settings}))
+
+
+def run(engine: Engine, requests) -> dict:
+    """(request_id, sample_index) → RequestOutput; checks the cache owns nothing it should not."""
+    outputs = {}
+    for out in engine.generate(requests):
+        key = (out.request_id, out.sample_index)
+        assert key not in outputs, f"{key} streamed twice"
+        outputs[key] = out
+    engine.cache.audit()
+    assert not engine.cache.running and engine.cache.kv_pool.num_used == engine.cache.tree.num_kv_tokens
+    return outputs
+
+
+def shared_prefix_prompts(seed: int = 0, groups: int = 3, per_group: int = 4, prefix_len: int = 70):
+    """`groups` × `per_group` prompts sharing a per-group prefix, unique odd-length suffixes, plus
+    nested sharing: a prompt extending a whole earlier prompt, and one sharing half a prefix."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(groups):
+        prefix = [rng.randrange(TINY_VOCAB) for _ in range(prefix_len)]
+        for i in range(per_group):
+            prompts.append(prefix + [rng.randrange(TINY_VOCAB) for _ in range(2 * i + 1)])
+    prompts.append(prompts[1] + [rng.randrange(TINY_VOCAB) for _ in range(5)])
+    prompts.append(prompts[0][:prefix_len // 2] + [rng.randrange(TINY_VOCAB) for _ in range(9)])
+    order = list(range(len(prompts)))
+    rng.shuffle(order)  # plan order must not depend on input order
+    return [prompts[i] for i in order]
+
+
+def requests_for(prompts, params: SamplingParams, n_of=None):
+    """Request i gets seed_key i, and `n_of(i)` samples when given (else params.n)."""
+    return [Request(request_id=i, prompt_token_ids=tuple(p), seed_key=i,
+                    sampling=params if n_of is None else replace(params, n=n_of(i)))
+            for i, p in enumerate(prompts)]
+
+
+def tokens_of(outputs: dict) -> dict:
+    return {key: out.token_ids for key, out in outputs.items()}
