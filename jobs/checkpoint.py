@@ -1,0 +1,55 @@
+"""The job's `model:`: resolve it to a checkpoint folder and check it before anything runs.
+
+A bad checkpoint must fail as one line before the output folder is touched, so this
+reads only small JSON files (and the tokenizer later); weights are loaded by the engine.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from batchinfer.models.config import ModelConfigError, load_model_config
+from jobs.errors import JobError, display_path
+from jobs.spec import DEMO_MODEL, JobSpec
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+SMALL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+               "chat_template.jinja", "model.safetensors.index.json")
+
+
+def resolve_checkpoint(spec: JobSpec) -> Path:
+    if spec.model == DEMO_MODEL:
+        from batchinfer.demo import demo_checkpoint  # builds it once, then it is cached
+        return demo_checkpoint()
+    return Path(spec.model)
+
+
+def check_checkpoint(checkpoint: Path, spec: JobSpec) -> int:
+    """Raise JobError unless `checkpoint` is a supported model folder; return its vocab size."""
+    def fail(what: str) -> JobError:
+        return JobError(spec.job_file, spec.where("model"), what)
+
+    if not checkpoint.is_dir():
+        raise fail(f"no such checkpoint folder: {display_path(checkpoint)}")
+    try:
+        config = load_model_config(checkpoint)
+    except ModelConfigError as exc:
+        raise fail(str(exc)) from None
+    if not any((checkpoint / name).is_file() for name in WEIGHT_FILES):
+        raise fail(f"{display_path(checkpoint)} has no safetensors weights")
+    if not (checkpoint / "tokenizer.json").is_file():
+        raise fail(f"{display_path(checkpoint)} has no tokenizer.json")
+    return config.vocab_size
+
+
+def checkpoint_fingerprint(checkpoint: Path) -> dict[str, Any]:
+    """Hashes of the small files and names/sizes of the weight files (hashing GBs would be slow)."""
+    small = {}
+    for name in SMALL_FILES:
+        path = checkpoint / name
+        if path.is_file():
+            small[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    weights = {p.name: p.stat().st_size for p in sorted(checkpoint.glob("*.safetensors"))}
+    # The folder's location is left out: a moved or re-cached checkpoint gives the same results.
+    return {"files_sha256": small, "weight_bytes": weights}

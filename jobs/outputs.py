@@ -1,0 +1,122 @@
+"""Output parts: finished samples, beside their input columns, written atomically.
+
+Each part is written under a dot-prefixed temporary name, fsynced, then renamed to
+`part-NNNNN.parquet`: a part, once it has its final name, is complete and never
+rewritten, so downstream readers can consume parts as they appear and resume can trust
+every part it finds. Dot-prefixed names are also what pyarrow's dataset discovery skips.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+PART_PATTERN = re.compile(r"^part-(\d+)\.parquet$")
+TEMP_SUFFIX = ".tmp"
+
+ROW_INDEX_COLUMN = "row_index"
+RESULT_SCHEMA = pa.schema([
+    (ROW_INDEX_COLUMN, pa.int64()),       # the row's position in the input (resume key)
+    ("sample_index", pa.int32()),
+    ("generated_text", pa.string()),
+    ("output_token_ids", pa.list_(pa.int32())),
+    ("prompt_tokens", pa.int32()),
+    ("cached_tokens", pa.int32()),
+    ("completion_tokens", pa.int32()),
+    ("finish_reason", pa.string()),       # stop | length | error
+    ("error", pa.string()),
+])
+RESULT_COLUMNS = tuple(RESULT_SCHEMA.names)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One finished (row, sample): the output columns of one output row."""
+
+    row_index: int
+    sample_index: int
+    generated_text: str
+    output_token_ids: tuple[int, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    error: Optional[str] = None
+
+
+def part_name(number: int) -> str:
+    return f"part-{number:05d}.parquet"
+
+
+def write_atomically(path: Path, write) -> None:
+    """Call `write(temp_path)`, make it durable, then rename it to `path`."""
+    temp = path.with_name(f".{path.name}{TEMP_SUFFIX}")
+    write(temp)
+    with open(temp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(temp, path)
+
+
+class PartWriter:
+    """Buffers finished samples with their input rows and writes them as parts.
+
+    Input rows are held as (window table, row offset) references until the flush, so a
+    buffered sample costs a few ints, not a copy of its (possibly long) input columns.
+    """
+
+    def __init__(self, out_dir: Path, flush_rows: int, next_part: int, flush_seconds: float = 60.0) -> None:
+        self.out_dir = out_dir
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self.next_part = next_part
+        self.parts_written = 0
+        self._pending: list[tuple[pa.Table, int, SampleResult]] = []
+        self._last_flush = time.monotonic()
+
+    def add(self, window_table: pa.Table, offset: int, result: SampleResult) -> None:
+        self._pending.append((window_table, offset, result))
+        # Flush on time too, so a slow job still puts finished work on disk regularly.
+        if len(self._pending) >= self.flush_rows or time.monotonic() - self._last_flush > self.flush_seconds:
+            self.flush()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def flush(self) -> Optional[Path]:
+        self._last_flush = time.monotonic()
+        if not self._pending:
+            return None
+        table = self._build_table(self._pending)
+        path = self.out_dir / part_name(self.next_part)
+        write_atomically(path, lambda temp: pq.write_table(table, temp))
+        self._pending = []
+        self.next_part += 1
+        self.parts_written += 1
+        return path
+
+    @staticmethod
+    def _build_table(pending: list[tuple[pa.Table, int, SampleResult]]) -> pa.Table:
+        # Take each window's rows in one gather, keeping the samples' order within a window.
+        by_window: dict[int, tuple[pa.Table, list[int], list[SampleResult]]] = {}
+        for window_table, offset, result in pending:
+            entry = by_window.setdefault(id(window_table), (window_table, [], []))
+            entry[1].append(offset)
+            entry[2].append(result)
+        pieces = []
+        for window_table, offsets, results in by_window.values():
+            inputs = window_table.take(pa.array(offsets, type=pa.int64()))
+            outputs = pa.table({
+                name: pa.array([getattr(r, name) for r in results], type=RESULT_SCHEMA.field(name).type)
+                for name in RESULT_COLUMNS
+            })
+            for name in RESULT_COLUMNS:
+                inputs = inputs.append_column(RESULT_SCHEMA.field(name), outputs[name])
+            pieces.append(inputs)
+        return pa.concat_tables(pieces)

@@ -1,0 +1,108 @@
+"""Before a job runs: every check that can fail on bad input, writing nothing.
+
+Checkpoint, input files, columns and their types, tokenizer and chat template, and whether
+the output folder may be continued: each failure is one `JobError` naming the job file
+and key or column, raised before the output folder is touched, in the order a user would
+fix them. The result, a `PreparedJob`, is what `runner.run_job` and `planning.plan_job` take.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from jobs.checkpoint import check_checkpoint, checkpoint_fingerprint, resolve_checkpoint
+from jobs.errors import JobError
+from jobs.inputs import InputFiles, input_fingerprint, open_inputs
+from jobs.outputs import RESULT_COLUMNS
+from jobs.prompts import parse_template, template_columns
+from jobs.resume import check_resumable
+from jobs.spec import JobSpec, did_you_mean
+from jobs.tokenizer import CheckpointTokenizer
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    spec: JobSpec
+    checkpoint: Path
+    vocab_size: int
+    tokenizer: CheckpointTokenizer
+    inputs: InputFiles
+    fingerprint: dict[str, Any]
+
+    @property
+    def rows(self) -> int:
+        limit = self.spec.limit
+        return self.inputs.num_rows if limit is None else min(limit, self.inputs.num_rows)
+
+
+def _is_text(dtype: pa.DataType) -> bool:
+    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype)
+
+
+def _check_columns(spec: JobSpec, schema: pa.Schema) -> None:
+    def require(column: str, key: str) -> pa.DataType:
+        if column not in schema.names:
+            raise JobError(spec.job_file, spec.where(key),
+                           f"column {column!r} is not in the input{did_you_mean(column, schema.names)}")
+        return schema.field(column).type
+
+    prompt = spec.prompt
+    if prompt.template is not None:
+        try:
+            parse_template(prompt.template)
+        except ValueError as exc:
+            raise JobError(spec.job_file, spec.where("prompt.template"), str(exc)) from None
+        for column in template_columns(prompt.template):
+            dtype = require(column, "prompt.template")
+            if pa.types.is_nested(dtype) or pa.types.is_binary(dtype):
+                raise JobError(spec.job_file, spec.where("prompt.template"),
+                               f"column {column!r} has type {dtype}, which a template cannot format")
+    elif prompt.column is not None:
+        dtype = require(prompt.column, "prompt.column")
+        if not _is_text(dtype):
+            raise JobError(spec.job_file, spec.where("prompt.column"),
+                           f"column {prompt.column!r} must be text, got {dtype}")
+    else:
+        assert prompt.token_ids_column is not None
+        dtype = require(prompt.token_ids_column, "prompt.token_ids_column")
+        if not (pa.types.is_list(dtype) or pa.types.is_large_list(dtype)) or not pa.types.is_integer(dtype.value_type):
+            raise JobError(spec.job_file, spec.where("prompt.token_ids_column"),
+                           f"column {prompt.token_ids_column!r} must be a list of integers, got {dtype}")
+    if spec.id_column is not None:
+        require(spec.id_column, "id_column")
+    clashes = [name for name in schema.names if name in RESULT_COLUMNS]
+    if clashes:
+        raise JobError(spec.job_file, spec.where("input"),
+                       f"input column {clashes[0]!r} has the name of an output column")
+
+
+def _load_tokenizer(checkpoint: Path, spec: JobSpec) -> CheckpointTokenizer:
+    try:
+        tokenizer = CheckpointTokenizer.from_checkpoint(checkpoint)
+    except Exception as exc:  # tokenizers raises bare Exceptions for malformed files
+        raise JobError(spec.job_file, spec.where("model"), f"cannot load the tokenizer: {exc}") from None
+    if spec.chat and not tokenizer.has_chat_template:
+        raise JobError(spec.job_file, spec.where("chat"), "the checkpoint has no chat template")
+    return tokenizer
+
+
+def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
+    """Every bad-input check, in the order a user would fix them; writes nothing."""
+    checkpoint = resolve_checkpoint(spec)
+    vocab_size = check_checkpoint(checkpoint, spec)
+    inputs = open_inputs(spec.input, spec.job_file, spec.where("input"))
+    _check_columns(spec, inputs.schema)
+    tokenizer = _load_tokenizer(checkpoint, spec)
+    fingerprint = {
+        "model": checkpoint_fingerprint(checkpoint),
+        "prompt": {"template": spec.prompt.template, "column": spec.prompt.column,
+                   "token_ids_column": spec.prompt.token_ids_column, "chat": spec.chat, "system": spec.system},
+        "id_column": spec.id_column,
+        "sampling": spec.sampling,
+        "input": input_fingerprint(inputs),
+    }
+    check_resumable(spec.output.path, fingerprint, overwrite, spec.job_file, spec.where("output"))
+    return PreparedJob(spec, checkpoint, vocab_size, tokenizer, inputs, fingerprint)

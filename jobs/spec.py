@@ -1,0 +1,315 @@
+"""Job files: YAML in, validated frozen `JobSpec`s out.
+
+Every mistake a user can make in a job file becomes one `JobError` naming the file, the
+key path (e.g. `jobs.rag.sampling.temprature`) and what is wrong, with a "did you mean"
+for misspelt keys. Relative paths resolve against the job file's own folder, so a job
+file travels with its data. Only the file itself is read here: whether inputs, columns
+and checkpoints exist is checked by `runner.prepare_job`.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import yaml
+
+from batchinfer.engine.types import SamplingParams
+from jobs.errors import JobError
+
+JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
+DEMO_MODEL = "demo"
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """Exactly one of the three ways to get a prompt from a row."""
+
+    template: Optional[str] = None          # "{document}\n\nQuestion: {question}"
+    column: Optional[str] = None            # a column holding the whole prompt text
+    token_ids_column: Optional[str] = None  # a column of pre-tokenised prompts (list of ints)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The job's `engine:` block; maps 1:1 onto `batchinfer.engine.EngineConfig`."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    prefix_cache: bool = True
+    state_cache: str = "extra_buffer"
+    replayssm: bool = True
+    ring_len: int = 16
+    track_interval: int = 256
+    max_running: int = 256
+    max_batch_tokens: int = 8192
+    max_model_len: Optional[int] = None
+    memory_fraction: float = 0.9
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    path: Path
+    flush_rows: int = 1000
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    model: str                 # DEMO_MODEL or an absolute checkpoint path
+    input: str                 # absolute file, folder or glob
+    prompt: PromptSpec
+    sampling: SamplingParams
+    engine: EngineSettings
+    output: OutputSpec
+    chat: bool = False
+    system: Optional[str] = None
+    id_column: Optional[str] = None
+    limit: Optional[int] = None
+    job_file: Path = Path("jobs.yaml")  # for error messages
+
+    def where(self, key: str) -> str:
+        """Key path of this job's `key` in error messages."""
+        return f"jobs.{self.name}.{key}" if key else f"jobs.{self.name}"
+
+
+@dataclass(frozen=True)
+class JobFile:
+    path: Path
+    jobs: tuple[JobSpec, ...]
+
+    def select(self, name: Optional[str]) -> tuple[JobSpec, ...]:
+        if name is None:
+            return self.jobs
+        names = [job.name for job in self.jobs]
+        if name not in names:
+            raise JobError(self.path, f"--job {name}", f"no such job{did_you_mean(name, names)}")
+        return tuple(job for job in self.jobs if job.name == name)
+
+
+# --- value checkers: each returns the cleaned value or raises ValueError(what is wrong) ---
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"must be true or false, got {value!r}")
+    return value
+
+
+def _integer(low: Optional[int] = None, optional: bool = False) -> Callable[[Any], Optional[int]]:
+    def check(value: Any) -> Optional[int]:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"must be an integer, got {value!r}")
+        if low is not None and value < low:
+            raise ValueError(f"must be >= {low}, got {value}")
+        return value
+    return check
+
+
+def _number(low: float, high: float, low_open: bool = False) -> Callable[[Any], float]:
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"must be a number, got {value!r}")
+        if value < low or (low_open and value == low) or value > high:
+            lo = "(" if low_open else "["
+            raise ValueError(f"must be in {lo}{low}, {high}], got {value}")
+        return float(value)
+    return check
+
+
+def _text(optional: bool = False) -> Callable[[Any], Optional[str]]:
+    def check(value: Any) -> Optional[str]:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"must be a non-empty string, got {value!r}")
+        return value
+    return check
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(options)}; got {value!r}")
+        return value
+    return check
+
+
+def _device(value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise ValueError(f"must be auto, cpu, cuda or cuda:N; got {value!r}")
+    return value
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"must be a list of non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+SAMPLING_KEYS: dict[str, Callable[[Any], Any]] = {
+    "max_tokens": _integer(1), "temperature": _number(0.0, float("inf")),
+    "top_p": _number(0.0, 1.0, low_open=True), "top_k": _integer(0), "min_p": _number(0.0, 1.0),
+    "repetition_penalty": _number(0.0, float("inf"), low_open=True), "seed": _integer(),
+    "stop": _stop_strings, "n": _integer(1), "ignore_eos": _boolean, "min_tokens": _integer(0),
+}
+ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
+    "device": _device, "dtype": _choice("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+    "prefix_cache": _boolean, "state_cache": _choice("extra_buffer", "no_buffer"), "replayssm": _boolean,
+    "ring_len": _integer(1), "track_interval": _integer(1), "max_running": _integer(1),
+    "max_batch_tokens": _integer(1), "max_model_len": _integer(1, optional=True),
+    "memory_fraction": _number(0.0, 1.0, low_open=True),
+}
+PROMPT_KEYS = {"template": _text(), "column": _text(), "token_ids_column": _text()}
+OUTPUT_KEYS = {"path": _text(), "flush_rows": _integer(1)}
+JOB_KEYS = ("name", "model", "input", "prompt", "chat", "system", "id_column", "sampling", "engine",
+            "output", "limit")
+TOP_KEYS = ("defaults", "jobs")
+
+
+def did_you_mean(word: str, options: Any) -> str:
+    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class _Checker:
+    """Carries the job file path so every helper can raise a located error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, where: str, what: str) -> JobError:
+        return JobError(self.path, where, what)
+
+    def mapping(self, value: Any, where: str, allowed: Any) -> dict:
+        if not isinstance(value, dict):
+            raise self.fail(where, f"must be a mapping, got {type(value).__name__}")
+        for key in value:
+            if key not in allowed:
+                raise self.fail(f"{where}.{key}", f"unknown key{did_you_mean(key, allowed)}")
+        return value
+
+    def section(self, value: Any, where: str, keys: dict[str, Callable[[Any], Any]]) -> dict:
+        checked = {}
+        for key, item in self.mapping(value, where, keys).items():
+            try:
+                checked[key] = keys[key](item)
+            except ValueError as exc:
+                raise self.fail(f"{where}.{key}", str(exc)) from None
+        return checked
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _resolve(path_text: str, base: Path) -> Path:
+    path = Path(path_text).expanduser()
+    return path if path.is_absolute() else (base / path).resolve()
+
+
+def _parse_job(raw: dict, index: int, checker: _Checker, base: Path) -> JobSpec:
+    where = f"jobs[{index}]"
+    checker.mapping(raw, where, JOB_KEYS)
+    name = raw.get("name")
+    if not isinstance(name, str) or not JOB_NAME_PATTERN.match(name):
+        raise checker.fail(f"{where}.name", f"must match [A-Za-z0-9_-]+, got {name!r}")
+    where = f"jobs.{name}"
+    for key in ("model", "input", "prompt"):
+        if key not in raw:
+            raise checker.fail(f"{where}.{key}", "missing (required)")
+
+    def scalar(key: str, check: Callable[[Any], Any], default: Any) -> Any:
+        try:
+            return check(raw.get(key, default))
+        except ValueError as exc:
+            raise checker.fail(f"{where}.{key}", str(exc)) from None
+
+    model = scalar("model", _text(), None)
+    input_pattern = scalar("input", _text(), None)
+    prompt = checker.section(raw["prompt"], f"{where}.prompt", PROMPT_KEYS)
+    if len(prompt) != 1:
+        raise checker.fail(f"{where}.prompt", "needs exactly one of template, column, token_ids_column")
+    chat = scalar("chat", _boolean, False)
+    if chat and "token_ids_column" in prompt:
+        raise checker.fail(f"{where}.chat", "cannot be true with prompt.token_ids_column (already tokenised)")
+    output = raw.get("output", f"out/{name}")
+    output = checker.section({"path": output} if isinstance(output, str) else output, f"{where}.output",
+                             OUTPUT_KEYS)
+    if "path" not in output:
+        raise checker.fail(f"{where}.output.path", "missing (required)")
+    return JobSpec(
+        name=name,
+        model=model if model == DEMO_MODEL else str(_resolve(model, base)),
+        input=str(_resolve(input_pattern, base)),
+        prompt=PromptSpec(**prompt),
+        sampling=SamplingParams(**checker.section(raw.get("sampling", {}), f"{where}.sampling", SAMPLING_KEYS)),
+        engine=EngineSettings(**checker.section(raw.get("engine", {}), f"{where}.engine", ENGINE_KEYS)),
+        output=OutputSpec(path=_resolve(output["path"], base), flush_rows=output.get("flush_rows", 1000)),
+        chat=chat,
+        system=scalar("system", _text(optional=True), None),
+        id_column=scalar("id_column", _text(optional=True), None),
+        limit=scalar("limit", _integer(1, optional=True), None),
+        job_file=checker.path,
+    )
+
+
+def parse_job_file(text: str, path: Path) -> JobFile:
+    """Validate a job file's text; `path` locates relative paths and names errors."""
+    checker = _Checker(path)
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f"line {mark.line + 1}" if mark is not None else "yaml"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise checker.fail(line, f"malformed YAML: {problem}") from None
+    if document is None:
+        raise checker.fail("jobs", "empty job file")
+    checker.mapping(document, "(top level)", TOP_KEYS)
+    defaults = document.get("defaults") or {}
+    checker.mapping(defaults, "defaults", [k for k in JOB_KEYS if k != "name"])
+    raw_jobs = document.get("jobs")
+    if not isinstance(raw_jobs, list) or not raw_jobs:
+        raise checker.fail("jobs", "must be a non-empty list of jobs")
+    jobs = []
+    for index, raw in enumerate(raw_jobs):
+        if not isinstance(raw, dict):
+            raise checker.fail(f"jobs[{index}]", f"must be a mapping, got {type(raw).__name__}")
+        jobs.append(_parse_job(_deep_merge(defaults, raw), index, checker, path.parent.resolve()))
+    seen_names: set[str] = set()
+    seen_outputs: dict[Path, str] = {}
+    for job in jobs:
+        if job.name in seen_names:
+            raise checker.fail(job.where("name"), "duplicate job name")
+        if job.output.path in seen_outputs:
+            raise checker.fail(job.where("output"), f"same output folder as job {seen_outputs[job.output.path]}")
+        seen_names.add(job.name)
+        seen_outputs[job.output.path] = job.name
+    return JobFile(path=path, jobs=tuple(jobs))
+
+
+def load_job_file(path: Path) -> JobFile:
+    path = Path(path)
+    if not path.is_file():
+        raise JobError(path, "(file)", "no such job file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JobError(path, "(file)", f"cannot read: {exc}") from None
+    return parse_job_file(text, path)
+
+
+def engine_settings_dict(settings: EngineSettings) -> dict:
+    return {f.name: getattr(settings, f.name) for f in fields(settings)}

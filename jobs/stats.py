@@ -1,0 +1,96 @@
+"""Per-job statistics: `_stats.json` beside the outputs and a summary table at the end.
+
+Engine counters (prefix reuse, state tracking, ReplaySSM flushes, memory) come from
+`engine.stats`; the job adds rows, errors and its own wall time, and derives rates.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from jobs.outputs import write_atomically
+
+ENGINE_COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "theoretical_max_cached_tokens",
+                   "discarded_kv_tokens", "states_tracked", "states_donated", "states_evicted",
+                   "replayssm_flushes", "output_tokens", "recomputed_tokens", "preemptions", "prefill_seconds",
+                   "decode_seconds", "peak_memory_bytes")
+
+
+@dataclass(frozen=True)
+class JobCounters:
+    """What the job itself counted during this run."""
+
+    rows: int                # input rows in the job (after limit)
+    samples_total: int       # rows x n
+    samples_resumed: int     # found in finished parts, not run again
+    samples_written: int     # written by this run
+    errors: int              # samples written with finish_reason "error"
+    wall_seconds: float
+
+
+def build_stats(job_name: str, counters: JobCounters, engine_stats: Any, settings: dict[str, Any],
+                status: str, failure: Optional[str] = None) -> dict[str, Any]:
+    engine = {name: getattr(engine_stats, name, 0) if engine_stats is not None else 0 for name in ENGINE_COUNTERS}
+    wall = max(counters.wall_seconds, 1e-9)
+    stats: dict[str, Any] = {
+        "job": job_name,
+        "status": status,
+        "rows": counters.rows,
+        "samples": counters.samples_total,
+        "samples_resumed": counters.samples_resumed,
+        "samples_written": counters.samples_written,
+        **engine,
+        "cache_hit_rate": engine["cached_tokens"] / engine["prompt_tokens"] if engine["prompt_tokens"] else 0.0,
+        "ideal_cache_hit_rate": (engine["theoretical_max_cached_tokens"] / engine["prompt_tokens"]
+                                 if engine["prompt_tokens"] else 0.0),
+        "errors": counters.errors,
+        "wall_seconds": counters.wall_seconds,
+        "prompt_tokens_per_second": engine["prompt_tokens"] / wall,
+        "output_tokens_per_second": engine["output_tokens"] / wall,
+        "engine_settings": settings,
+    }
+    if failure is not None:
+        stats["failure"] = failure
+    return stats
+
+
+def write_stats(path: Path, stats: dict[str, Any]) -> None:
+    text = json.dumps(stats, indent=2, default=str)
+    write_atomically(path, lambda temp: temp.write_text(text, encoding="utf-8"))
+
+
+def _count(value: float) -> str:
+    return f"{int(value):,}"
+
+
+def render_summary(console: Console, stats: dict[str, Any]) -> None:
+    table = Table(title=f"job {stats['job']}: {stats['status']}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("rows / samples", f"{_count(stats['rows'])} / {_count(stats['samples'])}"),
+        ("written / resumed", f"{_count(stats['samples_written'])} / {_count(stats['samples_resumed'])}"),
+        ("errors", _count(stats["errors"])),
+        ("prompt tokens", _count(stats["prompt_tokens"])),
+        ("cached tokens (achieved / ideal)",
+         f"{_count(stats['cached_tokens'])} / {_count(stats['theoretical_max_cached_tokens'])}"),
+        ("cache hit rate (achieved / ideal)",
+         f"{stats['cache_hit_rate']:.1%} / {stats['ideal_cache_hit_rate']:.1%}"),
+        ("KV tokens discarded (no state)", _count(stats["discarded_kv_tokens"])),
+        ("states tracked / donated / evicted",
+         f"{_count(stats['states_tracked'])} / {_count(stats['states_donated'])} / {_count(stats['states_evicted'])}"),
+        ("ReplaySSM flushes", _count(stats["replayssm_flushes"])),
+        ("output tokens", _count(stats["output_tokens"])),
+        ("prompt / output tok/s",
+         f"{stats['prompt_tokens_per_second']:,.1f} / {stats['output_tokens_per_second']:,.1f}"),
+        ("wall time", f"{stats['wall_seconds']:.1f} s"),
+        ("peak memory", f"{stats['peak_memory_bytes'] / 2**20:,.1f} MiB"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)

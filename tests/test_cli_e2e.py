@@ -1,0 +1,118 @@
+"""End to end on the real engine with the demo model: run, plan, and resume after kill -9."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchinfer.cli import main
+from batchinfer.demo import demo_checkpoint
+from jobs.outputs import RESULT_COLUMNS
+from tests.jobs_fixtures import job_entry, rag_table, write_job_file, write_parquet
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def demo_cache(tmp_path_factory, monkeypatch) -> Path:
+    """One demo checkpoint for the whole session (the build is idempotent and cached)."""
+    cache = tmp_path_factory.getbasetemp() / "demo-cache"
+    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(cache))
+    demo_checkpoint()
+    return cache
+
+
+def read_parts(out_dir: Path) -> pa.Table:
+    parts = sorted(out_dir.glob("part-*.parquet"))
+    return pa.concat_tables(pq.read_table(p) for p in parts).sort_by(
+        [("row_index", "ascending"), ("sample_index", "ascending")])
+
+
+def invoke(folder: Path, *args: str):
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        return CliRunner().invoke(main, list(args))
+    finally:
+        os.chdir(cwd)
+
+
+def test_run_and_plan_a_chat_job_with_samples_and_a_bad_row(tmp_path):
+    rows = 7
+    table = rag_table(rows, null_rows=(4,))
+    write_parquet(table, tmp_path / "data" / "rag.parquet")
+    write_job_file(tmp_path, [job_entry(
+        model="demo", chat=True, system="Answer briefly.", id_column="qid",
+        sampling={"max_tokens": 5, "n": 2, "temperature": 0.8, "top_k": 50, "seed": 3},
+        engine={"max_running": 8, "max_model_len": 512})])
+
+    plan = invoke(tmp_path, "plan", "jobs.yaml")
+    assert plan.exit_code == 0, plan.output
+    assert not (tmp_path / "out").exists()  # planning writes nothing
+
+    result = invoke(tmp_path, "run", "jobs.yaml")
+    assert result.exit_code == 0, (result.output, result.exception)
+    out = read_parts(tmp_path / "out" / "rag")
+    assert out.column_names == table.column_names + list(RESULT_COLUMNS)
+    assert out.num_rows == rows * 2
+    assert list(zip(out["row_index"].to_pylist(), out["sample_index"].to_pylist())) == \
+        [(r, s) for r in range(rows) for s in range(2)]
+    assert out["qid"].to_pylist() == [q for q in table["qid"].to_pylist() for _ in range(2)]
+    for row in out.to_pylist():
+        if row["row_index"] == 4:
+            assert row["finish_reason"] == "error" and row["error"] == "template column 'document' is null"
+        else:
+            assert row["error"] is None and row["finish_reason"] in ("stop", "length")
+            assert 1 <= row["completion_tokens"] == len(row["output_token_ids"]) <= 5
+            assert row["prompt_tokens"] > 20
+    stats = json.loads((tmp_path / "out" / "rag" / "_stats.json").read_text())
+    assert stats["status"] == "done" and stats["errors"] == 2 and stats["rows"] == rows
+    assert stats["requests"] == (rows - 1) * 2
+    assert stats["prompt_tokens"] == sum(r["prompt_tokens"] for r in out.to_pylist())
+    assert stats["output_tokens"] == sum(out["completion_tokens"].to_pylist())
+    # Same prompt twice (n=2) and shared document prefixes: the cache must have been hit.
+    assert stats["cached_tokens"] > 0 and stats["theoretical_max_cached_tokens"] > 0
+    assert f"{stats['theoretical_max_cached_tokens']:,}" in plan.output
+
+
+def test_resume_after_kill_9_holds_every_row_and_sample_exactly_once(tmp_path, demo_cache):
+    rows = 13
+    write_parquet(rag_table(rows), tmp_path / "data" / "rag.parquet")
+    # Three sequences at a time, flushed as each wave finishes: parts appear well before the end.
+    # On the CPU everywhere, so a fast GPU cannot finish the job before the kill lands.
+    write_job_file(tmp_path, [job_entry(
+        model="demo", sampling={"max_tokens": 6, "ignore_eos": True},
+        engine={"max_running": 3, "device": "cpu"}, output={"path": "out/rag", "flush_rows": 3})])
+    out_dir = tmp_path / "out" / "rag"
+    env = {**os.environ, "BATCHINFER_CACHE_DIR": str(demo_cache),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, "-m", "batchinfer", "run", "jobs.yaml"], cwd=tmp_path, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list(out_dir.glob("part-*.parquet")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    _, stderr = process.communicate()
+    assert process.returncode == -signal.SIGKILL, stderr.decode()  # killed mid-job, not finished
+    before = {p.name: p.read_bytes() for p in out_dir.glob("part-*.parquet")}
+    done_before = read_parts(out_dir).num_rows
+    assert 0 < done_before < rows
+
+    result = invoke(tmp_path, "run", "jobs.yaml")
+    assert result.exit_code == 0, (result.output, result.exception)
+    out = read_parts(out_dir)
+    assert out["row_index"].to_pylist() == list(range(rows)) and set(out["sample_index"].to_pylist()) == {0}
+    assert all(n == 6 for n in out["completion_tokens"].to_pylist())
+    assert {name: (out_dir / name).read_bytes() for name in before} == before  # never rewritten
+    assert not [p for p in out_dir.iterdir() if p.name.endswith(".tmp")]
+    stats = json.loads((out_dir / "_stats.json").read_text())
+    assert stats["samples_resumed"] == done_before and stats["samples_written"] == rows - done_before

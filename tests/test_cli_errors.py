@@ -1,0 +1,158 @@
+"""Bad input through the CLI: exit 2, one line naming file and key/column, no traceback, nothing written."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from batchinfer.cli import main
+from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tokenizer_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+def snapshot(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+
+
+def run_cli(folder: Path, *args: str):
+    """Run in `folder` (so displayed paths are relative) and check the one-line error contract."""
+    before = snapshot(folder)
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        result = CliRunner().invoke(main, list(args))
+    finally:
+        os.chdir(cwd)
+    assert result.exit_code == 2, (result.output, result.stderr, result.exception)
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    assert snapshot(folder) == before  # nothing written
+    return lines[0]
+
+
+def setup_job(folder: Path, checkpoint: Path, **overrides) -> None:
+    write_parquet(rag_table(7), folder / "data" / "rag.parquet")
+    write_job_file(folder, [job_entry(model=str(checkpoint), **overrides)])
+
+
+def test_missing_job_file(tmp_path):
+    assert run_cli(tmp_path, "run", "nope.yaml") == "error: nope.yaml: (file): no such job file"
+
+
+def test_malformed_yaml(tmp_path):
+    (tmp_path / "jobs.yaml").write_text("jobs:\n  - name: a\n   model: [\n")
+    assert run_cli(tmp_path, "run", "jobs.yaml").startswith("error: jobs.yaml: line ")
+
+
+def test_unknown_key_with_suggestion(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint, sampling={"max_tokns": 4})
+    assert run_cli(tmp_path, "run", "jobs.yaml") == \
+        "error: jobs.yaml: jobs.rag.sampling.max_tokns: unknown key (did you mean 'max_tokens'?)"
+
+
+def test_invalid_value(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint, sampling={"temperature": -1})
+    assert run_cli(tmp_path, "run", "jobs.yaml") == \
+        "error: jobs.yaml: jobs.rag.sampling.temperature: must be in [0.0, inf], got -1"
+
+
+def test_missing_input_file(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint, input="data/missing.parquet")
+    assert run_cli(tmp_path, "run", "jobs.yaml") == \
+        "error: jobs.yaml: jobs.rag.input: no such file or folder: data/missing.parquet"
+
+
+def test_glob_matching_nothing(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint, input="data/*.nothing")
+    assert run_cli(tmp_path, "run", "jobs.yaml") == "error: jobs.yaml: jobs.rag.input: no files match: data/*.nothing"
+
+
+def test_non_parquet_input(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint, input="data/rows.csv")
+    (tmp_path / "data" / "rows.csv").write_text("document,question\na,b\n")
+    line = run_cli(tmp_path, "run", "jobs.yaml")
+    assert line.startswith("error: jobs.yaml: jobs.rag.input: data/rows.csv: not a readable Parquet file"), line
+
+
+@pytest.mark.parametrize("overrides, where, column", [
+    ({"prompt": {"template": "{document} {questoin}"}}, "jobs.rag.prompt.template", "questoin"),
+    ({"prompt": {"column": "text"}}, "jobs.rag.prompt.column", "text"),
+    ({"prompt": {"token_ids_column": "ids"}}, "jobs.rag.prompt.token_ids_column", "ids"),
+    ({"id_column": "uid"}, "jobs.rag.id_column", "uid"),
+])
+def test_missing_column(tmp_path, checkpoint, overrides, where, column):
+    setup_job(tmp_path, checkpoint, **overrides)
+    line = run_cli(tmp_path, "run", "jobs.yaml")
+    assert line.startswith(f"error: jobs.yaml: {where}: column {column!r} is not in the input"), line
+
+
+def test_prompt_column_of_the_wrong_type(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint, prompt={"column": "extra"})
+    assert run_cli(tmp_path, "run", "jobs.yaml") == \
+        "error: jobs.yaml: jobs.rag.prompt.column: column 'extra' must be text, got double"
+
+
+def test_missing_checkpoint(tmp_path):
+    setup_job(tmp_path, tmp_path / "no-model")
+    assert run_cli(tmp_path, "run", "jobs.yaml") == \
+        "error: jobs.yaml: jobs.rag.model: no such checkpoint folder: no-model"
+
+
+def test_unsupported_checkpoint(tmp_path, checkpoint):
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    setup_job(tmp_path, llama)
+    line = run_cli(tmp_path, "run", "jobs.yaml")
+    assert line.startswith("error: jobs.yaml: jobs.rag.model: unsupported architecture 'LlamaForCausalLM'"), line
+
+
+def test_checkpoint_without_tokenizer(tmp_path, checkpoint):
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (partial / name).write_bytes((checkpoint / name).read_bytes())
+    setup_job(tmp_path, partial)
+    assert run_cli(tmp_path, "run", "jobs.yaml") == "error: jobs.yaml: jobs.rag.model: partial has no tokenizer.json"
+
+
+def test_a_bad_later_job_stops_the_whole_file_before_anything_runs(tmp_path, checkpoint):
+    write_parquet(rag_table(7), tmp_path / "data" / "rag.parquet")
+    write_job_file(tmp_path, [job_entry(model=str(checkpoint)),
+                              job_entry(name="second", model=str(checkpoint), output="out/second",
+                                        prompt={"column": "nope"})])
+    line = run_cli(tmp_path, "run", "jobs.yaml")
+    assert line.startswith("error: jobs.yaml: jobs.second.prompt.column: column 'nope'"), line
+
+
+def test_unknown_job_name_and_plan_share_the_checks(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint)
+    assert run_cli(tmp_path, "run", "jobs.yaml", "--job", "rga") == \
+        "error: jobs.yaml: --job rga: no such job (did you mean 'rag'?)"
+    setup_job(tmp_path, checkpoint, input="data/missing.parquet")
+    assert run_cli(tmp_path, "plan", "jobs.yaml").startswith("error: jobs.yaml: jobs.rag.input: no such file")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA to make the model load fail")
+def test_a_model_that_cannot_load_is_a_runtime_failure_with_exit_1(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint, engine={"device": "cuda"})
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        result = CliRunner().invoke(main, ["run", "jobs.yaml"])
+    finally:
+        os.chdir(cwd)
+    assert result.exit_code == 1, (result.output, result.exception)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: job rag: cannot load the model: "), result.stderr
+    assert not (tmp_path / "out").exists()
