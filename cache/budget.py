@@ -1,0 +1,94 @@
+"""Sizing the two pools from a byte budget and the model's shapes.
+
+State slots are large (Qwen3.5-27B: ~150 MB each in fp32) and every running request pins
+`slots_per_request` of them, so the budget decides how many requests can run at once; the
+rest of the budget becomes KV slots (tokens) shared by running requests and the prefix cache.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .kv_pool import KVPool
+from .shapes import GdnStateShape, KVShape
+from .state_pool import GdnStatePool
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    kv_slots: int                 # tokens of KV the pool holds
+    state_slots: int              # GDN state slots
+    max_running: int              # requests that can run at once (each holding slots_per_request)
+    cache_state_slots: int        # state slots beyond the running requests' own: cached prefix states
+    bytes_per_kv_token: int
+    bytes_per_state_slot: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_slots * self.bytes_per_kv_token
+
+    @property
+    def state_bytes(self) -> int:
+        return self.state_slots * self.bytes_per_state_slot
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.state_bytes
+
+    def describe(self) -> str:
+        gib = 2 ** 30
+        return (f"{self.max_running} running requests, {self.state_slots} state slots "
+                f"({self.state_bytes / gib:.2f} GiB, {self.cache_state_slots} for cached prefixes), "
+                f"{self.kv_slots} KV tokens ({self.kv_bytes / gib:.2f} GiB)")
+
+
+def plan_pools(kv_shape: KVShape, state_shape: GdnStateShape, budget_bytes: int, *, max_running: int,
+               slots_per_request: int = 3, cache_states_per_request: float = 1.0,
+               max_state_fraction: float = 0.5, min_kv_tokens: int = 256) -> PoolPlan:
+    """Split `budget_bytes` between the state pool and the KV pool.
+
+    States get room for `max_running` requests × (`slots_per_request` + `cache_states_per_request`
+    cached prefix states each), but at most `max_state_fraction` of the budget: if that does not
+    fit, `max_running` shrinks. The rest becomes KV. Raises ValueError when not even one request
+    with `min_kv_tokens` of KV fits.
+    """
+    if max_running < 1 or slots_per_request < 1:
+        raise ValueError("max_running and slots_per_request must be >= 1")
+    if not 0 < max_state_fraction < 1:
+        raise ValueError("max_state_fraction must be in (0, 1)")
+    kv_token, state_slot = kv_shape.bytes_per_token, state_shape.bytes_per_slot
+    if kv_token <= 0 or state_slot <= 0:
+        raise ValueError("the model needs both attention (KV) and GDN (state) layers")
+    per_request = (slots_per_request + cache_states_per_request) * state_slot
+    running = min(max_running, int(budget_bytes * max_state_fraction // per_request))
+    if running < 1:
+        raise ValueError(f"memory budget {budget_bytes / 2**20:.0f} MiB cannot hold one request's "
+                         f"GDN states ({per_request / 2**20:.0f} MiB within {max_state_fraction:.0%})")
+    cache_states = math.ceil(running * cache_states_per_request)
+    state_slots = running * slots_per_request + cache_states
+    kv_slots = (budget_bytes - state_slots * state_slot) // kv_token
+    if kv_slots < min_kv_tokens:
+        raise ValueError(f"memory budget leaves {kv_slots} KV tokens, fewer than {min_kv_tokens}")
+    return PoolPlan(kv_slots=int(kv_slots), state_slots=state_slots, max_running=running,
+                    cache_state_slots=cache_states, bytes_per_kv_token=kv_token,
+                    bytes_per_state_slot=state_slot)
+
+
+def memory_budget(device: torch.device | str, fraction: float, *, cpu_total_bytes: int | None = None) -> int:
+    """`fraction` of the device's free memory now (CUDA), or of `cpu_total_bytes` (CPU)."""
+    device = torch.device(device)
+    if not 0 < fraction <= 1:
+        raise ValueError("fraction must be in (0, 1]")
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
+    if cpu_total_bytes is None:
+        raise ValueError("on the CPU give cpu_total_bytes (there is no free-memory query)")
+    return int(cpu_total_bytes * fraction)
+
+
+def build_pools(plan: PoolPlan, kv_shape: KVShape, state_shape: GdnStateShape,
+                device: torch.device | str) -> tuple[KVPool, GdnStatePool]:
+    return KVPool(plan.kv_slots, kv_shape, device), GdnStatePool(plan.state_slots, state_shape, device)

@@ -1,0 +1,282 @@
+"""Radix tree over token ids: which prefixes have KV cached, and where a GDN state exists.
+
+Pure bookkeeping on the CPU: the tree never touches pool tensors and never frees anything
+itself. What it takes it owns (KV indices of its edges, state slots at node ends); what it
+gives up (`insert`'s duplicates, `evict`'s victims) it returns for the caller to free.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(eq=False)
+class RadixNode:
+    """An edge of token ids ending at `depth`, with one KV slot per token (shared by all
+    attention layers) and optionally a GDN state slot valid at exactly `depth` tokens."""
+
+    tokens: tuple[int, ...]
+    kv: torch.Tensor                       # [len(tokens)] int64, CPU
+    parent: Optional["RadixNode"]
+    depth: int                             # tokens from the root through the end of this edge
+    children: dict[int, "RadixNode"] = field(default_factory=dict)  # keyed by first token
+    state_slot: Optional[int] = None
+    lock_ref: int = 0                      # locks held on this node or any descendant
+    last_access: int = 0                   # logical clock of the last insert/lock through it
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """What the cache holds for a token sequence.
+
+    kv_len: leading tokens whose KV is cached; kv_indices: their slots [kv_len].
+    state_node / state_slot: the deepest node on the matched path that has a state and ends at
+    most at len(tokens) - 1 (None when there is none); resume_len: its depth (0 without one).
+    A forward pass can resume only at resume_len: KV in [resume_len, kv_len) is unusable.
+    The cap keeps at least one token to compute, which yields the next-token logits.
+    """
+
+    kv_len: int
+    kv_indices: torch.Tensor
+    state_node: Optional[RadixNode]
+    state_slot: Optional[int]
+    resume_len: int
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """node: the node ending exactly at len(tokens) (the root for no tokens).
+    kv_indices: the tree's slots for all the inserted tokens [len(tokens)] — the caller should
+    use these from now on. dup_kv: the caller's slots the tree did not take (it already held
+    those tokens under other slots): the caller must free them. unused_state: the caller's state
+    slot when the node already had one (or the tokens were empty): still the caller's."""
+
+    node: RadixNode
+    kv_indices: torch.Tensor
+    dup_kv: torch.Tensor
+    unused_state: Optional[int]
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """Slots the tree gave up; the caller returns them to the pools."""
+
+    kv_indices: torch.Tensor               # int64, CPU
+    state_slots: tuple[int, ...]
+
+
+def _common_prefix_len(edge: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
+    n = min(len(edge), len(tokens) - start)
+    if edge[:n] == tokens[start:start + n]:  # the common case, compared in C
+        return n
+    i = 0
+    while edge[i] == tokens[start + i]:
+        i += 1
+    return i
+
+
+class RadixTree:
+    """Prefix tree with token-granular edges, LRU eviction, and per-node GDN states.
+
+    Contract:
+    - `match` never mutates (not even LRU times); `lock` marks use.
+    - `insert` takes ownership of the caller's KV slots for tokens it did not hold and of the
+      state slot if it sets it; splits edges as needed (a split-off upper node has no state).
+    - `lock(node)`/`unlock(node)` ref-count the node and all its ancestors. A locked node is
+      never evicted, neither its KV nor its state. Splits keep the counts right: a lock taken on
+      a node stays valid for that node object (splits create the *upper* part as the new node).
+    - `evict` frees least-recently-used unlocked material: states first if asked (any unlocked
+      node, inner ones included: a state may go before its KV), then KV from unlocked leaves —
+      leaves without a state first (their KV lies past the last state on the path, useless for
+      resuming), trimmed from the tail when only part is needed; a leaf with a state goes whole,
+      state included.
+    """
+
+    def __init__(self) -> None:
+        self.root = RadixNode(tokens=(), kv=_EMPTY, parent=None, depth=0)
+        self._clock = 0
+        self.num_kv_tokens = 0   # KV slots owned by the tree
+        self.num_states = 0      # state slots owned by the tree
+        # Held by locked nodes: kept incrementally so that "how much could eviction free" is
+        # O(1) — the engine asks at every admission under memory pressure.
+        self._locked_kv_tokens = 0
+        self._locked_states = 0
+
+    # ---- lookup ----------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        tokens = tuple(tokens)
+        node, depth, pieces = self.root, 0, []
+        state_node: Optional[RadixNode] = None
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            n = _common_prefix_len(child.tokens, tokens, depth)
+            pieces.append(child.kv[:n])
+            depth += n
+            if n < len(child.tokens):
+                break  # partial edge: its KV counts, its end state does not
+            node = child
+            if node.state_slot is not None and node.depth <= len(tokens) - 1:
+                state_node = node
+        kv = torch.cat(pieces) if pieces else _EMPTY
+        return MatchResult(kv_len=depth, kv_indices=kv, state_node=state_node,
+                           state_slot=None if state_node is None else state_node.state_slot,
+                           resume_len=0 if state_node is None else state_node.depth)
+
+    # ---- insertion -------------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], kv_indices: torch.Tensor,
+               state_slot_at_end: Optional[int] = None) -> InsertResult:
+        tokens = tuple(tokens)
+        kv_indices = torch.as_tensor(kv_indices, dtype=torch.int64).reshape(-1).cpu()
+        if kv_indices.numel() != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {kv_indices.numel()} KV slots")
+        self._clock += 1
+        node, depth = self.root, 0
+        path_kv, dups = [], []
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                child = RadixNode(tokens=tokens[depth:], kv=kv_indices[depth:].clone(), parent=node,
+                                  depth=len(tokens))
+                node.children[tokens[depth]] = child
+                self.num_kv_tokens += len(child.tokens)
+                path_kv.append(child.kv)
+            else:
+                n = _common_prefix_len(child.tokens, tokens, depth)
+                if n < len(child.tokens):
+                    child = self._split(child, n)
+                mine = kv_indices[depth:depth + n]
+                dups.append(mine[mine != child.kv])  # equal slots were the tree's already (borrowed)
+                path_kv.append(child.kv)
+            child.last_access = self._clock
+            node, depth = child, child.depth
+        unused = state_slot_at_end
+        if state_slot_at_end is not None and node is not self.root and node.state_slot is None:
+            node.state_slot, unused = state_slot_at_end, None
+            self.num_states += 1
+            self._locked_states += node.lock_ref > 0
+        return InsertResult(node=node, kv_indices=torch.cat(path_kv) if path_kv else _EMPTY,
+                            dup_kv=torch.cat(dups) if dups else _EMPTY, unused_state=unused)
+
+    def _split(self, node: RadixNode, n: int) -> RadixNode:
+        """Cut `node`'s edge after n tokens; returns the new upper node (no state of its own)."""
+        parent = node.parent
+        upper = RadixNode(tokens=node.tokens[:n], kv=node.kv[:n].clone(), parent=parent,
+                          depth=node.depth - len(node.tokens) + n, lock_ref=node.lock_ref,
+                          last_access=node.last_access)
+        parent.children[upper.tokens[0]] = upper
+        node.tokens, node.kv, node.parent = node.tokens[n:], node.kv[n:].clone(), upper
+        upper.children[node.tokens[0]] = node
+        return upper
+
+    # ---- locking ---------------------------------------------------------------------------
+    def lock(self, node: RadixNode) -> None:
+        self._clock += 1
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._locked_kv_tokens += len(node.tokens)
+                self._locked_states += node.state_slot is not None
+            node.lock_ref += 1
+            node.last_access = self._clock
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("unlock of a node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._locked_kv_tokens -= len(node.tokens)
+                self._locked_states -= node.state_slot is not None
+            node = node.parent
+
+    # ---- eviction --------------------------------------------------------------------------
+    def evictable(self) -> tuple[int, int]:
+        """(KV tokens, states) that `evict` could free right now (everything not locked)."""
+        return self.num_kv_tokens - self._locked_kv_tokens, self.num_states - self._locked_states
+
+    def evict(self, num_kv_tokens: int, num_states: int = 0) -> Evicted:
+        """Free at least the asked amounts where possible (fewer if too much is locked)."""
+        freed_kv: list[torch.Tensor] = []
+        freed_states: list[int] = []
+        if num_states > 0:
+            candidates = sorted((n for n in self.nodes() if n.state_slot is not None and n.lock_ref == 0),
+                                key=lambda n: n.last_access)
+            for node in candidates[:num_states]:
+                freed_states.append(node.state_slot)
+                node.state_slot = None
+        if num_kv_tokens > 0:
+            freed_kv, leaf_states = self._evict_leaves(num_kv_tokens)
+            freed_states += leaf_states
+        self.num_states -= len(freed_states)
+        kv = torch.cat(freed_kv) if freed_kv else _EMPTY
+        self.num_kv_tokens -= kv.numel()
+        return Evicted(kv_indices=kv, state_slots=tuple(freed_states))
+
+    def _evict_leaves(self, num_kv_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
+        tie = itertools.count()  # heap entries never compare nodes
+        heap = [(n.state_slot is not None, n.last_access, next(tie), n)
+                for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed_kv, freed_states, count = [], [], 0
+        while count < num_kv_tokens and heap:
+            has_state, _, _, node = heapq.heappop(heap)
+            need = num_kv_tokens - count
+            if not has_state and need < len(node.tokens):
+                # Trim the tail only: the rest of the edge stays a valid (stateless) prefix.
+                freed_kv.append(node.kv[-need:])
+                node.tokens, node.kv, node.depth = node.tokens[:-need], node.kv[:-need].clone(), node.depth - need
+                count += need
+                break
+            freed_kv.append(node.kv)
+            if node.state_slot is not None:
+                freed_states.append(node.state_slot)
+            count += len(node.tokens)
+            parent = node.parent
+            del parent.children[node.tokens[0]]
+            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.state_slot is not None, parent.last_access, next(tie), parent))
+        return freed_kv, freed_states
+
+    # ---- inspection ------------------------------------------------------------------------
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every node except the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def owned_kv(self) -> torch.Tensor:
+        pieces = [n.kv for n in self.nodes()]
+        return torch.cat(pieces) if pieces else _EMPTY
+
+    def owned_states(self) -> list[int]:
+        return [n.state_slot for n in self.nodes() if n.state_slot is not None]
+
+    def audit(self) -> None:
+        """Structural invariants: edges, depths, children keys, lock counts, totals."""
+        kv_total = states = locked_kv = locked_states = 0
+        for node in self.nodes():
+            assert len(node.tokens) >= 1 and node.kv.numel() == len(node.tokens), "edge/KV length mismatch"
+            assert node.depth == node.parent.depth + len(node.tokens), "depth out of step with parent"
+            assert node.parent.children.get(node.tokens[0]) is node, "child keyed by a wrong token"
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock count below children"
+            kv_total += len(node.tokens)
+            states += node.state_slot is not None
+            locked_kv += len(node.tokens) if node.lock_ref else 0
+            locked_states += node.lock_ref > 0 and node.state_slot is not None
+        assert self.root.lock_ref == 0 and self.root.state_slot is None
+        assert kv_total == self.num_kv_tokens and states == self.num_states, "tree totals drifted"
+        assert (locked_kv, locked_states) == (self._locked_kv_tokens, self._locked_states), "locked totals drifted"

@@ -1,0 +1,304 @@
+"""The state cache the engine drives: prefix matching, per-request slots, tracking and
+donation of GDN states (extra_buffer / no_buffer), finish-time insertion, eviction."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Hashable, Literal, Optional, Sequence
+
+import torch
+
+from .audit import audit_state_cache
+from .kv_pool import KVPool
+from .radix_tree import MatchResult, RadixNode, RadixTree
+from .seq_handle import SeqHandle
+from .state_pool import GdnStatePool
+
+StateCacheMode = Literal["extra_buffer", "no_buffer"]
+_NO_MATCH = MatchResult(kv_len=0, kv_indices=torch.empty(0, dtype=torch.int64), state_node=None,
+                        state_slot=None, resume_len=0)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    mode: StateCacheMode = "extra_buffer"
+    prefix_cache: bool = True  # False: never match, never insert (every prompt from scratch)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("extra_buffer", "no_buffer"):
+            raise ValueError(f"mode must be 'extra_buffer' or 'no_buffer', not {self.mode!r}")
+
+    @property
+    def tracks(self) -> bool:
+        return self.prefix_cache and self.mode == "extra_buffer"
+
+    @property
+    def slots_per_request(self) -> int:
+        """State slots a running request holds: working (+ two track slots under extra_buffer)."""
+        return 3 if self.tracks else 1
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters since the cache was built (ReplaySSM flushes are counted by the engine)."""
+
+    kv_matched_tokens: int = 0     # prompt tokens whose KV matched at admission
+    reused_tokens: int = 0         # prompt tokens not recomputed (state matched: resume_len)
+    discarded_kv_tokens: int = 0   # KV matched past the resume point (no state there)
+    states_tracked: int = 0
+    states_donated: int = 0        # states the tree took (track donations + no_buffer finals)
+    states_evicted: int = 0
+    kv_evicted_tokens: int = 0
+    peak_kv_used: int = 0          # KV slots owned by requests or tree, at most
+    peak_states_used: int = 0
+
+
+class StateCache:
+    """Owns the radix tree and hands out pool slots to requests; the engine's only cache API.
+
+    Lifecycle of a request (call everything between model steps, never during one):
+    1. `admit(key, prompt)` → `SeqHandle` or None (no room even after evicting). The handle's
+       working slot holds the state after `resume_len` prompt tokens (copied from the cache, or
+       zero); KV slots exist for the whole prompt; compute prompt[resume_len:].
+    2. Before each step that feeds new tokens beyond the prompt (decode), `append(seq, ids)`
+       allocates their KV slots (returned; None when there is no room — preempt someone).
+       Only append tokens that will be fed to the model.
+    3. extra_buffer: after a step that leaves the working state at exactly `position` tokens,
+       `track(seq, position)` snapshots it into a track slot; `donate(seq)` hands the tracked
+       states to the tree (the engine may donate at once, or later). no_buffer: both no-ops.
+    4. `finish(seq)` when done: inserts the computed tokens' KV (and, by strategy, states) into the
+       tree, unlocks, frees the rest. `abort(seq)` (error, preemption): frees everything the
+       request owns, leaves the tree as it is.
+    `ensure_free` / `can_admit` evict least-recently-used unlocked cache contents to make room.
+    Ownership: every KV slot and state slot is owned by exactly one of: a request, the tree, the
+    free list; `audit()` checks it.
+    """
+
+    def __init__(self, kv_pool: KVPool, state_pool: GdnStatePool, config: CacheConfig = CacheConfig()) -> None:
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.config = config
+        self.tree = RadixTree()
+        self._counts = dict(asdict(CacheStats()))
+        self._live: dict[int, SeqHandle] = {}
+
+    # ---- queries ---------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        """What admission would reuse (no side effects)."""
+        return self.tree.match(tokens) if self.config.prefix_cache else _NO_MATCH
+
+    def stats(self) -> CacheStats:
+        return CacheStats(**self._counts)
+
+    @property
+    def running(self) -> list[SeqHandle]:
+        return list(self._live.values())
+
+    # ---- room ------------------------------------------------------------------------------
+    def ensure_free(self, num_kv: int, num_states: int = 0) -> bool:
+        """Evict until the pools have `num_kv` KV slots and `num_states` state slots free.
+
+        Returns False — evicting nothing — when that is impossible even after evicting every
+        unlocked cache entry.
+        """
+        short_kv = max(0, num_kv - self.kv_pool.num_free)
+        short_states = max(0, num_states - self.state_pool.num_free)
+        if not short_kv and not short_states:
+            return True
+        evictable_kv, evictable_states = self.tree.evictable()
+        if short_kv > evictable_kv or short_states > evictable_states:
+            return False
+        self.evict(short_kv, short_states)
+        return self.kv_pool.num_free >= num_kv and self.state_pool.num_free >= num_states
+
+    def evict(self, num_kv: int, num_states: int = 0) -> tuple[int, int]:
+        """Evict at least this much unlocked cache content (LRU, see `RadixTree.evict`) back to
+        the pools, whatever is free now; returns (KV tokens, states) actually freed."""
+        evicted = self.tree.evict(num_kv, num_states)
+        self.kv_pool.free(evicted.kv_indices)
+        self.state_pool.free(evicted.state_slots)
+        self._counts["kv_evicted_tokens"] += evicted.kv_indices.numel()
+        self._counts["states_evicted"] += len(evicted.state_slots)
+        return evicted.kv_indices.numel(), len(evicted.state_slots)
+
+    def can_admit(self, tokens: Sequence[int]) -> bool:
+        """Whether `admit(tokens)` would succeed now (it may evict to find out)."""
+        match = self.match(tokens)
+        if match.state_node is not None:
+            self.tree.lock(match.state_node)  # the reusable prefix must survive the eviction
+        try:
+            return self.ensure_free(len(tokens) - match.resume_len, self.config.slots_per_request)
+        finally:
+            if match.state_node is not None:
+                self.tree.unlock(match.state_node)
+
+    # ---- request lifecycle -----------------------------------------------------------------
+    def admit(self, key: Hashable, tokens: Sequence[int]) -> Optional[SeqHandle]:
+        """Match, lock the reused prefix, allocate slots, set the working state; None if no room."""
+        if len(tokens) < 1:
+            raise ValueError("a prompt needs at least one token")
+        match = self.match(tokens)
+        node, resume = match.state_node, match.resume_len
+        if node is not None:
+            self.tree.lock(node)
+        if not self.ensure_free(len(tokens) - resume, self.config.slots_per_request):
+            if node is not None:
+                self.tree.unlock(node)
+            return None
+        slots = [self.state_pool.alloc() for _ in range(self.config.slots_per_request)]
+        working = slots[0]
+        if node is not None:
+            self.state_pool.copy(match.state_slot, working)  # folded, cursor 0; the tree's copy stays
+        else:
+            self.state_pool.zero_(working)
+        new_kv = self.kv_pool.alloc(len(tokens) - resume)
+        seq = SeqHandle(key, tokens, torch.cat([match.kv_indices[:resume], new_kv]), working, slots[1:],
+                        node, resume_len=resume, matched_kv_len=match.kv_len)
+        self._live[id(seq)] = seq
+        self._counts["kv_matched_tokens"] += match.kv_len
+        self._counts["reused_tokens"] += resume
+        self._counts["discarded_kv_tokens"] += match.kv_len - resume
+        self._note_peaks()
+        return seq
+
+    def append(self, seq: SeqHandle, token_ids: Sequence[int]) -> Optional[torch.Tensor]:
+        """KV slots for tokens about to be fed (int64 CPU, one per token), or None if no room."""
+        if not self.ensure_free(len(token_ids)):
+            return None
+        kv = self.kv_pool.alloc(len(token_ids))
+        seq._extend(token_ids, kv)
+        self._note_peaks()
+        return kv
+
+    def track(self, seq: SeqHandle, position: int) -> bool:
+        """Snapshot the working state, which must be at exactly `position` tokens, into a track slot.
+
+        The snapshot is folded with cursor 0; the working slot is untouched. If both track slots
+        already hold undonated states, the older one is donated first. Returns False (nothing
+        done) under no_buffer / without prefix caching, when `position` is not past the part of
+        the sequence already in the tree, or when no state slot can be found.
+        """
+        self._check_live(seq)
+        if not self.config.tracks or not seq.tree_len < position <= seq.num_tokens:
+            return False
+        if not seq.idle_tracks and seq.filled_tracks:
+            self._donate_one(seq, *seq.filled_tracks.pop(0))
+        if not seq.idle_tracks:
+            fresh = self._alloc_state()
+            if fresh is None:
+                return False
+            seq.idle_tracks.append(fresh)
+        slot = seq.idle_tracks.pop()
+        self.state_pool.copy(seq.working_slot, slot)
+        seq.filled_tracks.append((position, slot))
+        self._counts["states_tracked"] += 1
+        return True
+
+    def donate(self, seq: SeqHandle) -> int:
+        """Give every tracked state to the tree node ending at its position; returns how many.
+
+        The tree takes the KV of tokens[:position] too; the sequence's kv_indices switch to the
+        tree's slots there (duplicates are freed) and its lock moves down to that node. Each
+        donated slot is replaced by a fresh track slot (cursor 0) when one can be had.
+        """
+        self._check_live(seq)
+        donated = 0
+        while seq.filled_tracks:
+            donated += self._donate_one(seq, *seq.filled_tracks.pop(0))
+        return donated
+
+    def finish(self, seq: SeqHandle, computed_len: Optional[int] = None) -> None:
+        """The sequence is done: cache what the strategy keeps, free the rest, forget the handle.
+
+        `computed_len` (default: all tokens) is how many tokens the model has consumed; KV slots
+        of tokens past it are freed, not cached. extra_buffer: tracked states are donated, then
+        the KV of all computed tokens is inserted (no state at the end). no_buffer: the working
+        state is flushed (cursor 0) and inserted at depth computed_len with that KV.
+        """
+        self._check_live(seq)
+        n = seq.num_tokens if computed_len is None else computed_len
+        if not 0 <= n <= seq.num_tokens:
+            raise ValueError(f"computed_len {n} outside 0..{seq.num_tokens}")
+        self.kv_pool.free(seq._truncate(max(n, seq.tree_len)))
+        if not self.config.prefix_cache:
+            self.abort(seq)
+            return
+        past_end = [slot for p, slot in seq.filled_tracks if p > n]  # snapshots of uncomputed tokens
+        seq.filled_tracks = [(p, slot) for p, slot in seq.filled_tracks if p <= n]
+        seq.idle_tracks += past_end
+        self.donate(seq)
+        keep_working = False
+        if self.config.mode == "no_buffer" and n > 0:
+            self.state_pool.flush(seq.working_slot)  # the tree must get a state with no pending entries
+            keep_working = self._insert(seq, n, seq.working_slot)
+        else:
+            self._insert(seq, n, None)
+        self._release(seq, free_working=not keep_working)
+
+    def abort(self, seq: SeqHandle) -> None:
+        """Free everything the sequence owns (KV past the tree part, all its state slots); unlock.
+        The tree is left as it is. Use for errors and preemption (re-admit later to resume)."""
+        self._check_live(seq)
+        self.kv_pool.free(seq.owned_kv.clone())
+        self._release(seq, free_working=True)
+
+    preempt = abort
+
+    # ---- internals -------------------------------------------------------------------------
+    def _donate_one(self, seq: SeqHandle, position: int, slot: int) -> int:
+        taken = self._insert(seq, position, slot)
+        self.state_pool.reset_cursor([slot])  # copy left it at 0 already; cheap insurance
+        if not taken:
+            seq.idle_tracks.append(slot)  # the tree had a state there; keep ours as the fresh track slot
+            return 0
+        fresh = self._alloc_state()
+        if fresh is not None:
+            self.state_pool.reset_cursor([fresh])
+            seq.idle_tracks.append(fresh)
+        return 1
+
+    def _insert(self, seq: SeqHandle, length: int, state_slot: Optional[int]) -> bool:
+        """Insert tokens[:length] (+ state at the end); adopt the tree's KV; move the lock down.
+        Returns whether the tree took `state_slot`."""
+        result = self.tree.insert(seq.tokens[:length], seq.kv_indices[:length], state_slot)
+        self.kv_pool.free(result.dup_kv)
+        seq._adopt_prefix(result.kv_indices)
+        if length > seq.tree_len:
+            self.tree.lock(result.node)  # before unlocking the old one: the shared path stays pinned
+            if seq.locked_node is not None:
+                self.tree.unlock(seq.locked_node)
+            seq.locked_node, seq.tree_len = result.node, length
+        taken = state_slot is not None and result.unused_state is None
+        self._counts["states_donated"] += taken
+        return taken
+
+    def _alloc_state(self) -> Optional[int]:
+        if not self.ensure_free(0, 1):
+            return None
+        slot = self.state_pool.alloc()
+        self._note_peaks()
+        return slot
+
+    def _release(self, seq: SeqHandle, free_working: bool) -> None:
+        slots = seq.idle_tracks + [s for _, s in seq.filled_tracks]
+        if free_working:
+            slots.append(seq.working_slot)
+        self.state_pool.free(slots)
+        if seq.locked_node is not None:
+            self.tree.unlock(seq.locked_node)
+        seq.locked_node, seq.idle_tracks, seq.filled_tracks = None, [], []
+        del self._live[id(seq)]
+
+    def _check_live(self, seq: SeqHandle) -> None:
+        if id(seq) not in self._live:
+            raise RuntimeError(f"sequence {seq.key!r} is not running in this cache (finished or aborted)")
+
+    def _note_peaks(self) -> None:
+        self._counts["peak_kv_used"] = max(self._counts["peak_kv_used"], self.kv_pool.num_used)
+        self._counts["peak_states_used"] = max(self._counts["peak_states_used"], self.state_pool.num_used)
+
+    # ---- invariants ------------------------------------------------------------------------
+    def audit(self, external_locks: Sequence[RadixNode] = ()) -> None:
+        """Every KV and state slot has exactly one owner (request, tree, free list); the tree's lock
+        counts equal the running sequences' locks plus `external_locks` (nodes locked directly).
+        Raises AssertionError otherwise. O(pool size + tree size): for tests and debugging."""
+        audit_state_cache(self, external_locks)

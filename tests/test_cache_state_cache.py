@@ -1,0 +1,195 @@
+"""StateCache request lifecycle: admission, tracking, donation, finish per strategy, abort, eviction."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache import CacheConfig, GdnStatePool, GdnStateShape, KVPool, KVShape, StateCache
+
+RING = 4
+
+
+def _cache(mode="extra_buffer", prefix_cache=True, kv_slots=64, state_slots=12) -> StateCache:
+    kv = KVPool(kv_slots, KVShape(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32))
+    shape = GdnStateShape(num_layers=1, conv_dim=6, conv_kernel=4, num_k_heads=1, num_v_heads=1, head_k_dim=2,
+                          head_v_dim=2, conv_dtype=torch.float32, ssm_dtype=torch.float32, ring_len=RING)
+    pool = GdnStatePool(state_slots, shape)
+    for t in pool.conv + pool.ssm + pool.ring_k + pool.ring_u:  # garbage, as left by earlier tenants
+        t.normal_()
+    pool.cursor.fill_(2)
+    return StateCache(kv, pool, CacheConfig(mode=mode, prefix_cache=prefix_cache))
+
+
+def _tree_kv(cache, tokens):
+    return cache.tree.match(tokens).kv_indices
+
+
+def test_admit_fresh_zeroes_working_state_and_allocates():
+    cache = _cache()
+    seq = cache.admit("a", [3, 1, 4, 1, 5])
+    pool = cache.state_pool
+    assert seq.resume_len == 0 and seq.num_tokens == 5 and seq.kv_indices.numel() == 5
+    assert not pool.conv[0][seq.working_slot].any() and not pool.ssm[0][seq.working_slot].any()
+    assert int(pool.cursor[seq.working_slot]) == 0
+    assert len(seq.state_slots()) == 3 and cache.kv_pool.num_used == 5
+    assert len(_cache(mode="no_buffer").admit("b", [1, 2]).state_slots()) == 1
+    cache.audit()
+
+
+def test_extra_buffer_track_donate_finish_then_resume():
+    cache = _cache()
+    prompt = [7, 7, 1, 2, 3, 4, 5, 6, 9]
+    a = cache.admit("a", prompt)
+    assert cache.track(a, 6) and a.filled_tracks[0][0] == 6
+    tracked_slot = a.filled_tracks[0][1]
+    assert cache.donate(a) == 1
+    assert a.tree_len == 6 and a.locked_node.depth == 6 and a.locked_node.state_slot == tracked_slot
+    assert len(a.idle_tracks) == 2 and torch.equal(a.kv_indices[:6], _tree_kv(cache, prompt[:6]))
+    cache.audit()
+    assert cache.append(a, [11]).numel() == 1
+    cache.finish(a)
+    cache.audit()
+    assert cache.tree.num_kv_tokens == 10 and cache.tree.num_states == 1  # KV of prompt+output, one state
+
+    b = cache.admit("b", prompt[:6] + [8, 8])
+    assert (b.resume_len, b.matched_kv_len) == (6, 6)
+    assert torch.equal(b.kv_indices[:6], _tree_kv(cache, prompt[:6]))
+    torch.testing.assert_close(cache.state_pool.ssm[0][b.working_slot], cache.state_pool.ssm[0][tracked_slot])
+    c = cache.admit("c", prompt[:8] + [0])  # KV matches 8 tokens but the state is at 6
+    stats = cache.stats()
+    assert (c.resume_len, stats.kv_matched_tokens, stats.reused_tokens, stats.discarded_kv_tokens) == (6, 14, 12, 2)
+    assert (stats.states_tracked, stats.states_donated) == (1, 1)
+    cache.audit()
+
+
+def test_no_buffer_inserts_final_state_only():
+    cache = _cache(mode="no_buffer")
+    prompt = [1, 2, 3, 4, 5]
+    a = cache.admit("a", prompt)
+    assert not cache.track(a, 3) and cache.donate(a) == 0
+    cache.state_pool.cursor[a.working_slot] = 3  # pending ring entries at finish
+    cache.append(a, [6])
+    cache.append(a, [7])
+    cache.finish(a)
+    node = cache.tree.match(prompt + [6, 7, 8]).state_node
+    assert node.depth == 7 and int(cache.state_pool.cursor[node.state_slot]) == 0  # flushed
+    b = cache.admit("b", prompt + [9])  # shares the prompt only: the state at 7 is out of reach
+    assert (b.resume_len, b.matched_kv_len) == (0, 5)
+    assert cache.stats().discarded_kv_tokens == 5 and cache.stats().states_donated == 1
+    cache.audit()
+
+
+def test_sample_siblings_resume_from_state_one_before_the_end():
+    cache = _cache()
+    prompt = [4, 4, 4, 2]
+    first = cache.admit("s0", prompt)
+    cache.track(first, len(prompt) - 1)
+    cache.donate(first)
+    second = cache.admit("s1", prompt)
+    assert second.resume_len == len(prompt) - 1
+    cache.audit()
+
+
+def test_without_prefix_cache_nothing_is_kept():
+    cache = _cache(prefix_cache=False)
+    a = cache.admit("a", [1, 2, 3])
+    assert len(a.state_slots()) == 1 and not cache.track(a, 2)
+    cache.finish(a)
+    b = cache.admit("b", [1, 2, 3, 4])
+    assert b.matched_kv_len == 0 and b.resume_len == 0
+    cache.finish(b)
+    cache.audit()
+    assert cache.kv_pool.num_used == 0 and cache.state_pool.num_used == 0 and cache.tree.num_kv_tokens == 0
+
+
+def test_abort_frees_everything_and_leaves_tree():
+    cache = _cache()
+    a = cache.admit("a", [1, 2, 3, 4, 5, 6])
+    cache.track(a, 4)
+    cache.donate(a)
+    cache.finish(a)
+    tree_before = (cache.tree.num_kv_tokens, cache.tree.num_states)
+    b = cache.admit("b", [1, 2, 3, 4, 9, 9, 9])
+    cache.append(b, [5])
+    cache.track(b, 6)
+    cache.abort(b)
+    assert (cache.tree.num_kv_tokens, cache.tree.num_states) == tree_before
+    assert cache.kv_pool.num_used == tree_before[0] and cache.state_pool.num_used == tree_before[1]
+    assert all(n.lock_ref == 0 for n in cache.tree.nodes())
+    with pytest.raises(RuntimeError):
+        cache.finish(b)
+    cache.audit()
+
+
+def test_concurrent_donation_of_the_same_prefix_dedups():
+    cache = _cache()
+    a = cache.admit("a", [1, 2, 3, 4, 5])
+    b = cache.admit("b", [1, 2, 3, 4, 6])  # admitted before anything was cached
+    for seq in (a, b):
+        cache.track(seq, 4)
+    assert cache.donate(a) == 1
+    b_own_prefix = b.kv_indices[:4].clone()
+    assert cache.donate(b) == 0  # the node already has a state: b keeps its slot as a track slot
+    assert torch.equal(b.kv_indices[:4], a.kv_indices[:4])
+    assert set(b_own_prefix.tolist()).isdisjoint(set(a.kv_indices[:4].tolist()))
+    assert cache.kv_pool.num_used == 4 + 1 + 1 and len(b.idle_tracks) == 2
+    cache.audit()
+
+
+def test_third_track_donates_the_oldest_first():
+    cache = _cache()
+    seq = cache.admit("a", list(range(10)))
+    for position in (3, 6, 9):
+        assert cache.track(seq, position)
+    assert [p for p, _ in seq.filled_tracks] == [6, 9] and cache.tree.match(list(range(5))).resume_len == 3
+    assert not cache.track(seq, 2)  # not past what the tree already holds for this sequence
+    cache.finish(seq)
+    assert cache.tree.num_states == 3
+    cache.audit()
+
+
+def test_finish_with_uncomputed_tail_frees_it():
+    cache = _cache()
+    seq = cache.admit("a", [1, 2, 3])
+    cache.append(seq, [4])
+    cache.track(seq, 4)
+    cache.finish(seq, computed_len=3)
+    assert cache.tree.num_kv_tokens == 3 and cache.tree.num_states == 0 and cache.kv_pool.num_used == 3
+    cache.audit()
+
+
+def test_admission_evicts_lru_but_never_a_running_prefix():
+    cache = _cache(kv_slots=12, state_slots=7)
+    old = cache.admit("old", [5, 5, 5, 5])
+    cache.track(old, 3)
+    cache.finish(old)                                   # tree: 4 KV, 1 state (LRU)
+    keep = cache.admit("keep", [1, 1, 1, 1])
+    cache.track(keep, 3)
+    cache.donate(keep)                                  # running, its prefix locked
+    assert cache.admit("big", list(range(20, 29))) is None  # 9 KV: 4 free + 4 evictable is not enough
+    assert cache.tree.num_kv_tokens == 7                # ... and nothing was evicted trying
+    new = cache.admit("new", list(range(20, 28)))       # 8 KV: evicts "old" (KV and its state)
+    assert new is not None and cache.stats().kv_evicted_tokens == 4 and cache.stats().states_evicted == 1
+    assert cache.tree.match([1, 1, 1, 1]).resume_len == 3
+    assert not cache.can_admit([9])                     # no KV slot left, nothing evictable
+    cache.audit()
+
+
+def test_audit_catches_ownership_and_lock_errors():
+    cache = _cache()
+    a = cache.admit("a", [1, 2, 3, 4])
+    cache.track(a, 3)
+    cache.donate(a)
+    cache.audit()
+    a.idle_tracks.append(a.working_slot)  # one slot, two owners
+    with pytest.raises(AssertionError, match="two owners"):
+        cache.audit()
+    a.idle_tracks.pop()
+    leaked = cache.kv_pool.alloc(1)  # allocated but owned by no one
+    with pytest.raises(AssertionError, match="unowned"):
+        cache.audit()
+    cache.kv_pool.free(leaked)
+    cache.tree.lock(a.locked_node)  # a lock nobody accounts for
+    with pytest.raises(AssertionError, match="lock count"):
+        cache.audit()
+    cache.audit(external_locks=[a.locked_node])
