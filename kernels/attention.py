@@ -1,0 +1,292 @@
+"""Triton attention over a token-granular KV pool (contract: docs/MODULES.md; reference:
+kernels/ref/attention.py).
+
+- `store_kv`: one program per new token copies its k and v rows into the pools.
+- `attention_decode`: split-K flash decoding. One program per (sequence, KV head, split)
+  streams its share of the gathered context once for all GQA query heads of that KV head
+  (they are the rows of one tl.dot), then a small kernel merges the splits by their
+  log-sum-exp. Decode is bound by KV bytes, so the split count only has to give enough
+  programs to keep every SM streaming; it is chosen from shapes alone (no device sync, so
+  the launch can be captured in a CUDA graph).
+- `attention_prefill`: a causal varlen flash kernel over the slot table (Triton, not
+  gather + SDPA: the gather would copy every cached prefix once per step and SDPA cannot
+  take a per-sequence offset causal mask without materialising it).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+# The Triton interpreter (CPU tests) keeps scalars as 1-element arrays, which Python's
+# range() rejects as a bound; the tile loops fall back to `while` there. Compiled kernels keep
+# `for`, which Triton software-pipelines (it does not pipeline `while`).
+_LOOP_AS_WHILE = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _attend_tile(q, m, l, acc, n0, hi, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr, ctx_start, kv_head,
+                 stride_kc, stride_kh, stride_vc, stride_vh, scale, offs_d, mask_d,
+                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over context positions [n0, n0 + BLOCK_N) ∩ [0, hi).
+
+    q [R, BD]; m, l [R]; acc [R, BD] fp32; q_pos [R] (context position of each row; with
+    CAUSAL a row sees keys at positions <= its own). Returns the updated (m, l, acc).
+    """
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hi
+    slot = tl.load(kv_indices_ptr + ctx_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    keys = tl.load(k_cache_ptr + slot[:, None] * stride_kc + kv_head * stride_kh + offs_d[None, :],
+                   mask=kv_mask, other=0.0)  # [BN, BD]
+    values = tl.load(v_cache_ptr + slot[:, None] * stride_vc + kv_head * stride_vh + offs_d[None, :],
+                     mask=kv_mask, other=0.0)  # [BN, BD]
+    scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * scale  # [R, BN]
+    visible = mask_n[None, :]
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= q_pos[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
+    # Every row sees at least one key in its first tile, so m is finite from then on (no inf - inf).
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+                     stride_kt, stride_vt, stride_kc, stride_vc,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    for start in range(0, ROW, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < ROW
+        key = tl.load(k_ptr + token * stride_kt + offs, mask=mask)
+        value = tl.load(v_ptr + token * stride_vt + offs, mask=mask)
+        tl.store(k_cache_ptr + slot * stride_kc + offs, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + slot * stride_vc + offs, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, d] with each token's H·d values contiguous (what the kernels index)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def store_kv(k, v, k_cache, v_cache, out_slots) -> None:
+    """Scatter k, v [T, H_kv, d] into k_cache, v_cache [S_kv, H_kv, d] at out_slots [T]."""
+    T = k.shape[0]
+    if T == 0:
+        return
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    k, v = _rows(k), _rows(v)
+    row = k.shape[1] * k.shape[2]
+    _store_kv_kernel[(T,)](k, v, k_cache, v_cache, out_slots,
+                           k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
+                           ROW=row, BLOCK=min(1024, triton.next_power_of_2(row)))
+
+
+@triton.jit
+def _attn_decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_indptr_ptr, part_o_ptr, part_lse_ptr,
+    stride_qb, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    scale, num_splits,
+    GROUP: tl.constexpr, D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LOOP_AS_WHILE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_start = tl.load(kv_indptr_ptr + seq).to(tl.int64)
+    ctx_len = (tl.load(kv_indptr_ptr + seq + 1) - ctx_start).to(tl.int32)
+    # Each split takes a whole number of BLOCK_N tiles; trailing splits may be empty.
+    per_split = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, ctx_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < D
+    heads = kv_head * GROUP + offs_h  # the GQA query heads of this KV head
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [BH, BD]
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if LOOP_AS_WHILE:
+        n0 = lo
+        while n0 < hi:
+            m, l, acc = _attend_tile(q, m, l, acc, n0, hi, offs_h, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
+                                     ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
+                                     offs_d, mask_d, False, BLOCK_N, DOT_PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            m, l, acc = _attend_tile(q, m, l, acc, n0, hi, offs_h, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
+                                     ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
+                                     offs_d, mask_d, False, BLOCK_N, DOT_PRECISION)
+
+    # An empty split leaves l = 0: its lse is -inf and it carries no weight in the merge.
+    lse = tl.where(l > 0, m + tl.log(tl.maximum(l, 1e-30)), float("-inf"))
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(part_o_ptr + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
+             out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(part_lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _attn_decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, o_ptr,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < D
+    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, 0))  # [BS]; empty splits get 0
+    parts = tl.load(part_o_ptr + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                    mask=(mask_s & (lse > float("-inf")))[:, None] & mask_d[None, :], other=0.0)  # [BS, BD]
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs must not silently drop to tf32: tests compare fp32 against the reference."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _num_decode_splits(batch: int, kv_heads: int, total_ctx: int, device: torch.device) -> int:
+    """Enough (sequence, KV head, split) programs to fill the GPU ~4 times over, but no split
+    shorter than ~256 tokens. Uses shapes only: kv_indices.numel() is known on the host."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    avg_ctx = max(1, total_ctx // max(1, batch))
+    want = triton.cdiv(4 * sms, batch * kv_heads)
+    return max(1, min(want, triton.cdiv(avg_ctx, 256), 64))
+
+
+def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, out=None,
+                     num_splits: int | None = None, block_n: int = 32, num_warps: int = 4, num_stages: int = 2):
+    """One query per sequence over its whole context. q [B, H, d] → o [B, H, d] in q.dtype.
+
+    Keyword knobs (`num_splits`, `block_n`, `num_warps`, `num_stages`) are for benchmarks/tests.
+    """
+    B, H, d = q.shape
+    H_kv = k_cache.shape[1]
+    o = torch.empty_like(q) if out is None else out
+    if B == 0:
+        return o
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    splits = num_splits or _num_decode_splits(B, H_kv, kv_indices.numel(), q.device)
+    part_o = torch.empty((B, H, splits, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    group = H // H_kv
+    block_d = triton.next_power_of_2(d)
+    _attn_decode_split_kernel[(B, H_kv, splits)](
+        q, k_cache, v_cache, kv_indices, kv_indptr, part_o, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        scale, splits,
+        GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), LOOP_AS_WHILE=_LOOP_AS_WHILE,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _attn_decode_merge_kernel[(B, H)](
+        part_o, part_lse, o,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        o.stride(0), o.stride(1),
+        splits, D=d, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+    )
+    return o
+
+
+@triton.jit
+def _attn_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_indptr_ptr, cu_seqlens_ptr, o_ptr,
+    stride_qt, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh, stride_ot, stride_oh,
+    scale,
+    GROUP: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LOOP_AS_WHILE: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    n_new = (tl.load(cu_seqlens_ptr + seq + 1) - q_start).to(tl.int32)
+    if q_block * BLOCK_M >= n_new:
+        return
+    ctx_start = tl.load(kv_indptr_ptr + seq).to(tl.int64)
+    ctx_len = (tl.load(kv_indptr_ptr + seq + 1) - ctx_start).to(tl.int32)
+
+    offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < n_new
+    mask_d = offs_d < D
+    q_pos = ctx_len - n_new + offs_m  # context position of each query row
+    q = tl.load(q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [BM, BD]
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys beyond the block's last query position are masked for every row: stop there.
+    kv_end = tl.minimum(ctx_len, ctx_len - n_new + (q_block + 1) * BLOCK_M)
+    if LOOP_AS_WHILE:
+        n0 = 0
+        while n0 < kv_end:
+            m, l, acc = _attend_tile(q, m, l, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
+                                     ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
+                                     offs_d, mask_d, True, BLOCK_N, DOT_PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(0, kv_end, BLOCK_N):
+            m, l, acc = _attend_tile(q, m, l, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
+                                     ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
+                                     offs_d, mask_d, True, BLOCK_N, DOT_PRECISION)
+
+    out = acc / l[:, None]
+    tl.store(o_ptr + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def attention_prefill(q, k_cache, v_cache, kv_indices, kv_indptr, cu_seqlens, scale, *, out=None,
+                      max_seqlen: int | None = None, block_m: int = 64, block_n: int = 32, num_warps: int = 8):
+    """Causal varlen attention; each sequence's new tokens are the last of its context.
+
+    q [T, H, d] → o [T, H, d] in q.dtype. `max_seqlen` (longest new-token run) sizes the
+    grid; without it one device sync reads it from cu_seqlens.
+    """
+    T, H, d = q.shape
+    H_kv = k_cache.shape[1]
+    B = cu_seqlens.numel() - 1
+    o = torch.empty_like(q) if out is None else out
+    if T == 0 or B == 0:
+        return o
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    block_d = triton.next_power_of_2(d)
+    grid = (triton.cdiv(max_seqlen, block_m), B, H)
+    _attn_prefill_kernel[grid](
+        q, k_cache, v_cache, kv_indices, kv_indptr, cu_seqlens, o,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        o.stride(0), o.stride(1),
+        scale,
+        GROUP=H // H_kv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype), LOOP_AS_WHILE=_LOOP_AS_WHILE, num_warps=num_warps,
+    )
+    return o
