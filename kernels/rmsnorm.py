@@ -1,0 +1,62 @@
+"""Triton RMSNorms: one row per program, the whole row in registers (N ≤ a few thousand).
+
+`rms_norm` scales by `(1 + weight)` (residual-stream norm of the Qwen3.5 family);
+`gated_rms_norm` scales by the plain weight and multiplies by `silu(z)` (GDN output norm).
+Both compute in fp32 and return x.dtype; references: kernels/ref/norm.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr,
+    stride_x, stride_z, stride_out, N, eps,
+    GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    if GATED:
+        z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * w * (z * tl.sigmoid(z))
+    else:
+        y = y * (1.0 + w)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., N] → a [M, N] view with unit column stride (copies only if it must)."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x_rows = _as_rows(x)  # [M, N]
+    z_rows = _as_rows(z) if z is not None else x_rows
+    out = torch.empty(x_rows.shape, dtype=x.dtype, device=x.device)
+    M, N = x_rows.shape
+    if M > 0:
+        block_n = triton.next_power_of_2(N)
+        _rms_norm_kernel[(M,)](
+            x_rows, z_rows, weight, out,
+            x_rows.stride(0), z_rows.stride(0), out.stride(0), N, eps,
+            GATED=z is not None, BLOCK_N=block_n, num_warps=min(16, max(1, block_n // 256)),
+        )
+    return out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / rms(x) · (1 + weight)` over the last dim; output in x.dtype."""
+    return _launch(x, None, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / rms(x) · weight · silu(z)` over the last dim; output in x.dtype."""
+    return _launch(x, z, weight, eps)

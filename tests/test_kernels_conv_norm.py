@@ -1,0 +1,154 @@
+"""Conv1d and RMSNorm: references vs transformers' Qwen3-Next code, Triton kernels vs references.
+
+Without CUDA the Triton kernels run in the interpreter (tests/conftest.py), so shapes stay tiny;
+the CUDA variants repeat the comparisons at model shapes in bf16.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import conv1d as tri_conv
+from kernels import rmsnorm as tri_norm
+from kernels.ref import conv1d as ref_conv
+from kernels.ref import norm as ref_norm
+from tests.conftest import requires_cuda
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+LENGTHS = [1, 2, 63, 64, 65]  # shorter than K-1, chunk boundaries, several sequences
+SLOTS = [4, 0, 6, 2, 5]  # out of order, not all slots used
+
+
+def _hf_conv(seq: torch.Tensor, history: torch.Tensor, weight, bias) -> torch.Tensor:
+    """Independent ground truth: F.conv1d over (history | sequence), as transformers' causal_conv1d_fn."""
+    window = torch.cat([history.float(), seq.float().t()], dim=-1)[None]  # [1, D, K-1+L]
+    bias32 = bias.float() if bias is not None else None
+    out = F.conv1d(window, weight.float()[:, None, :], bias32, groups=weight.shape[0])
+    return F.silu(out[0]).t()  # [L, D]
+
+
+def _conv_case(D=40, K=4, num_slots=8, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(LENGTHS)
+    x = torch.randn(T, D, generator=gen).to(device, dtype)
+    weight = torch.randn(D, K, generator=gen).to(device, dtype)
+    bias = torch.randn(D, generator=gen).to(device, dtype)
+    state = torch.randn(num_slots, D, K - 1, generator=gen).to(device, dtype)  # non-zero history
+    cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return x, weight, bias, state, torch.tensor(SLOTS, device=device), cu
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_ref_conv_prefill_matches_full_convolution(with_bias):
+    x, weight, bias, state, slots, cu = _conv_case()
+    bias = bias if with_bias else None
+    old = state.clone()
+    out = ref_conv.causal_conv1d_prefill(x, weight, bias, state, slots, cu)
+    for i, slot in enumerate(SLOTS):
+        seq = x[cu[i]:cu[i + 1]]
+        torch.testing.assert_close(out[cu[i]:cu[i + 1]], _hf_conv(seq, old[slot], weight, bias), rtol=1e-5, atol=1e-5)
+        expect_state = torch.cat([old[slot], seq.t()], dim=-1)[:, -3:]  # reaches into old state when L < 3
+        torch.testing.assert_close(state[slot], expect_state, rtol=0, atol=0)
+    untouched = [s for s in range(state.shape[0]) if s not in SLOTS]
+    assert torch.equal(state[untouched], old[untouched])
+
+
+def test_ref_conv_decode_continues_prefill():
+    x, weight, bias, state, slots, cu = _conv_case()
+    old = state.clone()
+    ref_conv.causal_conv1d_prefill(x, weight, bias, state, slots, cu)
+    steps = torch.randn(3, len(SLOTS), x.shape[1])
+    outs = [ref_conv.causal_conv1d_decode(steps[s], weight, bias, state, slots) for s in range(3)]
+    for i, slot in enumerate(SLOTS):
+        seq = torch.cat([x[cu[i]:cu[i + 1]], steps[:, i]])
+        expect = _hf_conv(seq, old[slot], weight, bias)[-3:]
+        torch.testing.assert_close(torch.stack([o[i] for o in outs]), expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_triton_conv_prefill_matches_reference(device, with_bias):
+    D = 40 if device == "cpu" else 2 * 16 * 128 + 48 * 128
+    x, weight, bias, state, slots, cu = _conv_case(D=D, device=device)
+    bias = bias if with_bias else None
+    ref_state = state.clone()
+    expect = ref_conv.causal_conv1d_prefill(x, weight, bias, ref_state, slots, cu)
+    got = tri_conv.causal_conv1d_prefill(x, weight, bias, state, slots, cu)
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_conv_prefill_strided_input_and_bf16_state(device):
+    """x as a column slice of a wider projection (the model splits q|k|v|z), bf16 everywhere."""
+    x, weight, bias, state, slots, cu = _conv_case(D=48, device=device, dtype=torch.bfloat16)
+    wide = torch.randn(x.shape[0], 80, device=device, dtype=torch.bfloat16)
+    wide[:, 8:56] = x
+    x_view = wide[:, 8:56]
+    ref_state = state.clone()
+    expect = ref_conv.causal_conv1d_prefill(x, weight, bias, ref_state, slots, cu)
+    got = tri_conv.causal_conv1d_prefill(x_view, weight, bias, state, slots, cu)
+    torch.testing.assert_close(got.float(), expect.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_conv_decode_matches_reference(device):
+    x, weight, bias, state, slots, cu = _conv_case(D=40, device=device)
+    ref_state = state.clone()
+    for step in range(3):
+        xt = torch.randn(len(SLOTS), 40, device=device)
+        expect = ref_conv.causal_conv1d_decode(xt, weight, bias, ref_state, slots)
+        got = tri_conv.causal_conv1d_decode(xt, weight, bias, state, slots)
+        torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
+
+
+def _hf_norms():
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRMSNormGated
+
+    return Qwen3NextRMSNorm, Qwen3NextRMSNormGated
+
+
+def test_ref_norms_match_transformers():
+    rms_cls, gated_cls = _hf_norms()
+    x, z = torch.randn(5, 3, 48), torch.randn(5, 3, 48)
+    plain, gated = rms_cls(48, eps=1e-6), gated_cls(48, eps=1e-6)
+    with torch.no_grad():
+        plain.weight.normal_()
+        gated.weight.normal_()
+        torch.testing.assert_close(ref_norm.rms_norm(x, plain.weight, 1e-6), plain(x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ref_norm.gated_rms_norm(x, z, gated.weight, 1e-6), gated(x, z), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [48, 100])  # power of two and not
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_norms_match_reference(device, n, dtype):
+    x = torch.randn(7, 3, n, device=device, dtype=dtype) * 3
+    z = torch.randn(7, 3, n, device=device, dtype=dtype)
+    weight = torch.randn(n, device=device)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(tri_norm.rms_norm(x, weight, 1e-6), ref_norm.rms_norm(x, weight, 1e-6), **tol)
+    torch.testing.assert_close(
+        tri_norm.gated_rms_norm(x, z, weight, 1e-6), ref_norm.gated_rms_norm(x, z, weight, 1e-6), **tol
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_norm_on_strided_rows(device):
+    """A row slice of a wider tensor (e.g. one half of a fused projection) normalises correctly."""
+    wide = torch.randn(6, 96, device=device)
+    x = wide[:, 16:80]
+    weight = torch.randn(64, device=device)
+    torch.testing.assert_close(tri_norm.rms_norm(x, weight, 1e-6), ref_norm.rms_norm(x, weight, 1e-6))
+
+
+@requires_cuda
+def test_triton_norm_model_width_bf16():
+    x = torch.randn(333, 5120, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(5120, device="cuda") * 0.1
+    got = tri_norm.rms_norm(x, weight, 1e-6).float()
+    expect = ref_norm.rms_norm(x, weight, 1e-6).float()
+    assert ((got - expect).norm() / expect.norm()).item() < 4e-3

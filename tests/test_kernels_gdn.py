@@ -1,0 +1,233 @@
+"""Gated DeltaNet: references vs transformers and vs the token recurrence; Triton vs references.
+
+CPU runs the Triton kernels in the interpreter (tests/conftest.py) at tiny shapes: H_k=2, H_v=4
+(so a wrong key-head mapping shows), chunk 64 with lengths 1/63/64/65/130, slots out of order,
+a non-zero initial state, and slots that must stay untouched. CUDA repeats them at model shapes
+in bf16 against an fp32 reference on the same bf16-rounded inputs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import gdn_decode as tri_decode
+from kernels import gdn_prefill as tri_prefill
+from kernels.ref import gdn as ref
+from tests.conftest import requires_cuda
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+LENGTHS = [1, 63, 64, 65, 130]
+SLOTS = [5, 2, 7, 0, 3]
+NUM_SLOTS = 9
+
+
+def make_inputs(lengths, H_k=2, H_v=4, d_k=16, d_v=32, device="cpu", dtype=torch.float32, seed=0,
+                correlated_keys=False):
+    """Fresh random GDN inputs for packed sequences, plus a random state pool (never zeros)."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
+
+    k = rnd(T, H_k, d_k)
+    if correlated_keys:  # nearly parallel keys: the hardest case for the triangular solve
+        k = (torch.randn(1, H_k, d_k, generator=gen) + 0.05 * torch.randn(T, H_k, d_k, generator=gen)).to(device, dtype)
+    inputs = dict(
+        q=rnd(T, H_k, d_k), k=k, v=rnd(T, H_v, d_v),
+        a=rnd(T, H_v), b=rnd(T, H_v, scale=2.0),
+        A_log=(torch.rand(H_v, generator=gen) * 2 - 1.5).to(device),  # decays from mild to strong
+        dt_bias=torch.randn(H_v, generator=gen).to(device),
+    )
+    state = (torch.randn(NUM_SLOTS, H_v, d_k, d_v, generator=gen) * 0.5).to(device)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return inputs, state, cu
+
+
+def _slots(n, device):
+    return torch.tensor(SLOTS[:n], device=device)
+
+
+def _untouched(slots):
+    return [s for s in range(NUM_SLOTS) if s not in slots.tolist()]
+
+
+def _rel_err(got: torch.Tensor, expect: torch.Tensor) -> float:
+    return ((got.float() - expect.float()).norm() / expect.float().norm()).item()
+
+
+# ---------------------------------------------------------------- references
+
+
+def test_ref_chunked_matches_recurrence():
+    x, state, cu = make_inputs(LENGTHS)
+    slots = _slots(len(LENGTHS), "cpu")
+    expect_state = state.clone()
+    expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
+    original = state.clone()
+    got = ref.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, expect_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state[_untouched(slots)], original[_untouched(slots)])
+    assert not torch.allclose(state[slots], original[slots])  # the states did move
+
+
+def test_ref_chunked_is_stable_for_correlated_keys():
+    x, state, cu = make_inputs([130, 64], correlated_keys=True, seed=3)
+    slots, expect_state = _slots(2, "cpu"), state.clone()
+    expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
+    got = ref.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
+    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, expect_state, rtol=1e-4, atol=1e-4)
+
+
+def test_ref_matches_transformers():
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    x, state, cu = make_inputs([130], seed=1)
+    g, beta = ref.gdn_gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
+    hf_args = (x["q"][None], x["k"][None], x["v"][None], g[None], beta[None])
+    for hf_rule in (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule):
+        hf_out, hf_state = hf_rule(
+            *hf_args, initial_state=state[4:5].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+        ours_state = state.clone()
+        ours = ref.gdn_prefill(**x, state=ours_state, slots=torch.tensor([4]), cu_seqlens=cu)
+        torch.testing.assert_close(ours, hf_out[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours_state[4], hf_state[0], rtol=1e-5, atol=1e-5)
+
+
+def test_ref_decode_continues_prefill():
+    """prefill(n) then 3 decode steps == prefill(n + 3), per sequence, with the batch out of order."""
+    lengths = [5, 64, 70]
+    x, state, cu = make_inputs([n + 3 for n in lengths], seed=2)
+    slots = _slots(3, "cpu")
+    full_state = state.clone()
+    full = ref.gdn_prefill(**x, state=full_state, slots=slots, cu_seqlens=cu)
+
+    starts = cu[:-1].tolist()
+    head = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+    head_cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    pick = lambda idx: {name: (t[idx] if t.dim() > 1 else t) for name, t in x.items()}  # noqa: E731
+    ref.gdn_prefill(**pick(head), state=state, slots=slots, cu_seqlens=head_cu)
+    for step in range(3):
+        rows = torch.tensor([s + n + step for s, n in zip(starts, lengths)])
+        out = ref.gdn_decode(**pick(rows), state=state, slots=slots)
+        torch.testing.assert_close(out, full[rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, full_state, rtol=1e-5, atol=1e-5)
+
+
+def test_ref_bf16_state_pool_rounds_only_at_the_ends():
+    x, state, cu = make_inputs([70, 3])
+    slots = _slots(2, "cpu")
+    pool = state.to(torch.bfloat16)
+    fp32_pool = pool.float()
+    expect = ref.gdn_prefill(**x, state=fp32_pool, slots=slots, cu_seqlens=cu)
+    got = ref.gdn_prefill(**x, state=pool, slots=slots, cu_seqlens=cu)
+    torch.testing.assert_close(got, expect, rtol=0, atol=0)
+    assert torch.equal(pool, fp32_pool.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------- Triton prefill
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_prefill_matches_reference(device):
+    x, state, cu = make_inputs(LENGTHS, device=device)
+    slots = _slots(len(LENGTHS), device)
+    expect_state, original = state.clone(), state.clone()
+    expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
+    got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
+    torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
+    assert torch.equal(state[_untouched(slots)], original[_untouched(slots)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_prefill_strided_views_empty_sequence_bf16_pool(device):
+    """q|k|v as column views of one conv output (as the model passes them), a zero-length
+    sequence (state must come back unchanged), correlated keys, and a bf16 state pool."""
+    lengths = [65, 0, 3]
+    x, state, cu = make_inputs(lengths, H_k=1, H_v=2, device=device, seed=5, correlated_keys=True)
+    T = sum(lengths)
+    packed = torch.cat([x["q"].reshape(T, -1), x["k"].reshape(T, -1), x["v"].reshape(T, -1)], dim=1)
+    views = dict(x, q=packed[:, :16].view(T, 1, 16), k=packed[:, 16:32].view(T, 1, 16), v=packed[:, 32:].view(T, 2, 32))
+    assert not views["q"].is_contiguous()
+    slots = _slots(3, device)
+    pool = state.to(torch.bfloat16)
+    expect_pool = pool.clone()
+    expect = ref.gdn_prefill(**x, state=expect_pool, slots=slots, cu_seqlens=cu)
+    got = tri_prefill.gdn_prefill(**views, state=pool, slots=slots, cu_seqlens=cu)
+    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool.float(), expect_pool.float(), rtol=1e-2, atol=1e-2)  # one bf16 ulp
+    assert torch.equal(pool[slots[1]], state[slots[1]].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_prefill_half_precision_path(device):
+    """16-bit inputs take the tensor-core path (operands and intermediates in the input dtype).
+    fp16 here because the interpreter cannot multiply bf16; CUDA covers bf16 at model shapes."""
+    x, state, cu = make_inputs([70, 5], H_k=1, H_v=2, device=device, dtype=torch.float16, seed=11)
+    slots = _slots(2, device)
+    expect_state = state.clone()
+    expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=expect_state, slots=slots, cu_seqlens=cu)
+    got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
+    assert got.dtype == torch.float16
+    assert _rel_err(got, expect) < 2e-3
+    assert _rel_err(state, expect_state) < 2e-3
+
+
+# ---------------------------------------------------------------- Triton decode
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_matches_reference(device, pool_dtype):
+    x, state, _ = make_inputs([1] * 5, d_v=48, device=device, seed=7)  # d_v not a power of two
+    slots = _slots(5, device)
+    pool = state.to(pool_dtype)
+    expect_pool, original = pool.clone(), pool.clone()
+    # A bf16 pool may round one ulp differently (Triton's exp vs torch's), and the next step sees it.
+    tol = dict(rtol=2e-5, atol=2e-5) if pool_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for step in range(2):
+        step_inputs, _, _ = make_inputs([1] * 5, d_v=48, device=device, seed=10 + step)
+        step_inputs.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
+        expect = ref.gdn_decode(**step_inputs, state=expect_pool, slots=slots)
+        got = tri_decode.gdn_decode(**step_inputs, state=pool, slots=slots)
+        torch.testing.assert_close(got, expect, **tol)
+        torch.testing.assert_close(pool.float(), expect_pool.float(), **tol)
+    assert torch.equal(pool[_untouched(slots)], original[_untouched(slots)])
+
+
+# ---------------------------------------------------------------- CUDA, model shapes
+
+
+@requires_cuda
+def test_triton_prefill_model_shapes_bf16():
+    lengths = [1, 63, 64, 65, 1000, 4097]
+    x, state, cu = make_inputs(lengths, H_k=16, H_v=48, d_k=128, d_v=128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([5, 2, 7, 0, 3, 8], device="cuda")
+    expect_state = state.clone()
+    x32 = {name: t.float() for name, t in x.items()}  # fp32 reference on the same bf16-rounded inputs
+    expect = ref.gdn_prefill(**x32, state=expect_state, slots=slots, cu_seqlens=cu)
+    got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
+    assert got.dtype == torch.bfloat16
+    # Rounding the output to bf16 alone costs ~2e-3 (RMS, relative); the bf16 matmul operands
+    # (W, U, new values, chunk states) add about as much again.
+    assert _rel_err(got, expect) < 1e-2
+    assert _rel_err(state[slots], expect_state[slots]) < 5e-3
+
+
+@requires_cuda
+def test_triton_decode_model_shapes_bf16():
+    x, state, _ = make_inputs([1] * 130, H_k=16, H_v=48, d_k=128, d_v=128, device="cuda", dtype=torch.bfloat16)
+    state = torch.randn(200, 48, 128, 128, device="cuda") * 0.5
+    slots = torch.randperm(200, device="cuda")[:130]
+    expect_state = state.clone()
+    expect = ref.gdn_decode(**{n: t.float() for n, t in x.items()}, state=expect_state, slots=slots)
+    got = tri_decode.gdn_decode(**x, state=state, slots=slots)
+    assert _rel_err(got, expect) < 5e-3
+    assert _rel_err(state, expect_state) < 1e-5
