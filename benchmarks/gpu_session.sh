@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call = one plan: run GPU tests and benchmarks, each under its own time limit,
+# full logs under $OUT (or ./gpu-logs), the tail of each at the end.
+#   bash benchmarks/gpu_session.sh tests kernels      # first call
+#   bash benchmarks/gpu_session.sh model engine       # second call
+set -u
+out=${OUT:-gpu-logs}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" >"$out/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0))s" | tee -a "$out/summary.txt"
+}
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader | tee "$out/summary.txt"
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$out/summary.txt"
+for part in "$@"; do
+  case $part in
+    tests)   step gpu_tests 240 python3 -m pytest -q --tb=short tests/test_kernels_gdn.py tests/test_kernels_conv_norm.py \
+               tests/test_kernels_replay.py tests/test_kernels_attention.py tests/test_model_gpu.py tests/test_engine_gpu.py ;;
+    kernels) step bench_gdn 200 python3 -m benchmarks.bench_gdn
+             step bench_replay_attn 200 python3 -m benchmarks.bench_replay_attn ;;
+    model)   step model_gpu 240 python3 -m benchmarks.model_gpu ;;
+    engine)  step engine_arms 330 python3 -m benchmarks.engine_arms --quick ;;
+  esac
+done
+for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done
+cat "$out/summary.txt"
