@@ -16,10 +16,10 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader | tee "$
 git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$out/summary.txt"
 for part in "$@"; do
   case $part in
-    tests)   step gpu_tests 240 python3 -m pytest -q --tb=short tests/test_kernels_gdn.py tests/test_kernels_conv_norm.py \
+    tests)   step gpu_tests 200 python3 -m pytest -q --tb=short tests/test_kernels_gdn.py tests/test_kernels_conv_norm.py \
                tests/test_kernels_replay.py tests/test_kernels_attention.py tests/test_model_gpu.py tests/test_engine_gpu.py ;;
-    kernels) step bench_gdn 200 python3 -m benchmarks.bench_gdn
-             step bench_replay_attn 200 python3 -m benchmarks.bench_replay_attn ;;
+    kernels) step bench_gdn 170 python3 -m benchmarks.bench_gdn
+             step bench_replay_attn 170 python3 -m benchmarks.bench_replay_attn ;;
     model)   step model_gpu 240 python3 -m benchmarks.model_gpu ;;
     engine)  step engine_arms 330 python3 -m benchmarks.engine_arms --quick ;;
   esac
