@@ -85,6 +85,27 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+COPY_BANDWIDTH = 4.28e12  # B/s, device-to-device copy measured on the H200 (shared/device/README.md)
+
+
+def decode_bytes(model, replay: bool, batch: float, context: float, ring_len: int = 16) -> float:
+    """Fewest bytes one decode step must move: every weight once (embedding: only the batch's
+    rows), the KV of every context token of every attention layer, and the GDN state (ReplaySSM:
+    a bf16 checkpoint read plus the live half of the ring on average; recurrent: fp32 read + write)."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:  # untied: the input embedding is gathered, not streamed
+        weights -= model.embed.numel() * model.embed.element_size()
+    kv = len(c.attn_layer_ids) * 2 * c.num_kv_heads * c.head_dim * 2 * context  # bf16 K and V
+    heads = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    if replay:
+        ring = (c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim) * 2
+        per_seq = heads * 2 + ring * ring_len / 2
+    else:
+        per_seq = heads * 4 * 2
+    return weights + kv + len(c.gdn_layer_ids) * per_seq * batch
+
+
 def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args) -> dict:
     config = EngineConfig(device=args.device, cuda_graphs=not args.no_graphs, max_running=args.max_running,
                           max_batch_tokens=args.max_batch_tokens, memory_budget_bytes=args.budget_bytes,
@@ -118,6 +139,12 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
                   max_running=engine.pool_plan.max_running, preemptions=stats.preemptions - before.preemptions,
                   flushes=stats.replayssm_flushes - before.replayssm_flushes,
                   discarded_kv=stats.discarded_kv_tokens - before.discarded_kv_tokens)
+    steps = stats.decode_steps - before.decode_steps
+    if steps:
+        batch = (stats.decode_seq_steps - before.decode_seq_steps) / steps
+        context = (stats.decode_context_tokens - before.decode_context_tokens) / steps
+        result.update(decode_ms=1e3 * (stats.decode_seconds - before.decode_seconds) / steps, decode_batch=batch,
+                      roofline_ms=1e3 * decode_bytes(model, ARMS[arm]["replayssm"], batch, context) / COPY_BANDWIDTH)
     del engine
     _free(args.device)
     return result
@@ -127,8 +154,13 @@ def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch
     import transformers as tf
 
     text = {k: v for k, v in raw_config.items() if k not in ("architectures", "model_type")}
-    with torch.device("cuda"):
-        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text)).to(torch.bfloat16).eval()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # build in bf16: an fp32 27B model plus its bf16 copy would not fit
+    try:
+        with torch.device("cuda"):
+            model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text)).eval()
+    finally:
+        torch.set_default_dtype(previous)
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -141,7 +173,7 @@ def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     prompt = sum(len(p) for p in prompts)
-    result = dict(arm="transformers.generate", samples=len(prompts), hit=0.0, ideal_hit=float("nan"),
+    result = dict(arm="transformers.generate", decode_ms=float("nan"), decode_batch=float(batch), roofline_ms=float("nan"), samples=len(prompts), hit=0.0, ideal_hit=float("nan"),
                   prompt_tps=prompt / wall, output_tps=len(prompts) * output_tokens / wall, wall_s=wall,
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30, max_running=batch, preemptions=0,
                   flushes=0, discarded_kv=0)
@@ -153,13 +185,15 @@ def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch
 
 def print_table(rows: list[dict]) -> None:
     header = (f"{'workload':<9} {'arm':<24} {'hit%':>6} {'ideal%':>7} {'prompt tok/s':>13} {'out tok/s':>10} "
-              f"{'wall s':>8} {'peak GiB':>9} {'running':>8} {'preempt':>8}")
+              f"{'wall s':>8} {'peak GiB':>9} {'running':>8} {'preempt':>8} {'dec ms/step':>11} {'roofline ms':>11} "
+              f"{'dec batch':>9}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['workload']:<9} {r['arm']:<24} {100 * r['hit']:6.1f} {100 * r['ideal_hit']:7.1f} "
               f"{r['prompt_tps']:13,.0f} {r['output_tps']:10,.0f} {r['wall_s']:8.1f} {r['peak_gib']:9.1f} "
-              f"{r['max_running']:8d} {r['preemptions']:8d}")
+              f"{r['max_running']:8d} {r['preemptions']:8d} {r.get('decode_ms', float('nan')):11.2f} "
+              f"{r.get('roofline_ms', float('nan')):11.2f} {r.get('decode_batch', float('nan')):9.1f}")
 
 
 def main() -> None:
@@ -174,6 +208,8 @@ def main() -> None:
     parser.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
     parser.add_argument("--hf", action="store_true", help="add transformers' generate as a baseline")
     parser.add_argument("--hf-batch", type=int, default=32)
+    parser.add_argument("--hf-prompts", type=int, default=64,
+                        help="transformers runs this many prompts of each workload (rates are per second)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--preset", default=DEFAULT_PRESET, help="e.g. tiny, for a CPU smoke run")
     parser.add_argument("--device", default="cuda")
@@ -196,7 +232,7 @@ def main() -> None:
     if args.hf:
         for workload in chosen:
             rows.append({"workload": workload.name,
-                         **run_hf(raw, workload.prompts(vocab), output_tokens, args.hf_batch)})
+                         **run_hf(raw, workload.prompts(vocab)[:args.hf_prompts], output_tokens, args.hf_batch)})
     print()
     print(f"{args.preset}, {layers or raw['num_hidden_layers']} layers, {output_tokens} output tokens")
     print_table(rows)

@@ -207,6 +207,8 @@ class Engine:
                                 context_kv=seq.handle.kv_indices[:seq.computed + 1], wants_logits=True)
                   for seq in seqs]
         logits = self.runner.decode(chunks)  # [B, V]
+        self.tally.add(decode_steps=1, decode_seq_steps=len(seqs),
+                       decode_context_tokens=sum(seq.computed + 1 for seq in seqs))
         if self.config.replayssm:
             ring_len = self.config.ring_len
             # A full ring (cursor == L) is folded into the checkpoint by this step's kernel.

@@ -18,6 +18,9 @@ class EngineStats:
     replayssm_flushes: int = 0            # sequence-steps that folded a full ring into the checkpoint
     output_tokens: int = 0
     preemptions: int = 0
+    decode_steps: int = 0                 # decode forwards run
+    decode_seq_steps: int = 0             # Σ batch size over decode forwards
+    decode_context_tokens: int = 0        # Σ context length (KV read) over decoded sequences
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     wall_seconds: float = 0.0
