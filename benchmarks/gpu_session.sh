@@ -3,6 +3,9 @@
 # full logs under $OUT (or ./gpu-logs), the tail of each at the end.
 #   bash benchmarks/gpu_session.sh tests kernels      # first call
 #   bash benchmarks/gpu_session.sh model engine       # second call
+#   bash benchmarks/gpu_session.sh engine_full        # 64 layers, all arms, transformers baseline
+# To run a committed snapshot while the tree is being edited: git archive HEAD -o .snap/head.tar
+# (ignored), carry .snap, and on the device extract it and run from there.
 set -u
 out=${OUT:-gpu-logs}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -22,6 +25,7 @@ for part in "$@"; do
              step bench_replay_attn 170 python3 -m benchmarks.bench_replay_attn ;;
     model)   step model_gpu 240 python3 -m benchmarks.model_gpu ;;
     engine)  step engine_arms 330 python3 -m benchmarks.engine_arms --quick ;;
+    engine_full) step engine_full 560 python3 -m benchmarks.engine_arms --hf --json "$out/engine_full.json" ;;
   esac
 done
 for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done
