@@ -105,11 +105,20 @@ def test_reference_matches_recurrence_across_flushes():
         torch.testing.assert_close(folded_states(pools, slots), state[slots], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape,block_k", [(Shapes(ring=4, heads_k=1, heads_v=2, d_k=32), 16), (Shapes(ring=16), 128)],
-                         ids=["L4-dk-chunked", "L16"])
-def test_triton_decode_matches_reference(shape, block_k):
+DECODE_CASES = {  # shape, step/flush launch knobs
+    "L4-dk-chunked": (Shapes(ring=4, heads_k=1, heads_v=2, d_k=32), {"block_v": 16, "block_k": 16}),
+    "L16": (Shapes(ring=16), {"block_v": 16, "block_k": 128}),
+    # L and d_v not powers of two: padded ring rows, a partial d_v block, a 3-block flush loop.
+    "L5-dv48": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48), {"block_v": 32, "flush_block_v": 16}),
+}
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_triton_decode_matches_reference(case):
     """Mixed cursors (empty, partial, full), slots out of order, steps across a flush;
-    two d_v blocks per head, and (first case) the C tile streamed in two d_k chunks."""
+    several d_v blocks per head, and (first case) the C tile streamed in two d_k chunks.
+    Stale ring entries are NaN: the kernel loads all L entries and must mask them itself."""
+    shape, knobs = DECODE_CASES[case]
     ring = shape.ring
     L = ring
     cursors = [L, 0, 1, L - 1, 2, L, 0]
@@ -118,13 +127,12 @@ def test_triton_decode_matches_reference(shape, block_k):
     slots = torch.tensor([5, 2, 0, 3, 1], device=DEVICE)  # 5 and 0 start full, 1 empty, 3 one short of full
     A_log, dt_bias = make_gate_params(shape, DEVICE)
     gen = torch.Generator().manual_seed(2)
-    n_steps = 5 if L == 4 else 2  # L=4: every slot folds at least once
+    n_steps = L + 1 if L <= 5 else 2  # short rings: every slot folds at least once
     for _ in range(n_steps):
         inputs = make_step_inputs(shape, len(slots), gen, DEVICE)
         poisoned = torch.full((len(slots), shape.heads_v, shape.d_v), float("nan"), device=DEVICE)
         expected = ref_replay.replay_decode(*inputs, A_log, dt_bias, *ref_pools, slots)
-        out = triton_replay.replay_decode(*inputs, A_log, dt_bias, *tri_pools, slots, out=poisoned,
-                                          block_v=16, block_k=block_k)
+        out = triton_replay.replay_decode(*inputs, A_log, dt_bias, *tri_pools, slots, out=poisoned, **knobs)
         torch.testing.assert_close(out, expected, **TOL)
         for pool_ref, pool_tri in zip(ref_pools, tri_pools):  # includes untouched slots 4, 6
             torch.testing.assert_close(pool_tri, pool_ref, **TOL, equal_nan=True)
