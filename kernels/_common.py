@@ -1,15 +1,36 @@
-"""Triton helpers shared by the GDN kernels (prefill and decode): gating and q/k normalisation.
+"""Helpers shared by the GDN and conv1d kernels: gating, q/k normalisation, launch knobs, and the
+varlen chunk table.
 
-They mirror kernels/ref/gdn.py exactly (same eps, same softplus threshold) so that the Triton
-path and the reference differ only by rounding.
+The Triton helpers mirror kernels/ref/gdn.py exactly (same eps, same softplus threshold) so that
+the Triton path and the reference differ only by rounding.
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
 L2NORM_EPS = tl.constexpr(1e-6)
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch.nn.functional.softplus's default: linear above it
+
+# The Triton interpreter (CPU tests) keeps scalars as 1-element arrays, which Python's range()
+# rejects as a bound; loops over runtime bounds fall back to `while` there. Compiled kernels keep
+# `for`, which Triton software-pipelines (it does not pipeline `while`).
+LOOP_AS_WHILE = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """Launch knobs of one kernel: the d_v (or channel) block it owns, warps, pipeline stages."""
+
+    block_v: int
+    num_warps: int
+    num_stages: int = 1
 
 
 @triton.jit
@@ -35,3 +56,35 @@ def l2_normalise_rows(x):
 def next_pow2_at_least_16(n: int) -> int:
     """Tile width for a head dim: a power of two, ≥ 16 so that tl.dot accepts it."""
     return max(16, triton.next_power_of_2(n))
+
+
+@dataclass(frozen=True)
+class ChunkTable:
+    """Fixed-size chunks of packed sequences (a chunk never crosses a sequence boundary).
+
+    Sized from shapes alone — `capacity = T // chunk + B` bounds Σ ceil(L_i / chunk) — so building
+    it needs no device-to-host sync; the unused tail chunks have `seq_end == start` (no rows) and
+    their programs exit at once.
+    """
+
+    start: torch.Tensor  # [N] int32: first token of the chunk
+    seq_end: torch.Tensor  # [N] int32: one past the last token of the chunk's sequence (== start: unused)
+    seq: torch.Tensor  # [N] int32: the chunk's sequence (clamped to B-1 for unused chunks)
+    seq_offsets: torch.Tensor  # [B+1] int32: index of each sequence's first chunk
+    capacity: int
+
+
+def chunk_table(cu_seqlens: torch.Tensor, chunk: int, num_tokens: int) -> ChunkTable:
+    cu = cu_seqlens.to(torch.int32)
+    num_seqs = cu.numel() - 1
+    lengths = cu[1:] - cu[:-1]  # [B]
+    offsets = torch.zeros(num_seqs + 1, dtype=torch.int32, device=cu.device)
+    torch.cumsum((lengths + chunk - 1) // chunk, 0, out=offsets[1:])
+    capacity = num_tokens // chunk + num_seqs
+    ids = torch.arange(capacity, dtype=torch.int32, device=cu.device)
+    seq = torch.searchsorted(offsets[1:].contiguous(), ids, right=True)  # [N] in [0, B]; B = unused
+    used = seq < num_seqs
+    seq = seq.clamp(max=max(num_seqs - 1, 0))
+    start = cu[seq] + chunk * (ids - offsets[seq])
+    seq_end = torch.where(used, cu[seq + 1], start)
+    return ChunkTable(start.to(torch.int32), seq_end.to(torch.int32), seq.to(torch.int32), offsets, capacity)

@@ -1,52 +1,72 @@
 """Triton causal depthwise conv1d + SiLU over packed varlen sequences, with a slot-pooled state.
 
 `conv_state[slot]` holds the last K-1 inputs of a sequence (oldest first). Prefill is two
-launches: outputs first (every token gathers its K taps from x or, before its sequence start,
-from the old state), then the new states — a separate launch, so no program can overwrite a
-state that another program of the output pass still has to read. Reference: kernels/ref/conv1d.py.
+launches: outputs first, then the new states — a separate launch, so no program can overwrite a
+state that another program of the output pass still has to read. The output pass tiles each
+sequence into [BLOCK_T tokens × BLOCK_D channels] (kernels/_common.py:ChunkTable, no host sync):
+the tile's sequence, start and slot are scalars, and only a sequence's first tile (a scalar
+branch) gathers taps from the old state. Launch knobs: `ConvLaunch`. Reference: kernels/ref/conv1d.py.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-# An [8, 256] tile: no register spills on sm_90 ([32, 128] spills: each of the K taps keeps two
-# pointer tiles live).
-BLOCK_T = 8
-BLOCK_D = 256
+from kernels._common import chunk_table
+
+
+@dataclass(frozen=True)
+class ConvLaunch:
+    block_t: int  # tokens per prefill tile (prefill only)
+    block_d: int  # channels per program
+    num_warps: int
+
+
+# [16, 256] over 4 warps: ~140 registers, no spills on sm_90 ([32, 256]: ~255). Swept in bench_gdn.
+DEFAULT_PREFILL_LAUNCH = ConvLaunch(block_t=16, block_d=256, num_warps=4)
+DEFAULT_DECODE_LAUNCH = ConvLaunch(block_t=1, block_d=256, num_warps=4)
 
 
 @triton.jit
 def _conv_prefill_out_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, slots_ptr, cu_ptr, token_seq_ptr,
-    T, D, stride_xt, stride_wd, stride_ss, stride_sd, stride_ot,
+    x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, slots_ptr, cu_ptr, tile_start_ptr, tile_end_ptr, tile_seq_ptr,
+    D, stride_xt, stride_wd, stride_ss, stride_sd, stride_ot,
     HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    tile = tl.program_id(0)
+    start = tl.load(tile_start_ptr + tile).to(tl.int64)
+    end = tl.load(tile_end_ptr + tile).to(tl.int64)
+    if end <= start:  # an unused tail tile of the table
+        return
+    seq = tl.load(tile_seq_ptr + tile)
+    first_pos = start - tl.load(cu_ptr + seq).to(tl.int64)  # position of the tile's first token in its sequence
+    t = tl.arange(0, BLOCK_T)  # [BT]
     ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    tok_ok, ch_ok = tok < T, ch < D
-    seq = tl.load(token_seq_ptr + tok, mask=tok_ok, other=0)
-    start = tl.load(cu_ptr + seq, mask=tok_ok, other=0).to(tl.int64)
-    slot = tl.load(slots_ptr + seq, mask=tok_ok, other=0).to(tl.int64)
-    ok = tok_ok[:, None] & ch_ok[None, :]
+    ch_ok = ch < D
+    ok = (start + t < end)[:, None] & ch_ok[None, :]
+    x_tile = x_ptr + start * stride_xt  # scalar base, int32 offsets below
 
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(K):
-        src = tok.to(tl.int64) - (K - 1) + j  # [BT] input position of tap j
-        in_seq = (src >= start)[:, None]
-        from_x = tl.load(x_ptr + src[:, None] * stride_xt + ch[None, :], mask=ok & in_seq, other=0.0)
-        hist = (src - start + (K - 1))[:, None]  # index into the old state when src < start
-        from_state = tl.load(
-            state_ptr + slot[:, None] * stride_ss + ch[None, :] * stride_sd + hist, mask=ok & ~in_seq, other=0.0
-        )
-        tap = tl.where(in_seq, from_x.to(tl.float32), from_state.to(tl.float32))
+        shift = j - (K - 1)  # tap j reads the input `shift` (≤ 0) tokens back
+        in_seq = (first_pos + t + shift >= 0)[:, None]
+        tap = tl.load(x_tile + (t + shift)[:, None] * stride_xt + ch[None, :], mask=ok & in_seq, other=0.0)
+        tap = tap.to(tl.float32)
+        if first_pos < K - 1:  # only a sequence's first tile reaches back into the old state
+            state_row = state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_ss  # scalar base
+            hist = (first_pos.to(tl.int32) + t + shift + (K - 1))[:, None]  # index into the old state
+            old = tl.load(state_row + ch[None, :] * stride_sd + hist, mask=ok & ~in_seq, other=0.0)
+            tap += old.to(tl.float32)
         w = tl.load(w_ptr + ch * stride_wd + j, mask=ch_ok, other=0.0).to(tl.float32)
         acc += tap * w[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + ch, mask=ch_ok, other=0.0).to(tl.float32)[None, :]
     acc = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + ch[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+    out = out_ptr + start * stride_ot + t[:, None] * stride_ot + ch[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -104,7 +124,8 @@ def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def causal_conv1d_prefill(x, weight, bias, conv_state, slots, cu_seqlens) -> torch.Tensor:
+def causal_conv1d_prefill(x, weight, bias, conv_state, slots, cu_seqlens,
+                          launch: ConvLaunch = DEFAULT_PREFILL_LAUNCH) -> torch.Tensor:
     """SiLU(causal depthwise conv) per packed sequence; x [T, D], weight [D, K], conv_state [S, D, K-1]."""
     x = _unit_stride_rows(x)
     assert conv_state.stride(2) == 1, "conv_state must be contiguous in its last dim"
@@ -114,26 +135,25 @@ def causal_conv1d_prefill(x, weight, bias, conv_state, slots, cu_seqlens) -> tor
     if num_seqs == 0:
         return out
     cu = cu_seqlens.to(torch.int32)
-    lengths = (cu[1:] - cu[:-1]).long()
-    seq_ids = torch.arange(num_seqs, device=x.device, dtype=torch.int32)
-    token_seq = torch.repeat_interleave(seq_ids, lengths, output_size=T)  # [T], no host sync
     bias_arg = bias if bias is not None else weight
     K = weight.shape[1]
     if T > 0:
-        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))
-        _conv_prefill_out_kernel[grid](
-            x, weight, bias_arg, conv_state, out, slots, cu, token_seq,
-            T, D, x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=4,
+        tiles = chunk_table(cu, launch.block_t, T)
+        _conv_prefill_out_kernel[(tiles.capacity, triton.cdiv(D, launch.block_d))](
+            x, weight, bias_arg, conv_state, out, slots, cu, tiles.start, tiles.seq_end, tiles.seq,
+            D, x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
+            HAS_BIAS=bias is not None, K=K, BLOCK_T=launch.block_t, BLOCK_D=launch.block_d,
+            num_warps=launch.num_warps,
         )
-    _conv_prefill_state_kernel[(num_seqs, triton.cdiv(D, BLOCK_D))](
+    _conv_prefill_state_kernel[(num_seqs, triton.cdiv(D, 256))](
         x, conv_state, slots, cu, D, x.stride(0), conv_state.stride(0), conv_state.stride(1),
-        K=K, BLOCK_D=BLOCK_D, num_warps=4,
+        K=K, BLOCK_D=256, num_warps=4,
     )
     return out
 
 
-def causal_conv1d_decode(x, weight, bias, conv_state, slots) -> torch.Tensor:
+def causal_conv1d_decode(x, weight, bias, conv_state, slots,
+                         launch: ConvLaunch = DEFAULT_DECODE_LAUNCH) -> torch.Tensor:
     """One token per sequence (x [B, D]); conv_state[slots] shifted in place by that token."""
     x = _unit_stride_rows(x)
     assert conv_state.stride(2) == 1, "conv_state must be contiguous in its last dim"
@@ -141,9 +161,9 @@ def causal_conv1d_decode(x, weight, bias, conv_state, slots) -> torch.Tensor:
     out = torch.empty((B, D), dtype=x.dtype, device=x.device)
     if B == 0:
         return out
-    _conv_decode_kernel[(B, triton.cdiv(D, BLOCK_D))](
+    _conv_decode_kernel[(B, triton.cdiv(D, launch.block_d))](
         x, weight, bias if bias is not None else weight, conv_state, out, slots,
         D, x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-        HAS_BIAS=bias is not None, K=weight.shape[1], BLOCK_D=BLOCK_D, num_warps=4,
+        HAS_BIAS=bias is not None, K=weight.shape[1], BLOCK_D=launch.block_d, num_warps=launch.num_warps,
     )
     return out

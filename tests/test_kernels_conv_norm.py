@@ -15,7 +15,9 @@ from kernels.ref import conv1d as ref_conv
 from kernels.ref import norm as ref_norm
 from tests.conftest import requires_cuda
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# One path: the real kernels on CUDA, the Triton interpreter on CPU (tests/conftest.py). CPU tensors
+# must never reach compiled Triton, so the device follows the machine, not a parameter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = [1, 2, 63, 64, 65]  # shorter than K-1, chunk boundaries, several sequences
 SLOTS = [4, 0, 6, 2, 5]  # out of order, not all slots used
 
@@ -66,11 +68,10 @@ def test_ref_conv_decode_continues_prefill():
         torch.testing.assert_close(torch.stack([o[i] for o in outs]), expect, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_triton_conv_prefill_matches_reference(device, with_bias):
-    D = 40 if device == "cpu" else 2 * 16 * 128 + 48 * 128
-    x, weight, bias, state, slots, cu = _conv_case(D=D, device=device)
+def test_triton_conv_prefill_matches_reference(with_bias):
+    D = 40 if DEVICE == "cpu" else 2 * 16 * 128 + 48 * 128
+    x, weight, bias, state, slots, cu = _conv_case(D=D, device=DEVICE)
     bias = bias if with_bias else None
     ref_state = state.clone()
     expect = ref_conv.causal_conv1d_prefill(x, weight, bias, ref_state, slots, cu)
@@ -79,11 +80,10 @@ def test_triton_conv_prefill_matches_reference(device, with_bias):
     torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_triton_conv_prefill_strided_input_and_bf16_state(device):
+def test_triton_conv_prefill_strided_input_and_bf16_state():
     """x as a column slice of a wider projection (the model splits q|k|v|z), bf16 everywhere."""
-    x, weight, bias, state, slots, cu = _conv_case(D=48, device=device, dtype=torch.bfloat16)
-    wide = torch.randn(x.shape[0], 80, device=device, dtype=torch.bfloat16)
+    x, weight, bias, state, slots, cu = _conv_case(D=48, device=DEVICE, dtype=torch.bfloat16)
+    wide = torch.randn(x.shape[0], 80, device=DEVICE, dtype=torch.bfloat16)
     wide[:, 8:56] = x
     x_view = wide[:, 8:56]
     ref_state = state.clone()
@@ -93,12 +93,11 @@ def test_triton_conv_prefill_strided_input_and_bf16_state(device):
     torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_triton_conv_decode_matches_reference(device):
-    x, weight, bias, state, slots, cu = _conv_case(D=40, device=device)
+def test_triton_conv_decode_matches_reference():
+    x, weight, bias, state, slots, cu = _conv_case(D=40, device=DEVICE)
     ref_state = state.clone()
     for step in range(3):
-        xt = torch.randn(len(SLOTS), 40, device=device)
+        xt = torch.randn(len(SLOTS), 40, device=DEVICE)
         expect = ref_conv.causal_conv1d_decode(xt, weight, bias, ref_state, slots)
         got = tri_conv.causal_conv1d_decode(xt, weight, bias, state, slots)
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
@@ -122,13 +121,12 @@ def test_ref_norms_match_transformers():
         torch.testing.assert_close(ref_norm.gated_rms_norm(x, z, gated.weight, 1e-6), gated(x, z), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", [48, 100])  # power of two and not
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_norms_match_reference(device, n, dtype):
-    x = torch.randn(7, 3, n, device=device, dtype=dtype) * 3
-    z = torch.randn(7, 3, n, device=device, dtype=dtype)
-    weight = torch.randn(n, device=device)
+def test_triton_norms_match_reference(n, dtype):
+    x = torch.randn(7, 3, n, device=DEVICE, dtype=dtype) * 3
+    z = torch.randn(7, 3, n, device=DEVICE, dtype=dtype)
+    weight = torch.randn(n, device=DEVICE)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(tri_norm.rms_norm(x, weight, 1e-6), ref_norm.rms_norm(x, weight, 1e-6), **tol)
     torch.testing.assert_close(
@@ -136,12 +134,11 @@ def test_triton_norms_match_reference(device, n, dtype):
     )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_triton_norm_on_strided_rows(device):
+def test_triton_norm_on_strided_rows():
     """A row slice of a wider tensor (e.g. one half of a fused projection) normalises correctly."""
-    wide = torch.randn(6, 96, device=device)
+    wide = torch.randn(6, 96, device=DEVICE)
     x = wide[:, 16:80]
-    weight = torch.randn(64, device=device)
+    weight = torch.randn(64, device=DEVICE)
     torch.testing.assert_close(tri_norm.rms_norm(x, weight, 1e-6), ref_norm.rms_norm(x, weight, 1e-6))
 
 

@@ -12,10 +12,13 @@ import torch
 
 from kernels import gdn_decode as tri_decode
 from kernels import gdn_prefill as tri_prefill
+from kernels._common import chunk_table
 from kernels.ref import gdn as ref
 from tests.conftest import requires_cuda
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# One path: the real kernels on CUDA, the Triton interpreter on CPU (tests/conftest.py). CPU tensors
+# must never reach compiled Triton, so the device follows the machine, not a parameter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = [1, 63, 64, 65, 130]
 SLOTS = [5, 2, 7, 0, 3]
 NUM_SLOTS = 9
@@ -82,10 +85,14 @@ def test_ref_chunked_is_stable_for_correlated_keys():
 
 
 def test_ref_matches_transformers():
-    from transformers.models.qwen3_next.modeling_qwen3_next import (
-        torch_chunk_gated_delta_rule,
-        torch_recurrent_gated_delta_rule,
-    )
+    import inspect
+
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    # transformers wraps these to dispatch to fla when it is installed (and fla fails on CPU
+    # tensors); unwrapping gives the pure-torch functions on any machine.
+    torch_chunk_gated_delta_rule = inspect.unwrap(hf.torch_chunk_gated_delta_rule)
+    torch_recurrent_gated_delta_rule = inspect.unwrap(hf.torch_recurrent_gated_delta_rule)
 
     x, state, cu = make_inputs([130], seed=1)
     g, beta = ref.gdn_gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
@@ -134,10 +141,23 @@ def test_ref_bf16_state_pool_rounds_only_at_the_ends():
 # ---------------------------------------------------------------- Triton prefill
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_triton_prefill_matches_reference(device):
-    x, state, cu = make_inputs(LENGTHS, device=device)
-    slots = _slots(len(LENGTHS), device)
+def test_chunk_table_covers_every_token_once_without_sync():
+    lengths = [1, 0, 63, 64, 65, 130]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    table = chunk_table(cu, 64, sum(lengths))
+    assert table.capacity == sum(lengths) // 64 + len(lengths)  # from shapes alone
+    covered = torch.zeros(sum(lengths), dtype=torch.int32)
+    for start, end, seq in zip(table.start.tolist(), table.seq_end.tolist(), table.seq.tolist()):
+        if end > start:
+            assert cu[seq] <= start < cu[seq + 1] == end and (start - cu[seq]) % 64 == 0
+            covered[start:min(start + 64, end)] += 1
+    assert torch.equal(covered, torch.ones_like(covered))
+    assert table.seq_offsets.tolist() == [0, 1, 1, 2, 3, 5, 8]
+
+
+def test_triton_prefill_matches_reference():
+    x, state, cu = make_inputs(LENGTHS, device=DEVICE)
+    slots = _slots(len(LENGTHS), DEVICE)
     expect_state, original = state.clone(), state.clone()
     expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
     got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
@@ -146,17 +166,16 @@ def test_triton_prefill_matches_reference(device):
     assert torch.equal(state[_untouched(slots)], original[_untouched(slots)])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_triton_prefill_strided_views_empty_sequence_bf16_pool(device):
+def test_triton_prefill_strided_views_empty_sequence_bf16_pool():
     """q|k|v as column views of one conv output (as the model passes them), a zero-length
     sequence (state must come back unchanged), correlated keys, and a bf16 state pool."""
     lengths = [65, 0, 3]
-    x, state, cu = make_inputs(lengths, H_k=1, H_v=2, device=device, seed=5, correlated_keys=True)
+    x, state, cu = make_inputs(lengths, H_k=1, H_v=2, device=DEVICE, seed=5, correlated_keys=True)
     T = sum(lengths)
     packed = torch.cat([x["q"].reshape(T, -1), x["k"].reshape(T, -1), x["v"].reshape(T, -1)], dim=1)
     views = dict(x, q=packed[:, :16].view(T, 1, 16), k=packed[:, 16:32].view(T, 1, 16), v=packed[:, 32:].view(T, 2, 32))
     assert not views["q"].is_contiguous()
-    slots = _slots(3, device)
+    slots = _slots(3, DEVICE)
     pool = state.to(torch.bfloat16)
     expect_pool = pool.clone()
     expect = ref.gdn_prefill(**x, state=expect_pool, slots=slots, cu_seqlens=cu)
@@ -166,12 +185,11 @@ def test_triton_prefill_strided_views_empty_sequence_bf16_pool(device):
     assert torch.equal(pool[slots[1]], state[slots[1]].to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_triton_prefill_half_precision_path(device):
+def test_triton_prefill_half_precision_path():
     """16-bit inputs take the tensor-core path (operands and intermediates in the input dtype).
     fp16 here because the interpreter cannot multiply bf16; CUDA covers bf16 at model shapes."""
-    x, state, cu = make_inputs([70, 5], H_k=1, H_v=2, device=device, dtype=torch.float16, seed=11)
-    slots = _slots(2, device)
+    x, state, cu = make_inputs([70, 5], H_k=1, H_v=2, device=DEVICE, dtype=torch.float16, seed=11)
+    slots = _slots(2, DEVICE)
     expect_state = state.clone()
     expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=expect_state, slots=slots, cu_seqlens=cu)
     got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
@@ -183,17 +201,16 @@ def test_triton_prefill_half_precision_path(device):
 # ---------------------------------------------------------------- Triton decode
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_triton_decode_matches_reference(device, pool_dtype):
-    x, state, _ = make_inputs([1] * 5, d_v=48, device=device, seed=7)  # d_v not a power of two
-    slots = _slots(5, device)
+def test_triton_decode_matches_reference(pool_dtype):
+    x, state, _ = make_inputs([1] * 5, d_v=48, device=DEVICE, seed=7)  # d_v not a power of two
+    slots = _slots(5, DEVICE)
     pool = state.to(pool_dtype)
     expect_pool, original = pool.clone(), pool.clone()
     # A bf16 pool may round one ulp differently (Triton's exp vs torch's), and the next step sees it.
     tol = dict(rtol=2e-5, atol=2e-5) if pool_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for step in range(2):
-        step_inputs, _, _ = make_inputs([1] * 5, d_v=48, device=device, seed=10 + step)
+        step_inputs, _, _ = make_inputs([1] * 5, d_v=48, device=DEVICE, seed=10 + step)
         step_inputs.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
         expect = ref.gdn_decode(**step_inputs, state=expect_pool, slots=slots)
         got = tri_decode.gdn_decode(**step_inputs, state=pool, slots=slots)
