@@ -47,7 +47,9 @@ class StepLaunch:
     flush_warps: int = 4
 
 
-DEFAULT_STEP_LAUNCH = StepLaunch()
+# Measured best on the H200 (docs/BENCHMARKS.md, 2026-11-29): many small programs (one warp,
+# 32 columns of d_v, d_k in 4 pipelined chunks) beat wide tiles — 142 µs vs 352 µs at B=128.
+DEFAULT_STEP_LAUNCH = StepLaunch(block_v=32, block_k=32, num_warps=1, num_stages=4)
 
 
 @triton.jit
