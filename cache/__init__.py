@@ -3,8 +3,7 @@
 Typical use (the engine):
 
     kv_shape, state_shape = shapes_from_model_config(config, dtype, ring_len=16, ckpt_dtype=torch.bfloat16)
-    plan = plan_pools(kv_shape, state_shape, budget_bytes, max_running=256,
-                      slots_per_request=CacheConfig().slots_per_request)
+    plan = plan_pools(kv_shape, state_shape, budget_bytes, max_running=256)  # 1 working slot each + cache pool
     kv_pool, state_pool = build_pools(plan, kv_shape, state_shape, device)
     cache = StateCache(kv_pool, state_pool, CacheConfig(mode="extra_buffer"))
     caches = state_pool.model_caches(kv_pool)      # what model.forward reads and writes

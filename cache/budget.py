@@ -1,8 +1,12 @@
 """Sizing the two pools from a byte budget and the model's shapes.
 
-State slots are large (Qwen3.5-27B: ~150 MB each in fp32) and every running request pins
-`slots_per_request` of them, so the budget decides how many requests can run at once; the
-rest of the budget becomes KV slots (tokens) shared by running requests and the prefix cache.
+State slots are large (Qwen3.5-27B: ~150 MB each in fp32) and every running request holds
+one of them (its working slot) for its whole life, so the budget decides how many requests can
+run at once. Beside the working slots the state pool keeps a shared pool of cached states:
+prefix states in the radix tree, and the transient snapshot an extra_buffer `track` takes just
+before donating it to the tree (tracking borrows from this pool, evicting the least recently
+used cached state when it is full). The rest of the budget becomes KV slots (tokens) shared by
+running requests and the prefix cache.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ class PoolPlan:
     kv_slots: int                 # tokens of KV the pool holds
     state_slots: int              # GDN state slots
     max_running: int              # requests that can run at once (each holding slots_per_request)
-    cache_state_slots: int        # state slots beyond the running requests' own: cached prefix states
+    cache_state_slots: int        # state slots beyond the running requests' own: cached + tracked states
     bytes_per_kv_token: int
     bytes_per_state_slot: int
 
@@ -44,29 +48,45 @@ class PoolPlan:
                 f"{self.kv_slots} KV tokens ({self.kv_bytes / gib:.2f} GiB)")
 
 
+def cache_states_for(running: int, cache_states_per_request: float, min_cache_states: int) -> int:
+    """Size of the cached/transient state pool beside `running` working slots."""
+    return max(min_cache_states, math.ceil(running * cache_states_per_request))
+
+
 def plan_pools(kv_shape: KVShape, state_shape: GdnStateShape, budget_bytes: int, *, max_running: int,
-               slots_per_request: int = 3, cache_states_per_request: float = 1.0,
+               slots_per_request: int = 1, cache_states_per_request: float = 0.25, min_cache_states: int = 8,
                max_state_fraction: float = 0.5, min_kv_tokens: int = 256) -> PoolPlan:
     """Split `budget_bytes` between the state pool and the KV pool.
 
-    States get room for `max_running` requests × (`slots_per_request` + `cache_states_per_request`
-    cached prefix states each), but at most `max_state_fraction` of the budget: if that does not
-    fit, `max_running` shrinks. The rest becomes KV. Raises ValueError when not even one request
-    with `min_kv_tokens` of KV fits.
+    States get `max_running` × `slots_per_request` working slots (1: `CacheConfig.slots_per_request`)
+    plus a pool of `max(min_cache_states, ⌈max_running × cache_states_per_request⌉)` cached /
+    transient states (prefix states in the tree and extra_buffer snapshots on their way there),
+    but at most `max_state_fraction` of the budget: if that does not fit, `max_running` shrinks.
+    The rest becomes KV. Raises ValueError when not even one request, its cache pool and
+    `min_kv_tokens` of KV fit.
     """
     if max_running < 1 or slots_per_request < 1:
         raise ValueError("max_running and slots_per_request must be >= 1")
     if not 0 < max_state_fraction < 1:
         raise ValueError("max_state_fraction must be in (0, 1)")
+    if cache_states_per_request < 0 or min_cache_states < 0:
+        raise ValueError("cache_states_per_request and min_cache_states must be >= 0")
     kv_token, state_slot = kv_shape.bytes_per_token, state_shape.bytes_per_slot
     if kv_token <= 0 or state_slot <= 0:
         raise ValueError("the model needs both attention (KV) and GDN (state) layers")
-    per_request = (slots_per_request + cache_states_per_request) * state_slot
-    running = min(max_running, int(budget_bytes * max_state_fraction // per_request))
+    max_slots = int(budget_bytes * max_state_fraction // state_slot)
+
+    def slots_needed(n: int) -> int:
+        return n * slots_per_request + cache_states_for(n, cache_states_per_request, min_cache_states)
+
+    running = min(max_running, int(max_slots // (slots_per_request + cache_states_per_request)))
+    while running >= 1 and slots_needed(running) > max_slots:  # the ceil / the minimum pool
+        running -= 1
     if running < 1:
         raise ValueError(f"memory budget {budget_bytes / 2**20:.0f} MiB cannot hold one request's "
-                         f"GDN states ({per_request / 2**20:.0f} MiB within {max_state_fraction:.0%})")
-    cache_states = math.ceil(running * cache_states_per_request)
+                         f"GDN states and a cache pool ({slots_needed(1)} slots of "
+                         f"{state_slot / 2**20:.1f} MiB within {max_state_fraction:.0%})")
+    cache_states = cache_states_for(running, cache_states_per_request, min_cache_states)
     state_slots = running * slots_per_request + cache_states
     kv_slots = (budget_bytes - state_slots * state_slot) // kv_token
     if kv_slots < min_kv_tokens:

@@ -28,6 +28,7 @@ class RadixNode:
     children: dict[int, "RadixNode"] = field(default_factory=dict)  # keyed by first token
     state_slot: Optional[int] = None
     lock_ref: int = 0                      # locks held on this node or any descendant
+    state_pins: int = 0                    # admissions copying this node's state right now
     last_access: int = 0                   # logical clock of the last insert/lock through it
 
     @property
@@ -92,14 +93,18 @@ class RadixTree:
     - `match` never mutates (not even LRU times); `lock` marks use.
     - `insert` takes ownership of the caller's KV slots for tokens it did not hold and of the
       state slot if it sets it; splits edges as needed (a split-off upper node has no state).
-    - `lock(node)`/`unlock(node)` ref-count the node and all its ancestors. A locked node is
-      never evicted, neither its KV nor its state. Splits keep the counts right: a lock taken on
-      a node stays valid for that node object (splits create the *upper* part as the new node).
-    - `evict` frees least-recently-used unlocked material: states first if asked (any unlocked
-      node, inner ones included: a state may go before its KV), then KV from unlocked leaves —
-      leaves without a state first (their KV lies past the last state on the path, useless for
-      resuming), trimmed from the tail when only part is needed; a leaf with a state goes whole,
-      state included.
+    - `lock(node)`/`unlock(node)` ref-count the node and all its ancestors. The KV of a locked
+      node is never evicted (running sequences read it every step); its *state* may be: a
+      sequence copied the state it resumed from into its working slot at admission and never
+      reads the tree's states again. Splits keep the counts right: a lock taken on a node stays
+      valid for that node object (splits create the *upper* part as the new node).
+    - `pin_state(node)`/`unpin_state(node)` protect one node's state while an admission copies
+      it (the only moment a state in the tree is read); a pinned state is never evicted.
+    - `evict` frees least-recently-used material: states first if asked (any node whose state
+      is not pinned, inner and locked ones included — unlocked ones first; a state may go
+      before its KV), then KV from unlocked leaves — leaves without a state first (their KV
+      lies past the last state on the path, useless for resuming), trimmed from the tail when
+      only part is needed; a leaf with a state goes whole, state included.
     """
 
     def __init__(self) -> None:
@@ -107,10 +112,10 @@ class RadixTree:
         self._clock = 0
         self.num_kv_tokens = 0   # KV slots owned by the tree
         self.num_states = 0      # state slots owned by the tree
-        # Held by locked nodes: kept incrementally so that "how much could eviction free" is
-        # O(1) — the engine asks at every admission under memory pressure.
+        # Held by locked nodes / pinned states: kept incrementally so that "how much could
+        # eviction free" is O(1) — the engine asks at every admission under memory pressure.
         self._locked_kv_tokens = 0
-        self._locked_states = 0
+        self._pinned_states = 0
 
     # ---- lookup ----------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> MatchResult:
@@ -165,7 +170,6 @@ class RadixTree:
         if state_slot_at_end is not None and node is not self.root and node.state_slot is None:
             node.state_slot, unused = state_slot_at_end, None
             self.num_states += 1
-            self._locked_states += node.lock_ref > 0
         return InsertResult(node=node, kv_indices=torch.cat(path_kv) if path_kv else _EMPTY,
                             dup_kv=torch.cat(dups) if dups else _EMPTY, unused_state=unused)
 
@@ -186,7 +190,6 @@ class RadixTree:
         while node is not self.root:
             if node.lock_ref == 0:
                 self._locked_kv_tokens += len(node.tokens)
-                self._locked_states += node.state_slot is not None
             node.lock_ref += 1
             node.last_access = self._clock
             node = node.parent
@@ -198,22 +201,38 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._locked_kv_tokens -= len(node.tokens)
-                self._locked_states -= node.state_slot is not None
             node = node.parent
+
+    def pin_state(self, node: RadixNode) -> None:
+        """Keep `node`'s state from eviction until `unpin_state` (an admission copies it).
+        The caller holds a lock on the node (its KV must stay too), from before pinning until
+        after unpinning."""
+        if node.state_slot is None or node.lock_ref == 0:
+            raise RuntimeError("pin_state needs a locked node with a state")
+        node.state_pins += 1
+        self._pinned_states += node.state_pins == 1
+
+    def unpin_state(self, node: RadixNode) -> None:
+        if node.state_pins <= 0:
+            raise RuntimeError("unpin_state of a state that is not pinned")
+        node.state_pins -= 1
+        self._pinned_states -= node.state_pins == 0
 
     # ---- eviction --------------------------------------------------------------------------
     def evictable(self) -> tuple[int, int]:
-        """(KV tokens, states) that `evict` could free right now (everything not locked)."""
-        return self.num_kv_tokens - self._locked_kv_tokens, self.num_states - self._locked_states
+        """(KV tokens, states) that `evict` could free right now: KV not locked, states not pinned."""
+        return self.num_kv_tokens - self._locked_kv_tokens, self.num_states - self._pinned_states
 
     def evict(self, num_kv_tokens: int, num_states: int = 0) -> Evicted:
-        """Free at least the asked amounts where possible (fewer if too much is locked)."""
+        """Free at least the asked amounts where possible (fewer if too much is locked / pinned)."""
         freed_kv: list[torch.Tensor] = []
         freed_states: list[int] = []
         if num_states > 0:
-            candidates = sorted((n for n in self.nodes() if n.state_slot is not None and n.lock_ref == 0),
-                                key=lambda n: n.last_access)
-            for node in candidates[:num_states]:
+            # Unlocked states first: a locked node lies on a running sequence's path, so the
+            # next admissions in plan (DFS) order are the likeliest to resume from it.
+            candidates = (n for n in self.nodes() if n.state_slot is not None and n.state_pins == 0)
+            victims = heapq.nsmallest(num_states, candidates, key=lambda n: (n.lock_ref > 0, n.last_access))
+            for node in victims:
                 freed_states.append(node.state_slot)
                 node.state_slot = None
         if num_kv_tokens > 0:
@@ -267,7 +286,7 @@ class RadixTree:
 
     def audit(self) -> None:
         """Structural invariants: edges, depths, children keys, lock counts, totals."""
-        kv_total = states = locked_kv = locked_states = 0
+        kv_total = states = locked_kv = pinned_states = 0
         for node in self.nodes():
             assert len(node.tokens) >= 1 and node.kv.numel() == len(node.tokens), "edge/KV length mismatch"
             assert node.depth == node.parent.depth + len(node.tokens), "depth out of step with parent"
@@ -276,7 +295,8 @@ class RadixTree:
             kv_total += len(node.tokens)
             states += node.state_slot is not None
             locked_kv += len(node.tokens) if node.lock_ref else 0
-            locked_states += node.lock_ref > 0 and node.state_slot is not None
+            assert node.state_pins == 0 or node.state_slot is not None, "a pin on a node without a state"
+            pinned_states += node.state_pins > 0
         assert self.root.lock_ref == 0 and self.root.state_slot is None
         assert kv_total == self.num_kv_tokens and states == self.num_states, "tree totals drifted"
-        assert (locked_kv, locked_states) == (self._locked_kv_tokens, self._locked_states), "locked totals drifted"
+        assert (locked_kv, pinned_states) == (self._locked_kv_tokens, self._pinned_states), "locked totals drifted"

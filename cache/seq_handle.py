@@ -20,19 +20,18 @@ class SeqHandle:
     - `resume_len`: tokens reused from the cache at admission (their KV and state were already
       there): the model must compute tokens[resume_len:] only. Its `cached_tokens`.
     - `matched_kv_len`: tokens whose KV matched at admission (>= resume_len; the excess was discarded).
-    - `idle_tracks` / `filled_tracks`: extra_buffer track slots, free for the next `track`, or
-      holding the state at a position not yet donated: (position, slot) pairs, oldest first.
+    - `filled_tracks`: extra_buffer snapshots not yet donated: (position, slot) pairs, oldest
+      first. Usually empty: a snapshot's slot is allocated by `track` and handed to the tree by
+      the next `donate`; a running sequence otherwise holds its working slot only.
     """
 
     def __init__(self, key: Hashable, tokens: Sequence[int], kv_indices: torch.Tensor, working_slot: int,
-                 track_slots: Sequence[int], locked_node: Optional[RadixNode], resume_len: int,
-                 matched_kv_len: int) -> None:
+                 locked_node: Optional[RadixNode], resume_len: int, matched_kv_len: int) -> None:
         self.key = key
         self.tokens: list[int] = list(tokens)
         self._kv = torch.empty(max(16, 2 * len(self.tokens)), dtype=torch.int64)  # grows by doubling
         self._kv[:len(self.tokens)] = kv_indices
         self.working_slot = working_slot
-        self.idle_tracks: list[int] = list(track_slots)
         self.filled_tracks: list[tuple[int, int]] = []
         self.locked_node = locked_node
         self.tree_len = resume_len
@@ -54,7 +53,7 @@ class SeqHandle:
 
     def state_slots(self) -> list[int]:
         """Every state slot this sequence owns."""
-        return [self.working_slot, *self.idle_tracks, *(slot for _, slot in self.filled_tracks)]
+        return [self.working_slot, *(slot for _, slot in self.filled_tracks)]
 
     def _extend(self, token_ids: Sequence[int], kv: torch.Tensor) -> None:
         n, k = len(self.tokens), len(token_ids)

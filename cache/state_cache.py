@@ -14,6 +14,7 @@ from .seq_handle import SeqHandle
 from .state_pool import GdnStatePool
 
 StateCacheMode = Literal["extra_buffer", "no_buffer"]
+_MAX_UNDONATED = 2  # tracked snapshots a sequence may hold before the oldest is donated for it
 _NO_MATCH = MatchResult(kv_len=0, kv_indices=torch.empty(0, dtype=torch.int64), state_node=None,
                         state_slot=None, resume_len=0)
 
@@ -33,8 +34,11 @@ class CacheConfig:
 
     @property
     def slots_per_request(self) -> int:
-        """State slots a running request holds: working (+ two track slots under extra_buffer)."""
-        return 3 if self.tracks else 1
+        """State slots a running request holds for its whole life: its working slot, whatever the
+        mode. extra_buffer tracking borrows a slot from the pool only at the moment it tracks
+        and normally hands it to the tree at once, so tracked states are counted with the
+        cached states (`plan_pools`' cache pool), not per request."""
+        return 1
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class CacheStats:
     reused_tokens: int = 0         # prompt tokens not recomputed (state matched: resume_len)
     discarded_kv_tokens: int = 0   # KV matched past the resume point (no state there)
     states_tracked: int = 0
+    tracks_skipped: int = 0        # track() found no state slot even after evicting: not cached
     states_donated: int = 0        # states the tree took (track donations + no_buffer finals)
     states_evicted: int = 0
     kv_evicted_tokens: int = 0
@@ -63,12 +68,16 @@ class StateCache:
        allocates their KV slots (returned; None when there is no room — preempt someone).
        Only append tokens that will be fed to the model.
     3. extra_buffer: after a step that leaves the working state at exactly `position` tokens,
-       `track(seq, position)` snapshots it into a track slot; `donate(seq)` hands the tracked
-       states to the tree (the engine may donate at once, or later). no_buffer: both no-ops.
+       `track(seq, position)` snapshots it into a slot taken from the pool right then (evicting
+       a cached state if needed; skipped if none can be had); `donate(seq)` hands the tracked
+       states to the tree (the engine donates at once; a later donation is allowed, with at
+       most two snapshots held per sequence). no_buffer: both no-ops.
     4. `finish(seq)` when done: inserts the computed tokens' KV (and, by strategy, states) into the
        tree, unlocks, frees the rest. `abort(seq)` (error, preemption): frees everything the
        request owns, leaves the tree as it is.
-    `ensure_free` / `can_admit` evict least-recently-used unlocked cache contents to make room.
+    `ensure_free` / `can_admit` evict least-recently-used cache contents to make room: KV of
+    nodes no running sequence holds, and states of any node (running sequences never read the
+    tree's states after admission) except the one an admission is copying.
     Ownership: every KV slot and state slot is owned by exactly one of: a request, the tree, the
     free list; `audit()` checks it.
     """
@@ -97,8 +106,8 @@ class StateCache:
     def ensure_free(self, num_kv: int, num_states: int = 0) -> bool:
         """Evict until the pools have `num_kv` KV slots and `num_states` state slots free.
 
-        Returns False — evicting nothing — when that is impossible even after evicting every
-        unlocked cache entry.
+        Returns False — evicting nothing — when that is impossible even after evicting all the
+        evictable cache content (unlocked KV, unpinned states).
         """
         short_kv = max(0, num_kv - self.kv_pool.num_free)
         short_states = max(0, num_states - self.state_pool.num_free)
@@ -111,7 +120,7 @@ class StateCache:
         return self.kv_pool.num_free >= num_kv and self.state_pool.num_free >= num_states
 
     def evict(self, num_kv: int, num_states: int = 0) -> tuple[int, int]:
-        """Evict at least this much unlocked cache content (LRU, see `RadixTree.evict`) back to
+        """Evict at least this much evictable cache content (LRU, see `RadixTree.evict`) back to
         the pools, whatever is free now; returns (KV tokens, states) actually freed."""
         evicted = self.tree.evict(num_kv, num_states)
         self.kv_pool.free(evicted.kv_indices)
@@ -123,13 +132,11 @@ class StateCache:
     def can_admit(self, tokens: Sequence[int]) -> bool:
         """Whether `admit(tokens)` would succeed now (it may evict to find out)."""
         match = self.match(tokens)
-        if match.state_node is not None:
-            self.tree.lock(match.state_node)  # the reusable prefix must survive the eviction
+        self._hold(match.state_node)  # the reusable prefix must survive the eviction
         try:
             return self.ensure_free(len(tokens) - match.resume_len, self.config.slots_per_request)
         finally:
-            if match.state_node is not None:
-                self.tree.unlock(match.state_node)
+            self._let_go(match.state_node)
 
     # ---- request lifecycle -----------------------------------------------------------------
     def admit(self, key: Hashable, tokens: Sequence[int]) -> Optional[SeqHandle]:
@@ -138,20 +145,18 @@ class StateCache:
             raise ValueError("a prompt needs at least one token")
         match = self.match(tokens)
         node, resume = match.state_node, match.resume_len
-        if node is not None:
-            self.tree.lock(node)
+        self._hold(node)  # lock (KV for good) and pin the state until it is copied below
         if not self.ensure_free(len(tokens) - resume, self.config.slots_per_request):
-            if node is not None:
-                self.tree.unlock(node)
+            self._let_go(node)
             return None
-        slots = [self.state_pool.alloc() for _ in range(self.config.slots_per_request)]
-        working = slots[0]
+        working = self.state_pool.alloc()
         if node is not None:
             self.state_pool.copy(match.state_slot, working)  # folded, cursor 0; the tree's copy stays
+            self.tree.unpin_state(node)  # copied: from now on the tree may evict it; the lock stays
         else:
             self.state_pool.zero_(working)
         new_kv = self.kv_pool.alloc(len(tokens) - resume)
-        seq = SeqHandle(key, tokens, torch.cat([match.kv_indices[:resume], new_kv]), working, slots[1:],
+        seq = SeqHandle(key, tokens, torch.cat([match.kv_indices[:resume], new_kv]), working,
                         node, resume_len=resume, matched_kv_len=match.kv_len)
         self._live[id(seq)] = seq
         self._counts["kv_matched_tokens"] += match.kv_len
@@ -170,24 +175,26 @@ class StateCache:
         return kv
 
     def track(self, seq: SeqHandle, position: int) -> bool:
-        """Snapshot the working state, which must be at exactly `position` tokens, into a track slot.
+        """Snapshot the working state, which must be at exactly `position` tokens, into a state
+        slot allocated now (evicting the least recently used cached state if the pool is empty).
 
-        The snapshot is folded with cursor 0; the working slot is untouched. If both track slots
-        already hold undonated states, the older one is donated first. Returns False (nothing
-        done) under no_buffer / without prefix caching, when `position` is not past the part of
-        the sequence already in the tree, or when no state slot can be found.
+        The snapshot is folded with cursor 0 (`GdnStatePool.copy`); the working slot is
+        untouched — its ring stays consistent with its own checkpoint, so its cursor must not be
+        reset. If the sequence already holds two undonated snapshots, the older one is donated
+        first. Returns False (nothing done) under no_buffer / without prefix caching, when
+        `position` is not past the part of the sequence already in the tree, or when no state
+        slot can be had even after eviction (counted as `tracks_skipped`: the state is simply not
+        cached, and later sequences that would have resumed there recompute).
         """
         self._check_live(seq)
         if not self.config.tracks or not seq.tree_len < position <= seq.num_tokens:
             return False
-        if not seq.idle_tracks and seq.filled_tracks:
+        if len(seq.filled_tracks) >= _MAX_UNDONATED:
             self._donate_one(seq, *seq.filled_tracks.pop(0))
-        if not seq.idle_tracks:
-            fresh = self._alloc_state()
-            if fresh is None:
-                return False
-            seq.idle_tracks.append(fresh)
-        slot = seq.idle_tracks.pop()
+        slot = self._alloc_state()
+        if slot is None:
+            self._counts["tracks_skipped"] += 1
+            return False
         self.state_pool.copy(seq.working_slot, slot)
         seq.filled_tracks.append((position, slot))
         self._counts["states_tracked"] += 1
@@ -197,8 +204,8 @@ class StateCache:
         """Give every tracked state to the tree node ending at its position; returns how many.
 
         The tree takes the KV of tokens[:position] too; the sequence's kv_indices switch to the
-        tree's slots there (duplicates are freed) and its lock moves down to that node. Each
-        donated slot is replaced by a fresh track slot (cursor 0) when one can be had.
+        tree's slots there (duplicates are freed) and its lock moves down to that node. A
+        snapshot the tree does not take (the node already has a state) goes back to the pool.
         """
         self._check_live(seq)
         donated = 0
@@ -224,7 +231,7 @@ class StateCache:
             return
         past_end = [slot for p, slot in seq.filled_tracks if p > n]  # snapshots of uncomputed tokens
         seq.filled_tracks = [(p, slot) for p, slot in seq.filled_tracks if p <= n]
-        seq.idle_tracks += past_end
+        self.state_pool.free(past_end)
         self.donate(seq)
         keep_working = False
         if self.config.mode == "no_buffer" and n > 0:
@@ -244,17 +251,23 @@ class StateCache:
     preempt = abort
 
     # ---- internals -------------------------------------------------------------------------
+    def _hold(self, node: Optional[RadixNode]) -> None:
+        """Lock `node` (its path's KV) and pin its state: it is about to be copied."""
+        if node is not None:
+            self.tree.lock(node)
+            self.tree.pin_state(node)
+
+    def _let_go(self, node: Optional[RadixNode]) -> None:
+        if node is not None:
+            self.tree.unpin_state(node)
+            self.tree.unlock(node)
+
     def _donate_one(self, seq: SeqHandle, position: int, slot: int) -> int:
-        taken = self._insert(seq, position, slot)
         self.state_pool.reset_cursor([slot])  # copy left it at 0 already; cheap insurance
+        taken = self._insert(seq, position, slot)
         if not taken:
-            seq.idle_tracks.append(slot)  # the tree had a state there; keep ours as the fresh track slot
-            return 0
-        fresh = self._alloc_state()
-        if fresh is not None:
-            self.state_pool.reset_cursor([fresh])
-            seq.idle_tracks.append(fresh)
-        return 1
+            self.state_pool.free(slot)  # the tree had a state there already
+        return int(taken)
 
     def _insert(self, seq: SeqHandle, length: int, state_slot: Optional[int]) -> bool:
         """Insert tokens[:length] (+ state at the end); adopt the tree's KV; move the lock down.
@@ -279,13 +292,13 @@ class StateCache:
         return slot
 
     def _release(self, seq: SeqHandle, free_working: bool) -> None:
-        slots = seq.idle_tracks + [s for _, s in seq.filled_tracks]
+        slots = [s for _, s in seq.filled_tracks]
         if free_working:
             slots.append(seq.working_slot)
         self.state_pool.free(slots)
         if seq.locked_node is not None:
             self.tree.unlock(seq.locked_node)
-        seq.locked_node, seq.idle_tracks, seq.filled_tracks = None, [], []
+        seq.locked_node, seq.filled_tracks = None, []
         del self._live[id(seq)]
 
     def _check_live(self, seq: SeqHandle) -> None:

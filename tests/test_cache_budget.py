@@ -63,23 +63,54 @@ def test_plan_fits_requested_running_requests():
     assert "8 running requests" in plan.describe()
 
 
+def test_default_plan_is_one_working_slot_per_request_plus_a_cache_pool():
+    kv, gdn = _shapes()
+    plan = plan_pools(kv, gdn, 1 << 30, max_running=64)
+    assert plan.max_running == 64 and plan.cache_state_slots == 16 and plan.state_slots == 64 + 16
+    small = plan_pools(kv, gdn, 1 << 30, max_running=3)
+    assert small.cache_state_slots == 8 and small.state_slots == 3 + 8  # the pool's minimum
+
+
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_budget_for_n_working_slots_and_a_few_cached_states_runs_n(n):
+    """Room for exactly n working slots + the minimum cache pool: n requests, not n / 3."""
+    kv, gdn = _shapes()
+    state_bytes = (n + 4) * gdn.bytes_per_slot
+    budget = 2 * state_bytes + 1  # max_state_fraction 0.5 → exactly n + 4 state slots
+    plan = plan_pools(kv, gdn, budget, max_running=1000, cache_states_per_request=0.0, min_cache_states=4)
+    assert (plan.max_running, plan.state_slots, plan.cache_state_slots) == (n, n + 4, 4)
+    one_slot_less = dict(budget_bytes=budget - 2 * gdn.bytes_per_slot, max_running=1000,
+                         cache_states_per_request=0.0, min_cache_states=4)
+    if n > 1:
+        assert plan_pools(kv, gdn, **one_slot_less).max_running == n - 1
+    else:
+        with pytest.raises(ValueError, match="cannot hold one request"):
+            plan_pools(kv, gdn, **one_slot_less)
+
+
 def test_plan_shrinks_running_to_the_state_share():
     kv, gdn = _shapes()
     budget = 40 * gdn.bytes_per_slot
-    plan = plan_pools(kv, gdn, budget, max_running=100, slots_per_request=3, max_state_fraction=0.5)
+    plan = plan_pools(kv, gdn, budget, max_running=100, slots_per_request=3, cache_states_per_request=1.0,
+                      min_cache_states=0, max_state_fraction=0.5)
     assert plan.max_running == 5  # 20 slots' worth of state bytes / 4 slots per request
     assert plan.state_bytes <= budget * 0.5
-    no_buffer = plan_pools(kv, gdn, budget, max_running=100, slots_per_request=1, max_state_fraction=0.5)
-    assert no_buffer.max_running == 10
+    default = plan_pools(kv, gdn, budget, max_running=100, max_state_fraction=0.5)
+    # 20 slots: n + max(8, ⌈n / 4⌉) ≤ 20 → n = 12 (the old 3 slots per request + 1 cached ran 5)
+    assert (default.max_running, default.cache_state_slots) == (12, 8)
+    quarter = plan_pools(kv, gdn, 200 * gdn.bytes_per_slot, max_running=1000, max_state_fraction=0.5)
+    assert (quarter.max_running, quarter.state_slots) == (80, 100)  # 80 + ⌈80 / 4⌉ = 100
 
 
 def test_plan_rejects_budgets_too_small():
     kv, gdn = _shapes()
     with pytest.raises(ValueError, match="cannot hold one request"):
         plan_pools(kv, gdn, 3 * gdn.bytes_per_slot, max_running=4)
+    with pytest.raises(ValueError, match="cannot hold one request"):  # 1 working + 8 cached > 8 slots
+        plan_pools(kv, gdn, 16 * gdn.bytes_per_slot, max_running=4)
     with pytest.raises(ValueError, match="KV tokens"):
         plan_pools(kv, gdn, gdn.bytes_per_slot + 10 * kv.bytes_per_token, max_running=1, slots_per_request=1,
-                   cache_states_per_request=0, max_state_fraction=0.99, min_kv_tokens=256)
+                   cache_states_per_request=0, min_cache_states=0, max_state_fraction=0.99, min_kv_tokens=256)
 
 
 def test_memory_budget_on_cpu_needs_a_total():

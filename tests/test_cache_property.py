@@ -1,9 +1,11 @@
 """Property test: random sequences of cache operations never break slot ownership.
 
 After every step: each KV and state slot is owned exactly once (request, tree or free list;
-free + owned = total), the tree's lock counts equal the locks actually held, locked nodes are
-still in the tree, and `match` resumes exactly at the deepest state on the path (never deeper,
-never at the full length) without mutating the tree.
+free + owned = total), the tree's lock counts equal the locks actually held, the KV of locked
+nodes is never evicted (their states may be: nothing reads a tree state after admission copied
+it), no state stays pinned between calls, a running request holds its working slot plus at most
+two undonated snapshots, and `match` resumes exactly at the deepest state on the path (never
+deeper, never at the full length) without mutating the tree.
 """
 from __future__ import annotations
 
@@ -43,14 +45,15 @@ def _attached(tree, node) -> bool:
 
 class CacheMachine(RuleBasedStateMachine):
     @initialize(mode=st.sampled_from(["extra_buffer", "no_buffer"]), prefix_cache=st.sampled_from([True, True, False]),
-                replay=st.booleans(), warmup=st.lists(st.tuples(TOKENS, st.integers(1, 9)), max_size=3))
-    def build(self, mode, prefix_cache, replay, warmup):
+                replay=st.booleans(), warmup=st.lists(st.tuples(TOKENS, st.integers(1, 9)), max_size=3),
+                state_slots=st.sampled_from([4, 12]))  # 4: tracking often finds the pool all working slots
+    def build(self, mode, prefix_cache, replay, warmup, state_slots):
         kv = KVPool(32, KVShape(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32))
         shape = GdnStateShape(num_layers=1, conv_dim=3, conv_kernel=2, num_k_heads=1, num_v_heads=1,
                               head_k_dim=1, head_v_dim=1, conv_dtype=torch.float32, ssm_dtype=torch.float32,
                               ring_len=2 if replay else 0)
-        self.cache = StateCache(kv, GdnStatePool(12, shape), CacheConfig(mode=mode, prefix_cache=prefix_cache))
-        self.external_locks = []  # (node, depth when locked)
+        self.cache = StateCache(kv, GdnStatePool(state_slots, shape), CacheConfig(mode=mode, prefix_cache=prefix_cache))
+        self.external_locks = []  # (node, depth when locked, edge tokens when locked, edge KV when locked)
         for tokens, position in warmup:  # start from a populated tree: states for later matches to find
             seq = self.cache.admit("warmup", tokens)
             self.cache.track(seq, min(position, len(tokens)))
@@ -81,9 +84,14 @@ class CacheMachine(RuleBasedStateMachine):
     def track(self, data):
         seq = self._pick(data)
         position = data.draw(st.integers(0, seq.num_tokens))
+        skipped = self.cache.stats().tracks_skipped
         if self.cache.track(seq, position):
             position_, slot = seq.filled_tracks[-1]
             assert position_ == position and int(self.cache.state_pool.cursor[slot]) == 0
+        elif self.cache.config.tracks and seq.tree_len < position:
+            # No slot even after evicting: every slot is a working slot or an undonated snapshot.
+            assert self.cache.stats().tracks_skipped == skipped + 1
+            assert self.cache.state_pool.num_free == 0 and self.cache.tree.num_states == 0
 
     @precondition(lambda self: self.cache.running)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), max_size=2))
@@ -149,22 +157,28 @@ class CacheMachine(RuleBasedStateMachine):
     def lock(self, data):
         node = data.draw(st.sampled_from(list(self.cache.tree.nodes())))
         self.cache.tree.lock(node)
-        self.external_locks.append((node, node.depth))
+        self.external_locks.append((node, node.depth, node.tokens, node.kv.clone()))
 
     @precondition(lambda self: self.external_locks)
     @rule(data=st.data())
     def unlock(self, data):
-        node, _ = self.external_locks.pop(data.draw(st.integers(0, len(self.external_locks) - 1)))
+        node = self.external_locks.pop(data.draw(st.integers(0, len(self.external_locks) - 1)))[0]
         self.cache.tree.unlock(node)
 
     # ---- after every step ------------------------------------------------------------------
     @invariant()
     def ownership_and_locks(self):
-        self.cache.audit(external_locks=[node for node, _ in self.external_locks])
-        for node, depth in self.external_locks:
+        self.cache.audit(external_locks=[lock[0] for lock in self.external_locks])
+        for node, depth, tokens, kv in self.external_locks:
+            # KV of a locked node is never evicted (a split may move its head into a new parent:
+            # what it held then is still its edge's tail plus the ancestors' edges).
             assert _attached(self.cache.tree, node) and node.depth == depth
+            assert tokens[len(tokens) - len(node.tokens):] == node.tokens
+            assert torch.equal(kv[kv.numel() - node.kv.numel():], node.kv)
         for seq in self.cache.running:
             assert seq.locked_node is None or _attached(self.cache.tree, seq.locked_node)
+            assert len(seq.state_slots()) <= 3  # working + at most two snapshots not yet donated
+        assert all(node.state_pins == 0 for node in self.cache.tree.nodes())
 
 
 CacheMachine.TestCase.settings = settings(max_examples=1000, stateful_step_count=20, deadline=None,

@@ -110,10 +110,45 @@ def test_evict_lru_order_and_locks_respected():
     assert ev.state_slots == (1,)  # b: least recently used unlocked
     ev = tree.evict(num_kv_tokens=100)
     assert ev.state_slots == (2,) and tree.match([1, 1, 5]).resume_len == 2
-    assert tree.evictable() == (0, 0)
+    assert tree.evictable() == (0, 1)  # a's KV is locked; its state is not (only a pin keeps it)
     tree.unlock(a)
     assert tree.evictable() == (2, 1)
     del c
+
+
+def test_locked_node_loses_its_state_but_never_its_kv():
+    tree = RadixTree()
+    inner = tree.insert([1, 2, 3], _kv(0, 3), state_slot_at_end=0).node
+    locked = tree.insert([1, 2, 3, 4, 5], _kv(0, 5), state_slot_at_end=1).node
+    free = tree.insert([7, 7], _kv(10, 2), state_slot_at_end=2).node
+    tree.lock(locked)  # a running sequence on [1..5]: inner and locked are on its path
+    assert tree.evictable() == (2, 3)
+    ev = tree.evict(num_kv_tokens=0, num_states=1)
+    assert ev.state_slots == (2,)  # the unlocked state goes first, although used most recently
+    ev = tree.evict(num_kv_tokens=0, num_states=5)
+    assert sorted(ev.state_slots) == [0, 1] and inner.state_slot is None and locked.state_slot is None
+    ev = tree.evict(num_kv_tokens=100)
+    assert sorted(ev.kv_indices.tolist()) == [10, 11]  # the unlocked leaf; the locked path stays
+    assert tree.match([1, 2, 3, 4, 5, 6]).kv_len == 5 and tree.num_kv_tokens == 5
+    tree.audit()
+
+
+def test_pinned_state_survives_eviction_until_unpinned():
+    tree = RadixTree()
+    node = tree.insert([4, 4, 4], _kv(0, 3), state_slot_at_end=7).node
+    with pytest.raises(RuntimeError):
+        tree.pin_state(node)  # pins need a lock (the KV must stay too)
+    tree.lock(node)
+    tree.pin_state(node)
+    assert tree.evictable() == (0, 0)
+    assert tree.evict(num_kv_tokens=10, num_states=10).state_slots == ()
+    tree.unpin_state(node)
+    tree.audit()
+    assert tree.evictable() == (0, 1) and tree.evict(0, 1).state_slots == (7,)
+    with pytest.raises(RuntimeError):
+        tree.unpin_state(node)
+    tree.unlock(node)
+    tree.audit()
 
 
 def test_states_evicted_before_kv_and_inner_states_evictable():

@@ -31,7 +31,7 @@ def test_admit_fresh_zeroes_working_state_and_allocates():
     assert seq.resume_len == 0 and seq.num_tokens == 5 and seq.kv_indices.numel() == 5
     assert not pool.conv[0][seq.working_slot].any() and not pool.ssm[0][seq.working_slot].any()
     assert int(pool.cursor[seq.working_slot]) == 0
-    assert len(seq.state_slots()) == 3 and cache.kv_pool.num_used == 5
+    assert seq.state_slots() == [seq.working_slot] and cache.kv_pool.num_used == 5  # tracks on demand
     assert len(_cache(mode="no_buffer").admit("b", [1, 2]).state_slots()) == 1
     cache.audit()
 
@@ -44,7 +44,8 @@ def test_extra_buffer_track_donate_finish_then_resume():
     tracked_slot = a.filled_tracks[0][1]
     assert cache.donate(a) == 1
     assert a.tree_len == 6 and a.locked_node.depth == 6 and a.locked_node.state_slot == tracked_slot
-    assert len(a.idle_tracks) == 2 and torch.equal(a.kv_indices[:6], _tree_kv(cache, prompt[:6]))
+    assert a.state_slots() == [a.working_slot] and cache.state_pool.num_used == 2  # working + the tree's
+    assert torch.equal(a.kv_indices[:6], _tree_kv(cache, prompt[:6]))
     cache.audit()
     assert cache.append(a, [11]).numel() == 1
     cache.finish(a)
@@ -129,10 +130,11 @@ def test_concurrent_donation_of_the_same_prefix_dedups():
         cache.track(seq, 4)
     assert cache.donate(a) == 1
     b_own_prefix = b.kv_indices[:4].clone()
-    assert cache.donate(b) == 0  # the node already has a state: b keeps its slot as a track slot
+    assert cache.donate(b) == 0  # the node already has a state: b's snapshot goes back to the pool
     assert torch.equal(b.kv_indices[:4], a.kv_indices[:4])
     assert set(b_own_prefix.tolist()).isdisjoint(set(a.kv_indices[:4].tolist()))
-    assert cache.kv_pool.num_used == 4 + 1 + 1 and len(b.idle_tracks) == 2
+    assert cache.kv_pool.num_used == 4 + 1 + 1 and b.state_slots() == [b.working_slot]
+    assert cache.state_pool.num_used == 3  # two working slots, one tree state
     cache.audit()
 
 
@@ -181,10 +183,10 @@ def test_audit_catches_ownership_and_lock_errors():
     cache.track(a, 3)
     cache.donate(a)
     cache.audit()
-    a.idle_tracks.append(a.working_slot)  # one slot, two owners
+    a.filled_tracks.append((4, a.working_slot))  # one slot, two owners
     with pytest.raises(AssertionError, match="two owners"):
         cache.audit()
-    a.idle_tracks.pop()
+    a.filled_tracks.pop()
     leaked = cache.kv_pool.alloc(1)  # allocated but owned by no one
     with pytest.raises(AssertionError, match="unowned"):
         cache.audit()
@@ -193,3 +195,94 @@ def test_audit_catches_ownership_and_lock_errors():
     with pytest.raises(AssertionError, match="lock count"):
         cache.audit()
     cache.audit(external_locks=[a.locked_node])
+
+
+# ---- on-demand track slots and unpinned states (1 state slot per running request) ----------
+
+def _run_to(cache, seq, positions):
+    """The engine's rhythm: the state reaches each position, is snapshotted and donated at once."""
+    return [cache.track(seq, p) and cache.donate(seq) == 1 for p in positions]
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_n_working_slots_and_two_cached_states_run_n_requests(n):
+    """Room for exactly n working slots + 2 states: n requests sharing a prefix run at once and
+    keep tracking (each snapshot evicts an older cached state, locked paths' included)."""
+    cache = _cache(kv_slots=128, state_slots=n + 2)
+    prefix = [9, 8, 7, 6, 5, 4]
+    seqs = [cache.admit(i, prefix + [i, i + 1, i + 2]) for i in range(n)]
+    assert all(s is not None for s in seqs)  # previously 3 slots each: (n + 2) // 3 requests at most
+    assert _run_to(cache, seqs[0], [3, 6, 8]) == [True, True, True]
+    cache.audit()
+    for seq in seqs[1:]:
+        assert _run_to(cache, seq, [7, 8]) == [True, True]
+        assert cache.state_pool.num_used == n + 2 and seq.state_slots() == [seq.working_slot]
+        cache.audit()
+    stats = cache.stats()
+    assert stats.states_tracked == 3 + 2 * (n - 1) and stats.tracks_skipped == 0
+    assert stats.states_evicted == stats.states_tracked - 2
+    follower = cache.match(prefix + [99, 99])
+    assert follower.kv_len == 6 and follower.resume_len == 0  # the prefix states were evicted, not its KV
+    for seq in seqs:
+        cache.finish(seq)
+    cache.audit()
+    assert cache.state_pool.num_used == cache.tree.num_states == 2
+
+
+def test_locked_node_state_evicted_under_pressure_but_not_its_kv():
+    cache = _cache(kv_slots=64, state_slots=3)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    a = cache.admit("a", prompt)
+    assert _run_to(cache, a, [4]) == [True]            # a holds the node at 4 locked
+    node = a.locked_node
+    assert node.lock_ref == 1 and node.state_slot is not None
+    b = cache.admit("b", [5, 5, 5])                    # the last free slot
+    c = cache.admit("c", [6, 6, 6])                    # no free slot: a's locked state goes
+    assert b is not None and c is not None and node.state_slot is None
+    assert cache.stats().states_evicted == 1 and cache.stats().kv_evicted_tokens == 0
+    assert node.lock_ref == 1 and torch.equal(a.kv_indices[:4], _tree_kv(cache, prompt[:4]))
+    assert cache.match(prompt).kv_len == 4 and cache.match(prompt).resume_len == 0
+    cache.audit()
+    cache.append(a, [8])
+    cache.finish(a)                                    # a is unaffected: it never reads the tree's state
+    assert cache.match(prompt + [8, 0]).kv_len == 8
+    cache.audit()
+
+
+def test_admission_pins_the_state_it_resumes_from():
+    cache = _cache(kv_slots=64, state_slots=4)
+    shared = [3, 3, 3, 3]
+    a = cache.admit("a", shared + [1, 1])
+    assert _run_to(cache, a, [4]) == [True]            # the shared state: the least recently used
+    other = cache.admit("other", [7, 7, 7])
+    assert _run_to(cache, other, [2]) == [True]
+    assert cache.state_pool.num_free == 0              # 2 working slots + 2 tree states
+    stats_before = cache.stats()
+    b = cache.admit("b", shared + [2, 2])              # must evict a state, never the one it copies
+    assert b is not None and b.resume_len == 4
+    assert cache.stats().states_evicted == stats_before.states_evicted + 1
+    assert cache.match(shared + [2]).resume_len == 4   # still cached after the copy
+    cache.audit()
+    cache.finish(other)
+    cache.finish(a)
+    full = _cache(kv_slots=64, state_slots=2)          # one working slot + the one cached state
+    a = full.admit("a", shared + [1, 1])
+    assert _run_to(full, a, [4]) == [True]
+    assert full.admit("b", shared + [2, 2]) is None    # the only evictable state is b's own source
+    assert not full.can_admit(shared + [2, 2])
+    assert full.match(shared + [2]).resume_len == 4 and full.stats().states_evicted == 0
+    full.audit()
+
+
+def test_track_without_any_free_or_evictable_slot_is_skipped():
+    cache = _cache(kv_slots=64, state_slots=2)
+    a, b = cache.admit("a", [1, 2, 3, 4]), cache.admit("b", [5, 6, 7])
+    assert cache.state_pool.num_free == 0
+    assert not cache.track(a, 3) and cache.donate(a) == 0
+    stats = cache.stats()
+    assert (stats.tracks_skipped, stats.states_tracked) == (1, 0)
+    cache.finish(b)                                    # its working slot frees: tracking works again
+    assert _run_to(cache, a, [4]) == [True]
+    assert cache.stats().tracks_skipped == 1
+    cache.finish(a)
+    cache.audit()

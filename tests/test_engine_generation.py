@@ -12,6 +12,7 @@ from batchinfer.engine.planner import make_plan
 from batchinfer.engine.types import SamplingParams
 from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.presets import PRESETS, random_model
+from cache.shapes import shapes_from_model_config
 from tests.engine_utils import make_engine, requests_for, run, shared_prefix_prompts, tiny_model, tokens_of
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -147,3 +148,30 @@ def test_replayssm_flushes_count_full_rings(model, ring_len, max_tokens):
     run(engine, requests_for(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     decode_steps = max_tokens - 1
     assert engine.stats.replayssm_flushes == len(prompts) * ((decode_steps - 1) // ring_len)
+
+
+@pytest.mark.parametrize("n", [3, 7])
+def test_budget_for_n_working_slots_runs_n_at_once_with_ideal_reuse(model, workload, reference, n):
+    """A state share of exactly n working slots + the minimum cache pool (8 states): n requests
+    run at once — under the old 3 slots per request + 1 cached + 16 path states, (n + 8) slots
+    held 2 at most — tokens stay those of a from-scratch run and reuse stays the plan's ideal,
+    although tracking keeps evicting cached states (locked paths' included) to find slots."""
+    prompts, requests = workload
+    _, state_shape = shapes_from_model_config(model.config, torch.float32, ring_len=4, ckpt_dtype=torch.float32)
+    engine = make_engine(model, memory_budget_bytes=2 * (n + 8) * state_shape.bytes_per_slot + 1, max_running=64)
+    assert (engine.pool_plan.max_running, engine.pool_plan.state_slots) == (n, n + 8)
+    running_sizes, schedule = [], engine.scheduler.schedule
+
+    def recording_schedule():
+        plan = schedule()
+        running_sizes.append(len(engine.scheduler.running))
+        assert all(len(seq.handle.state_slots()) == 1 for seq in engine.scheduler.running)  # no track slots
+        return plan
+
+    engine.scheduler.schedule = recording_schedule
+    outputs = run(engine, requests)
+    assert max(running_sizes) == n
+    assert tokens_of(outputs) == reference
+    stats = engine.stats
+    assert stats.cached_tokens == stats.theoretical_max_cached_tokens > 0
+    assert stats.states_evicted > 0 and engine.cache.stats().tracks_skipped == 0 and stats.preemptions == 0

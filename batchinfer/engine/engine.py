@@ -31,7 +31,6 @@ from cache.state_cache import CacheConfig, StateCache
 log = logging.getLogger(__name__)
 _CPU_DEFAULT_BUDGET_BYTES = 256 << 20  # no free-memory query on the CPU: a modest fixed pool
 _GRAPH_CTX_CAP = 32768  # context slots per row in the decode graphs' buffer; longer steps run eagerly
-_PATH_STATES = 16  # cached states that one prompt path may pin (see plan_pools below)
 
 
 class Engine:
@@ -51,12 +50,11 @@ class Engine:
         ring_len = config.ring_len if config.replayssm else 0
         kv_shape, state_shape = shapes_from_model_config(
             model_config, config.resolved_dtype(), ring_len=ring_len, ckpt_dtype=config.resolved_ckpt_dtype())
-        self.pool_plan = plan_pools(
-            kv_shape, state_shape, self._budget_bytes(), max_running=config.max_running,
-            slots_per_request=cache_config.slots_per_request,
-            # A running request's tree lock pins every state on its path (branch points and
-            # interval checkpoints), so keep room for a path's worth even with few requests.
-            cache_states_per_request=1.0 + _PATH_STATES / config.max_running)
+        # One working slot per running request, plus plan_pools' shared pool of cached states
+        # that tracking borrows from (a tracked state goes to the tree at once) and eviction
+        # refills: tree states are never pinned by running requests, only during admission.
+        self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=config.max_running,
+                                    slots_per_request=cache_config.slots_per_request)
         kv_pool, state_pool = build_pools(self.pool_plan, kv_shape, state_shape, self.device)
         self.cache = StateCache(kv_pool, state_pool, cache_config)
         caches = state_pool.model_caches(kv_pool)
@@ -267,7 +265,8 @@ class Engine:
             peak = (weights + cache.peak_kv_used * plan.bytes_per_kv_token
                     + cache.peak_states_used * plan.bytes_per_state_slot)
         return self.tally.snapshot(states_tracked=cache.states_tracked, states_donated=cache.states_donated,
-                                   states_evicted=cache.states_evicted, peak_memory_bytes=peak)
+                                   states_evicted=cache.states_evicted, tracks_skipped=cache.tracks_skipped,
+                                   peak_memory_bytes=peak)
 
     def settings(self) -> dict:
         """The settings this engine runs with (resolved), for stats.json."""

@@ -15,6 +15,7 @@ class EngineStats:
     states_tracked: int = 0
     states_donated: int = 0
     states_evicted: int = 0
+    tracks_skipped: int = 0               # tracked states not cached: no slot even after eviction
     replayssm_flushes: int = 0            # sequence-steps that folded a full ring into the checkpoint
     output_tokens: int = 0
     preemptions: int = 0
