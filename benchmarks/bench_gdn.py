@@ -1,17 +1,19 @@
 """GDN kernel benchmark on CUDA: our Triton prefill / decode / conv1d vs fla-core, same inputs.
 
-    python -m benchmarks.bench_gdn            # full table + launch sweeps (< 150 s on an H200)
+    python -m benchmarks.bench_gdn            # default-launch table, then launch sweeps (< 120 s on an H200)
     python -m benchmarks.bench_gdn --quick    # one shape per kernel
-    python -m benchmarks.bench_gdn --no-sweep # default launches only
+    python -m benchmarks.bench_gdn --no-sweep # default launches only (the table)
 
 Every row is correctness-checked before it is timed: ours vs the fp32 reference (kernels/ref) on
 the same bf16-rounded inputs, and ours vs fla where fla runs. Times are medians of
 triton.testing.do_bench (with warm-up). Shapes: Qwen3.5-27B's GDN (16 key / 48 value heads × 128).
 
-Sweeps: each kernel's launch knobs (KernelLaunch / ConvLaunch) are timed over a handful of
-configs; for prefill each stage is timed on its own (l2norm, wy, state pass, output) so the
-table also shows where the time goes. "tuned ms" is the default replaced by the best of each
-stage's sweep (prefill: re-timed end to end). Winners are printed as ready-to-paste dataclasses.
+Two phases. First every kernel at its DEFAULT launch for every shape, and the table is printed.
+Then the sweeps: each kernel's launch knobs (KernelLaunch / ConvLaunch) over a handful of configs;
+for prefill each stage alone (l2norm, wy, state pass, output), so they also show where the time
+goes. "tuned ms" is the default replaced by the best of each stage's sweep (prefill: re-timed end
+to end). A CUDA error is sticky (every later call fails), so the first one ends all sweeps: the
+failing config is named and the table is reprinted with what was measured before it.
 """
 from __future__ import annotations
 
@@ -47,8 +49,17 @@ def _bench(fn, quick: bool) -> float:
     return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median")
 
 
-SWEEP_DEADLINE_S = 120.0  # sweeps stop once the run is this old, so the whole bench stays < 150 s
+SWEEP_DEADLINE_S = 105.0  # sweeps stop once the run is this old, so the whole bench stays < 120 s
 _START = time.monotonic()
+
+
+class StickyCudaError(RuntimeError):
+    """A CUDA error (e.g. illegal address) poisons the context: nothing after it can run."""
+
+
+def _is_sticky_cuda_error(exc: Exception) -> bool:
+    text = str(exc)
+    return "CUDA error" in text or "illegal" in text or type(exc).__name__ == "AcceleratorError"
 
 
 def _sweep(title: str, configs, run_with, quick: bool):
@@ -60,8 +71,11 @@ def _sweep(title: str, configs, run_with, quick: bool):
             break
         try:
             run_with(cfg)  # compile + warm
+            torch.cuda.synchronize()  # a fault surfaces here, attributed to this config
             timings.append((cfg, _bench(lambda: run_with(cfg), quick)))
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
+            if _is_sticky_cuda_error(exc):
+                raise StickyCudaError(f"{title} {cfg}: {str(exc).splitlines()[0][:120]}") from exc
             print(f"  {title} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:80]}")
     if not timings:
         return None, None
@@ -137,7 +151,8 @@ def _prefill_sweeps(quick: bool, big: bool):
     return wy, state, out
 
 
-def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool, sweep: bool) -> Row:
+def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
+    """(row at the default launch, sweep closure returning the row with its tuned time)."""
     from kernels import gdn_prefill as ours
     from kernels.ref import gdn as ref
 
@@ -154,9 +169,15 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool, sweep: bool) ->
     expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=ref_state, slots=slots, cu_seqlens=cu)
     check = f"ref {_rel_err(out, expect):.1e}/{_rel_err(state, ref_state):.1e}"
     ours_ms = _bench(lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu), quick)
+    fla_ms = None
+    if fla is not None:
+        runner = lambda: _fla_runner(fla[0], x, state0[slots].clone(), (1, T), cu.long())  # noqa: E731
+        fla_ms, fla_check = _compare_fla(runner, out, quick)
+        check += fla_check
+    row = Row("gdn_prefill", f"{num_seqs}x{seq_len}", ours_ms, None, fla_ms, f"{T / ours_ms / 1e3:.2f} Mtok/s", "",
+              check)
 
-    tuned_ms = None
-    if sweep:
+    def sweep() -> Row:
         print(f"sweep gdn_prefill {num_seqs}x{seq_len} (each stage alone; default {ours.DEFAULT_LAUNCH})")
         work = ours.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
         ours.run_l2norm(work)
@@ -168,26 +189,23 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool, sweep: bool) ->
         tuned = ours.DEFAULT_LAUNCH
         tuned = replace(tuned, wy=best_wy or tuned.wy, state_pass=best_state or tuned.state_pass,
                         output=best_out or tuned.output)
+        run_tuned = lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=tuned)  # noqa: E731
+        _, tuned_ms = _sweep("end to end", [tuned], lambda _: run_tuned(), quick)  # guarded like any config
+        if tuned_ms is None:  # out of time budget, or the combination failed (printed)
+            return row
         state.copy_(state0)
-        tuned_out = ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=tuned)
-        check += f" tuned {_rel_err(tuned_out, expect):.1e}"
-        tuned_ms = _bench(lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=tuned), quick)
-        print(f"  best {tuned} -> {tuned_ms:.3f} ms end to end")
+        tuned_err = _rel_err(run_tuned(), expect)
+        print(f"  best {tuned} -> {tuned_ms:.3f} ms end to end (rel err {tuned_err:.1e})")
+        best = min(ours_ms, tuned_ms)
+        return replace(row, tuned_ms=tuned_ms, rate=f"{T / best / 1e3:.2f} Mtok/s", check=f"{check} tuned {tuned_err:.1e}")
 
-    fla_ms = None
-    if fla is not None:
-        runner = lambda: _fla_runner(fla[0], x, state0[slots].clone(), (1, T), cu.long())  # noqa: E731
-        fla_ms, fla_check = _compare_fla(runner, out, quick)
-        check += fla_check
-    best = min(ours_ms, tuned_ms or ours_ms)
-    return Row("gdn_prefill", f"{num_seqs}x{seq_len}", ours_ms, tuned_ms, fla_ms, f"{T / best / 1e3:.2f} Mtok/s", "",
-               check)
+    return row, sweep
 
 
 DECODE_SWEEP = [(16, 2, 1), (16, 4, 1), (32, 4, 1), (32, 8, 1), (64, 4, 1), (64, 8, 1), (128, 8, 1), (32, 4, 2)]
 
 
-def bench_decode(batch: int, fla, quick: bool, sweep: bool) -> Row:
+def bench_decode(batch: int, fla, quick: bool):
     from kernels import gdn_decode as ours
     from kernels.ref import gdn as ref
 
@@ -200,30 +218,35 @@ def bench_decode(batch: int, fla, quick: bool, sweep: bool) -> Row:
     expect = ref.gdn_decode(**{n: t.float() for n, t in x.items()}, state=ref_pool, slots=slots)
     check = f"ref {_rel_err(out, expect):.1e}/{_rel_err(pool, ref_pool):.1e}"
     ours_ms = _bench(lambda: ours.gdn_decode(**x, state=pool, slots=slots), quick)
+    fla_ms = None
+    if fla is not None:  # B sequences of one token each, dense initial states
+        fla_ms, fla_check = _compare_fla(lambda: _fla_runner(fla[1], x, fla_initial, (batch, 1)), out, quick)
+        check += fla_check
     state_bytes = 2 * batch * H_V * D_K * D_V * 4  # fp32 state read + written
-    tuned_ms = None
-    if sweep:
+
+    def rates(ms: float):
+        gbps = state_bytes / ms / 1e6
+        return dict(rate=f"{gbps:.0f} GB/s", pct_peak=f"{gbps * 1e9 / PEAK_BYTES_PER_S:.0%}")
+
+    row = Row("gdn_decode", f"B={batch}", ours_ms, None, fla_ms, check=check, **rates(ours_ms))
+
+    def sweep() -> Row:
         from kernels._common import KernelLaunch
 
         print(f"sweep gdn_decode B={batch} (default {ours.DEFAULT_LAUNCH})")
         configs = [KernelLaunch(*c) for c in (DECODE_SWEEP[:4] if quick else DECODE_SWEEP)]
         _, tuned_ms = _sweep("decode", configs, lambda c: ours.gdn_decode(**x, state=pool, slots=slots, launch=c),
                              quick)
+        return row if tuned_ms is None else replace(row, tuned_ms=tuned_ms, **rates(min(ours_ms, tuned_ms)))
 
-    fla_ms = None
-    if fla is not None:  # B sequences of one token each, dense initial states
-        fla_ms, fla_check = _compare_fla(lambda: _fla_runner(fla[1], x, fla_initial, (batch, 1)), out, quick)
-        check += fla_check
-    gbps = state_bytes / min(ours_ms, tuned_ms or ours_ms) / 1e6
-    pct = f"{gbps * 1e9 / PEAK_BYTES_PER_S:.0%}"
-    return Row("gdn_decode", f"B={batch}", ours_ms, tuned_ms, fla_ms, f"{gbps:.0f} GB/s", pct, check)
+    return row, (sweep if batch >= 32 else None)
 
 
 CONV_PREFILL_SWEEP = [(16, 256, 4), (32, 256, 4), (32, 256, 8), (16, 512, 4), (64, 256, 8), (8, 1024, 8), (32, 512, 8)]
 CONV_DECODE_SWEEP = [(1, 256, 4), (1, 512, 4), (1, 1024, 4), (1, 128, 2), (1, 1024, 8)]
 
 
-def bench_conv(num_tokens: int, decode: bool, quick: bool, sweep: bool) -> Row:
+def bench_conv(num_tokens: int, decode: bool, quick: bool):
     from kernels import conv1d as ours
     from kernels.ref import conv1d as ref
 
@@ -249,16 +272,23 @@ def bench_conv(num_tokens: int, decode: bool, quick: bool, sweep: bool) -> Row:
     check = f"ref {_rel_err(out, expect):.1e}/{_rel_err(pool, ref_pool):.1e}"
     ms = _bench(lambda: run(pool), quick)
     name = "conv1d_decode" if decode else "conv1d_prefill"
-    tuned_ms = None
-    if sweep:
+    moved = 2 * x.numel() * 2 + (2 * num_tokens * D_CONV * (CONV_K - 1) * 2 if decode else 0)
+
+    def rates(best_ms: float):
+        gbps = moved / best_ms / 1e6
+        return dict(rate=f"{gbps:.0f} GB/s", pct_peak=f"{gbps * 1e9 / PEAK_BYTES_PER_S:.0%}")
+
+    row = Row(name, shape, ms, None, None, check=check, **rates(ms))
+
+    def sweep() -> Row:
         from kernels.conv1d import ConvLaunch
 
         print(f"sweep {name} {shape} (ConvLaunch(block_t, block_d, num_warps))")
         configs = [ConvLaunch(*c) for c in (CONV_DECODE_SWEEP if decode else CONV_PREFILL_SWEEP)]
         _, tuned_ms = _sweep(name, configs[:3] if quick else configs, lambda c: run(pool, c), quick)
-    moved = 2 * x.numel() * 2 + (2 * num_tokens * D_CONV * (CONV_K - 1) * 2 if decode else 0)
-    gbps = moved / min(ms, tuned_ms or ms) / 1e6
-    return Row(name, shape, ms, tuned_ms, None, f"{gbps:.0f} GB/s", f"{gbps * 1e9 / PEAK_BYTES_PER_S:.0%}", check)
+        return row if tuned_ms is None else replace(row, tuned_ms=tuned_ms, **rates(min(ms, tuned_ms)))
+
+    return row, sweep
 
 
 def print_table(rows: list[Row]) -> None:
@@ -280,28 +310,56 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one shape per kernel, shorter timing")
     parser.add_argument("--no-sweep", action="store_true", help="default launch configs only")
     args = parser.parse_args(argv)
-    sweep = not args.no_sweep
     if not torch.cuda.is_available():
         print("bench_gdn needs CUDA")
         return 0
     fla = _load_fla()
     prefill = PREFILL_SHAPES[1:2] if args.quick else PREFILL_SHAPES
     decode = [128] if args.quick else DECODE_BATCHES
-    # Decode first: its sweep is cheap and most informative per second of the time budget.
-    # Prefill first: it is furthest from its target, and its sweeps need the most compile time.
-    rows = [_guarded(bench_prefill, n, length, fla, args.quick, sweep) for n, length in prefill]
-    rows += [_guarded(bench_decode, batch, fla, args.quick, sweep and batch >= 32) for batch in decode]
-    rows += [_guarded(bench_conv, 16384, False, args.quick, sweep), _guarded(bench_conv, 256, True, args.quick, sweep)]
-    print(f"total {time.monotonic() - _START:.0f} s")
-    print_table([r for r in rows if r is not None])
+    cases = [(bench_prefill, (n, length, fla, args.quick)) for n, length in prefill]
+    cases += [(bench_decode, (batch, fla, args.quick)) for batch in decode]
+    cases += [(bench_conv, (16384, False, args.quick)), (bench_conv, (256, True, args.quick))]
+
+    # Phase 1: every kernel at its default launch; the table is printed before any sweep.
+    measured, context_ok = [], True
+    for bench, case_args in cases:
+        try:
+            measured.append(_guarded(bench, *case_args))
+        except StickyCudaError as exc:
+            print(f"STOPPED: CUDA error in {bench.__name__}{case_args[:2]} at its default launch: {exc}")
+            context_ok = False
+            break
+    rows = [m[0] for m in measured if m is not None]
+    print(f"default launches ({time.monotonic() - _START:.0f} s)")
+    print_table(rows)
+    if args.no_sweep or not context_ok:
+        return 0
+
+    # Phase 2: sweeps, in table order, until the time budget or the first sticky CUDA error.
+    swept = {}
+    for row, sweep in (m for m in measured if m is not None and m[1] is not None):
+        try:
+            swept[id(row)] = sweep()
+        except StickyCudaError as exc:
+            print(f"SWEEP STOPPED: CUDA error in {exc}; later sweeps skipped (the context is unusable)")
+            break
+        except Exception as exc:  # noqa: BLE001 - one broken sweep does not sink the others
+            print(f"sweep {row.kernel} {row.shape}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
+    print(f"with sweeps (total {time.monotonic() - _START:.0f} s)")
+    print_table([swept.get(id(row), row) for row in rows])
     return 0
 
 
-def _guarded(bench_row, *args) -> Row | None:
-    """One failing row (e.g. out of memory) is reported and does not sink the table."""
+def _guarded(bench_row, *args):
+    """One failing row (e.g. out of memory) is reported and does not sink the table; a sticky CUDA
+    error is raised as StickyCudaError, since every later row would fail too."""
     try:
         return bench_row(*args)
+    except StickyCudaError:
+        raise
     except Exception as exc:  # noqa: BLE001
+        if _is_sticky_cuda_error(exc):
+            raise StickyCudaError(str(exc).splitlines()[0][:120]) from exc
         print(f"{bench_row.__name__}{args[:2]}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
 

@@ -42,11 +42,19 @@ NORM_ROWS = 16  # tokens per program of the q/k normalisation
 
 @dataclass(frozen=True)
 class PrefillLaunch:
-    """Knobs per kernel (block_v = d_v block; for `wy` the d_v step of its U loop)."""
+    """Knobs per kernel (block_v = d_v block; for `wy` the d_v step of its U loop).
 
-    wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=32, num_warps=8, num_stages=1))
-    state_pass: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=32, num_warps=8, num_stages=2))
-    output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=8, num_stages=2))
+    Stages share no block_v-dependent buffer or grid: every intermediate is allocated at full d_v
+    (plan_prefill) and each launch sizes its own grid, so any mix of per-stage knobs is valid
+    (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults are the combination whose end-to-end
+    run on the H200 was fastest AND known good (1×32768: 8.2 ms vs 10.8 ms for the first
+    defaults; docs/BENCHMARKS.md, 2026-11-29). WY at 4 warps was 2.6× faster at 8×2048 but sat
+    in the one combination that hit an illegal memory access, so it waits for a clean run.
+    """
+
+    wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=8, num_stages=1))
+    state_pass: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=32, num_warps=4, num_stages=2))
+    output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=4, num_stages=2))
 
 
 DEFAULT_LAUNCH = PrefillLaunch()

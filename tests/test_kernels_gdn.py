@@ -7,12 +7,15 @@ in bf16 against an fp32 reference on the same bf16-rounded inputs.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from kernels import gdn_decode as tri_decode
 from kernels import gdn_prefill as tri_prefill
-from kernels._common import chunk_table
+from kernels._common import KernelLaunch, chunk_table
 from kernels.ref import gdn as ref
 from tests.conftest import requires_cuda
 
@@ -96,7 +99,12 @@ def test_ref_matches_transformers():
 
     x, state, cu = make_inputs([130], seed=1)
     g, beta = ref.gdn_gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
-    hf_args = (x["q"][None], x["k"][None], x["v"][None], g[None], beta[None])
+    # Older transformers (5.17) expect q/k already repeated to the value heads (as the model does
+    # before calling them); newer ones repeat inside. Repeating here is right for both: with equal
+    # head counts the function's own repeat is skipped. Value head h reads key head h // group.
+    group = x["v"].shape[1] // x["k"].shape[1]
+    q_rep, k_rep = (x[name].repeat_interleave(group, dim=1) for name in ("q", "k"))
+    hf_args = (q_rep[None], k_rep[None], x["v"][None], g[None], beta[None])
     for hf_rule in (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule):
         hf_out, hf_state = hf_rule(
             *hf_args, initial_state=state[4:5].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
@@ -198,6 +206,70 @@ def test_triton_prefill_half_precision_path():
     assert _rel_err(state, expect_state) < 2e-3
 
 
+# Per-stage launch mixes: block_v differing between stages (larger, smaller, and wider than d_v),
+# and the warps/stages the H200 sweep picked. The interpreter checks addressing and masks for
+# every block_v mix; CUDA (test_triton_prefill_mixed_launches_cuda) also compiles each knob set.
+MIXED_LAUNCHES = [
+    tri_prefill.DEFAULT_LAUNCH,
+    # 8×2048 sweep winners per stage; their end-to-end run hit an illegal access on the H200.
+    tri_prefill.PrefillLaunch(wy=KernelLaunch(32, 4, 1), state_pass=KernelLaunch(64, 4, 2),
+                              output=KernelLaunch(128, 4, 3)),
+    # 1×32768 sweep winners (end to end known good) and the previous defaults.
+    tri_prefill.PrefillLaunch(wy=KernelLaunch(64, 8, 1), state_pass=KernelLaunch(32, 4, 2),
+                              output=KernelLaunch(64, 4, 2)),
+    tri_prefill.PrefillLaunch(wy=KernelLaunch(32, 8, 1), state_pass=KernelLaunch(32, 8, 2),
+                              output=KernelLaunch(64, 8, 2)),
+    tri_prefill.PrefillLaunch(wy=KernelLaunch(128, 8, 1), state_pass=KernelLaunch(16, 4, 2),
+                              output=KernelLaunch(32, 4, 3)),
+]
+
+
+def _launch_id(launch) -> str:
+    return "-".join(f"{k.block_v}.{k.num_warps}.{k.num_stages}" for k in (launch.wy, launch.state_pass, launch.output))
+
+
+@pytest.mark.parametrize("launch", MIXED_LAUNCHES, ids=_launch_id)
+def test_triton_prefill_mixed_launches(launch):
+    """d_v = 48: not a power of two, so every block_v leaves a masked tail or exceeds d_v."""
+    x, state, cu = make_inputs([65, 1, 64], d_v=48, device=DEVICE, seed=13)
+    slots = _slots(3, DEVICE)
+    expect_state, original = state.clone(), state.clone()
+    expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
+    got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=launch)
+    torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
+    assert torch.equal(state[_untouched(slots)], original[_untouched(slots)])
+
+
+def _check_mixed_launches_at_model_shapes(repeats: int = 3) -> None:
+    """CUDA worker (run in a child process: an illegal access is sticky and would fail every later
+    test). Prints each launch before running it, so the parent can name the one that crashed."""
+    lengths = [63, 65, 1000] + [2048] * 6
+    x, state0, cu = make_inputs(lengths, H_k=16, H_v=48, d_k=128, d_v=128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(NUM_SLOTS, device="cuda")[: len(lengths)]
+    expect_state = state0.clone()
+    expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=expect_state, slots=slots, cu_seqlens=cu)
+    for launch in MIXED_LAUNCHES:
+        print(f"RUNNING {launch}", flush=True)
+        for _ in range(repeats):  # some compiled faults are intermittent
+            state = state0.clone()
+            got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=launch)
+            torch.cuda.synchronize()
+            err, state_err = _rel_err(got, expect), _rel_err(state[slots], expect_state[slots])
+            assert err < 1e-2 and state_err < 5e-3, f"{launch}: rel err {err:.1e} / state {state_err:.1e}"
+        print(f"OK {_launch_id(launch)}", flush=True)
+
+
+@requires_cuda
+def test_triton_prefill_mixed_launches_cuda():
+    child = subprocess.run([sys.executable, "-m", "tests.test_kernels_gdn", "mixed-launches"],
+                           capture_output=True, text=True, timeout=600)
+    started = [line for line in child.stdout.splitlines() if line.startswith("RUNNING")]
+    assert child.returncode == 0, (
+        f"crashed in {started[-1] if started else 'setup'}\n{child.stdout[-2000:]}\n{child.stderr[-3000:]}")
+    assert len(started) == len(MIXED_LAUNCHES)
+
+
 # ---------------------------------------------------------------- Triton decode
 
 
@@ -248,3 +320,7 @@ def test_triton_decode_model_shapes_bf16():
     got = tri_decode.gdn_decode(**x, state=state, slots=slots)
     assert _rel_err(got, expect) < 5e-3
     assert _rel_err(state, expect_state) < 1e-5
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["mixed-launches"]:
+    _check_mixed_launches_at_model_shapes()
