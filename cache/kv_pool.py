@@ -6,10 +6,10 @@ from typing import Iterable
 import torch
 
 from .shapes import KVShape
-from .slot_owner import FreeList
+from .slot_owner import SlotPool
 
 
-class KVPool:
+class KVPool(SlotPool):
     """Preallocated KV cache, one slot per token, one slot index shared by all attention layers.
 
     Tensors: `k[i]`, `v[i]` of shape [num_slots + 1, H_kv, d] for the i-th attention layer,
@@ -27,36 +27,13 @@ class KVPool:
     def __init__(self, num_slots: int, shape: KVShape, device: torch.device | str = "cpu") -> None:
         self.shape = shape
         self.device = torch.device(device)
-        self._free = FreeList(num_slots)
+        super().__init__(num_slots)
         rows = (num_slots + 1, shape.num_kv_heads, shape.head_dim)
         self.k = [torch.zeros(rows, dtype=shape.dtype, device=self.device) for _ in range(shape.num_layers)]
         self.v = [torch.zeros(rows, dtype=shape.dtype, device=self.device) for _ in range(shape.num_layers)]
-
-    @property
-    def num_slots(self) -> int:
-        return self._free.capacity
-
-    @property
-    def pad_slot(self) -> int:
-        return self._free.capacity
-
-    @property
-    def num_free(self) -> int:
-        return self._free.num_free
-
-    @property
-    def num_used(self) -> int:
-        return self._free.num_allocated
 
     def alloc(self, n: int) -> torch.Tensor | None:
         return self._free.alloc(n)
 
     def free(self, idx: torch.Tensor | Iterable[int]) -> None:
         self._free.free(idx)
-
-    def allocated_mask(self) -> torch.Tensor:
-        """[num_slots] bool, True where a slot is owned by someone (request or tree)."""
-        return self._free.allocated_mask()
-
-    def audit(self) -> None:
-        self._free.audit()

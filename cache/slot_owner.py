@@ -71,3 +71,35 @@ class FreeList:
         mask.index_add_(0, free, torch.ones_like(free))
         assert int(mask.max()) <= 1, "an index is on the free list twice"
         assert torch.equal(mask.bool(), ~self._allocated), "free list and allocated mask disagree"
+
+
+class SlotPool:
+    """What every slot pool shares: a `FreeList` of `num_slots` indices plus one scratch row
+    (`pad_slot` == num_slots) that is never handed out — padded batch entries (CUDA-graph
+    padding) may write there freely. Subclasses add the tensors and `alloc`/`free` signatures."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._free = FreeList(num_slots)
+
+    @property
+    def num_slots(self) -> int:
+        return self._free.capacity
+
+    @property
+    def pad_slot(self) -> int:
+        return self._free.capacity
+
+    @property
+    def num_free(self) -> int:
+        return self._free.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self._free.num_allocated
+
+    def allocated_mask(self) -> torch.Tensor:
+        """[num_slots] bool, True where a slot is owned by someone (request or tree)."""
+        return self._free.allocated_mask()
+
+    def audit(self) -> None:
+        self._free.audit()

@@ -9,14 +9,14 @@ import torch
 from kernels import ops
 
 from .shapes import GdnStateShape
-from .slot_owner import FreeList
+from .slot_owner import SlotPool
 
 
 def _as_slots(slots: int | Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(slots, dtype=torch.int64).reshape(-1).to(device)
 
 
-class GdnStatePool:
+class GdnStatePool(SlotPool):
     """Preallocated GDN states, one slot per live sequence or cached prefix state.
 
     Tensors (list index j = the j-th GDN layer; every tensor has num_slots + 1 rows, the last,
@@ -37,7 +37,7 @@ class GdnStatePool:
     def __init__(self, num_slots: int, shape: GdnStateShape, device: torch.device | str = "cpu") -> None:
         self.shape = shape
         self.device = torch.device(device)
-        self._free = FreeList(num_slots)
+        super().__init__(num_slots)
         rows = num_slots + 1
         s = shape
         self.conv = [torch.zeros(rows, s.conv_dim, s.conv_kernel - 1, dtype=s.conv_dtype, device=self.device)
@@ -54,22 +54,6 @@ class GdnStatePool:
         self.cursor = torch.zeros(rows, dtype=torch.int32, device=self.device)  # [S+1]
 
     # ---- ownership -------------------------------------------------------------------------
-    @property
-    def num_slots(self) -> int:
-        return self._free.capacity
-
-    @property
-    def pad_slot(self) -> int:
-        return self._free.capacity
-
-    @property
-    def num_free(self) -> int:
-        return self._free.num_free
-
-    @property
-    def num_used(self) -> int:
-        return self._free.num_allocated
-
     def alloc(self) -> int | None:
         """A free slot index (contents undefined), or None when the pool is empty."""
         idx = self._free.alloc(1)
@@ -78,12 +62,6 @@ class GdnStatePool:
     def free(self, slot: int | Iterable[int]) -> None:
         """Return slot(s) to the free list; freeing a slot that is not allocated raises."""
         self._free.free([slot] if isinstance(slot, int) else list(slot))
-
-    def allocated_mask(self) -> torch.Tensor:
-        return self._free.allocated_mask()  # [num_slots] bool
-
-    def audit(self) -> None:
-        self._free.audit()
 
     # ---- state moves -----------------------------------------------------------------------
     def zero_(self, slots: int | Sequence[int] | torch.Tensor) -> None:
