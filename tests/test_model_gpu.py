@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from batchinfer.models import HybridModel, PRESETS, model_config_from_dict, random_model
+from batchinfer.models.layers.mlp import SparseMoE
+from benchmarks.model_gpu import record_routing, routing_flips
 from tests.conftest import requires_cuda
 from tests.model_utils import PackedDriver
 
@@ -68,3 +70,56 @@ def test_bf16_decode_follows_fp32_reference(ring_len, ckpt_dtype, monkeypatch):
         agree += int(logits.argmax()) == tok
         logits = driver.decode({0: tok})[0]
     assert agree / steps >= 0.9
+
+
+@requires_cuda
+def test_bf16_moe_logits_close_where_routing_agrees(monkeypatch):
+    """The MoE excess error is routing flips on near-ties: tokens whose top-k sets agreed in
+    every layer must meet the dense max-abs target."""
+    fast, ref = _pair(SMALL_MOE)
+    prompts = _prompts(ref.config.vocab_size)
+    results, routes = [], []
+    for model, kernels in ((fast, "auto"), (ref, "ref")):
+        monkeypatch.setenv("BATCHINFER_KERNELS", kernels)
+        driver = PackedDriver(model, num_state_slots=8)
+        for sid in prompts:
+            driver.add(sid, 7 - sid)
+        with record_routing(model) as layer_routes:
+            results.append(driver.prefill(prompts, all_logits=True))
+        routes.append(layer_routes)
+    consistent = ~routing_flips(*routes).any(0)  # [T], prompts packed in order
+    assert consistent.float().mean() > 0.5  # flips are rare, not systematic
+    start = 0
+    for sid, tokens in prompts.items():
+        rows = consistent[start:start + len(tokens)].cuda()
+        start += len(tokens)
+        got, want = results[0][sid][rows], results[1][sid][rows]
+        if len(want):
+            assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+
+
+def test_routing_recorder_finds_exactly_the_flipped_layer():
+    """CPU check of the benchmark's instrument: identical twins never flip; a perturbed router
+    in one MoE layer flips only that layer's decisions."""
+    raw = {**SMALL_MOE, "hidden_size": 64, "head_dim": 32, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+           "vocab_size": 256, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}
+    base = random_model(model_config_from_dict(raw), torch.float32, "cpu", seed=0)
+    twin = HybridModel(base.config, torch.float32, "cpu")
+    twin.load_state_dict(base.state_dict())
+    prompts = {0: list(range(3, 40)), 1: list(range(100, 165))}
+    moe_layers = [layer.mlp for layer in twin.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def routes_of(model):
+        driver = PackedDriver(model, num_state_slots=4)
+        for sid in prompts:
+            driver.add(sid, 2 - sid)
+        with record_routing(model) as layer_routes:
+            driver.prefill(prompts)
+        return layer_routes
+
+    base_routes = routes_of(base)
+    assert len(base_routes) == len(moe_layers) and not routing_flips(base_routes, routes_of(twin)).any()
+    with torch.no_grad():
+        moe_layers[-1].router.copy_(torch.randn(moe_layers[-1].router.shape, generator=torch.Generator().manual_seed(1)))
+    flips = routing_flips(base_routes, routes_of(twin))  # the last MoE layer feeds no later router
+    assert flips[-1].any() and not flips[:-1].any()

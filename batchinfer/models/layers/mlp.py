@@ -4,6 +4,11 @@ MoE routing follows transformers' Qwen3-Next / Qwen3.5-MoE router exactly: softm
 experts in fp32, top-k, optional renormalisation of the k weights. Routed tokens are sorted
 by expert and run as one grouped matmul per projection (`torch._grouped_mm`, where the
 device and dtype support it), else one matmul per expert.
+
+The combine (routing weights x expert outputs, summed over the k experts, plus the gated
+shared expert) runs in fp32 and rounds once: in bf16 every weight, product and each of the
+k additions rounds separately, which measurably raised the block's error above a dense
+MLP's (transformers combines in the activation dtype; fp32 parity is unaffected).
 """
 from __future__ import annotations
 
@@ -61,22 +66,24 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = empty_param(1, H, dtype=dtype, device=device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids [T, k] and their weights [T, k] (x.dtype)."""
+        """Top-k expert ids [T, k] and their weights [T, k] (fp32)."""
         # Router logits in fp32: a bf16 rounding that flips a near-tied top-k choice is a
         # discontinuous jump in the output (cheap: E x hidden).
         probs = torch.softmax(F.linear(x.float(), self.router.float()), dim=-1)  # [T, E]
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        return experts, weights.to(x.dtype)
+        return experts, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        routed = self._run_experts(x, experts, weights)  # [T, hidden]
-        shared = self.shared_expert(x) * torch.sigmoid(F.linear(x, self.shared_expert_gate))
-        return routed + shared
+        routed = self._run_experts(x, experts, weights)  # [T, hidden] fp32
+        shared_gate = torch.sigmoid(F.linear(x, self.shared_expert_gate).float())  # [T, 1]
+        shared = self.shared_expert(x).float() * shared_gate
+        return (routed + shared).to(x.dtype)
 
     def _run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's k experts of weight x expert(x): [T, hidden] fp32."""
         T, k = experts.shape
         flat_experts = experts.reshape(-1)  # [T·k]
         order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert
@@ -99,5 +106,6 @@ class SparseMoE(nn.Module):
                     rows = slice(start, start + count)
                     y[rows] = swiglu(x_sorted[rows], self.experts_gate_up[expert], self.experts_down[expert])
                     start += count
-        y = y * weights.reshape(-1)[order, None]  # [T·k, hidden]
-        return torch.zeros_like(x).index_add_(0, token_of, y)
+        # fp32 products and sum (a transient [T·k, hidden] fp32: one prefill chunk's worth).
+        y = y.float() * weights.reshape(-1)[order, None]  # [T·k, hidden]
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, y)
