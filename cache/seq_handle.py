@@ -1,6 +1,7 @@
 """What one running sequence holds in the cache: token ids, KV slots, state slots, a lock."""
 from __future__ import annotations
 
+from array import array
 from typing import Hashable, Optional, Sequence
 
 import torch
@@ -29,7 +30,10 @@ class SeqHandle:
                  locked_node: Optional[RadixNode], resume_len: int, matched_kv_len: int) -> None:
         self.key = key
         self.tokens: list[int] = list(tokens)
-        self._kv = torch.empty(max(16, 2 * len(self.tokens)), dtype=torch.int64)  # grows by doubling
+        # KV slots live in a Python int64 array with a tensor view on the same memory: decode
+        # appends one slot per step (an array store, ~50x cheaper than a tensor store) and
+        # `pack_kv` joins many sequences' slots as bytes; everything else uses the tensor view.
+        self._kv_buf, self._kv = _kv_buffer(max(16, 2 * len(self.tokens)))  # grows by doubling
         self._kv[:len(self.tokens)] = kv_indices
         self.working_slot = working_slot
         self.filled_tracks: list[tuple[int, int]] = []
@@ -55,14 +59,31 @@ class SeqHandle:
         """Every state slot this sequence owns."""
         return [self.working_slot, *(slot for _, slot in self.filled_tracks)]
 
-    def _extend(self, token_ids: Sequence[int], kv: torch.Tensor) -> None:
-        n, k = len(self.tokens), len(token_ids)
-        if n + k > self._kv.numel():
-            grown = torch.empty(max(2 * self._kv.numel(), n + k), dtype=torch.int64)
+    def kv_memory(self) -> memoryview:
+        """The KV slots of `kv_indices` as raw int64 memory (no tensor built): see `pack_kv`."""
+        return memoryview(self._kv_buf)[:len(self.tokens)]
+
+    def _reserve(self, total: int) -> None:
+        """Room for `total` tokens; a bigger buffer replaces the old one (never resized in place:
+        tensors viewing the old one stay valid)."""
+        if total > len(self._kv_buf):
+            n = len(self.tokens)
+            self._kv_buf, grown = _kv_buffer(max(2 * len(self._kv_buf), total))
             grown[:n] = self._kv[:n]
             self._kv = grown
+
+    def _extend(self, token_ids: Sequence[int], kv: torch.Tensor) -> None:
+        n, k = len(self.tokens), len(token_ids)
+        self._reserve(n + k)
         self._kv[n:n + k] = kv
         self.tokens.extend(int(t) for t in token_ids)
+
+    def _append_one(self, token_id: int, kv_slot: int) -> None:
+        """`_extend` for a single token, without building tensors (the decode hot path)."""
+        n = len(self.tokens)
+        self._reserve(n + 1)
+        self._kv_buf[n] = kv_slot
+        self.tokens.append(token_id)
 
     def _adopt_prefix(self, kv: torch.Tensor) -> None:
         """Use the tree's slots for the first len(kv) tokens (after they were inserted)."""
@@ -73,3 +94,17 @@ class SeqHandle:
         dropped = self._kv[length:len(self.tokens)].clone()
         del self.tokens[length:]
         return dropped
+
+
+def _kv_buffer(capacity: int) -> tuple[array, torch.Tensor]:
+    buffer = array("q", bytes(8 * capacity))
+    return buffer, torch.frombuffer(buffer, dtype=torch.int64)  # [capacity], shares the memory
+
+
+def pack_kv(handles: Sequence[SeqHandle]) -> torch.Tensor:
+    """Every handle's `kv_indices`, concatenated: [Σ num_tokens] int64 CPU. One join of raw memory
+    instead of a slice and a concatenation per sequence (a decode step's whole context)."""
+    joined = bytearray(b"".join([memoryview(h._kv_buf)[:len(h.tokens)] for h in handles]))  # kv_memory, inlined
+    if not joined:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(joined, dtype=torch.int64)

@@ -174,6 +174,23 @@ class StateCache:
         self._note_peaks()
         return kv
 
+    def append_many(self, seqs: Sequence[SeqHandle], token_ids: Sequence[int]) -> bool:
+        """One new token for each sequence (`token_ids[i]` for `seqs[i]`, a decode step): their KV
+        slots in one allocation, evicting once if needed. All or nothing: False (nothing taken)
+        when there is no room for every token even after eviction — fall back to `append` per
+        sequence to decide whom to preempt. Same slots, in the same order, as `append` one by one."""
+        if len(seqs) != len(token_ids):
+            raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} token ids")
+        if not seqs:
+            return True
+        if not self.ensure_free(len(seqs)):
+            return False
+        kv = self.kv_pool.alloc(len(seqs)).tolist()  # one free-list pop for the whole batch
+        for seq, slot, token in zip(seqs, kv, token_ids):
+            seq._append_one(int(token), slot)
+        self._note_peaks()
+        return True
+
     def track(self, seq: SeqHandle, position: int) -> bool:
         """Snapshot the working state, which must be at exactly `position` tokens, into a state
         slot allocated now (evicting the least recently used cached state if the pool is empty).

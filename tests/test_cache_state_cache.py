@@ -286,3 +286,58 @@ def test_track_without_any_free_or_evictable_slot_is_skipped():
     assert cache.stats().tracks_skipped == 1
     cache.finish(a)
     cache.audit()
+
+
+def _decode_fleet(cache, seed=0):
+    """Three running sequences of odd lengths (one long enough to outgrow its first buffer), in
+    a pool left shuffled by earlier frees, so slots are out of order."""
+    rng = torch.Generator().manual_seed(seed)
+    spare = cache.kv_pool.alloc(9)
+    seqs = [cache.admit(f"s{i}", torch.randint(0, 50, (n,), generator=rng).tolist()) for i, n in enumerate((3, 7, 17))]
+    cache.kv_pool.free(spare[torch.randperm(9, generator=rng)])
+    return seqs
+
+
+def test_append_many_takes_the_same_slots_as_one_append_per_sequence():
+    batched, single = _cache(kv_slots=200), _cache(kv_slots=200)
+    fleet_a, fleet_b = _decode_fleet(batched), _decode_fleet(single)
+    for step in range(40):  # past every handle's first buffer (2 × its prompt, at least 16)
+        ids = [100 + 3 * step + i for i in range(3)]
+        assert batched.append_many(fleet_a, ids)
+        for seq, token in zip(fleet_b, ids):
+            single.append(seq, [token])
+        for a, b in zip(fleet_a, fleet_b):
+            assert a.tokens == b.tokens and torch.equal(a.kv_indices, b.kv_indices)
+    batched.audit()
+    assert batched.append_many([], [])
+    with pytest.raises(ValueError):
+        batched.append_many(fleet_a, [1])
+
+
+def test_append_many_is_all_or_nothing_and_evicts_for_room():
+    cache = _cache(kv_slots=24)
+    done = cache.admit("done", [9, 8, 7, 6, 5, 4])
+    cache.finish(done)  # 6 evictable KV slots in the tree
+    seqs = [cache.admit("a", [1] * 7), cache.admit("b", [2] * 9)]  # 24 - 6 - 16 = 2 free
+    assert cache.append_many(seqs, [3, 4]) and cache.kv_pool.num_free == 0
+    assert cache.append_many(seqs, [5, 6]) and cache.stats().kv_evicted_tokens >= 2  # evicted the tree's
+    before = [s.kv_indices.clone() for s in seqs]
+    cache.evict(100)  # nothing left to evict; then leave one free slot: room for one token, not two
+    held = cache.kv_pool.alloc(cache.kv_pool.num_free - 1)
+    assert not cache.append_many(seqs, [7, 8])
+    assert cache.kv_pool.num_free == 1 and [s.num_tokens for s in seqs] == [9, 11]
+    assert all(torch.equal(a, s.kv_indices) for a, s in zip(before, seqs))
+    cache.kv_pool.free(held)
+    cache.audit()
+
+
+def test_pack_kv_concatenates_every_context():
+    from cache.seq_handle import pack_kv
+
+    cache = _cache(kv_slots=200)
+    seqs = _decode_fleet(cache, seed=1)
+    for step in range(25):
+        cache.append_many(seqs, [step, step + 1, step + 2])
+        order = [seqs[2], seqs[0], seqs[1]]
+        assert torch.equal(pack_kv(order), torch.cat([s.kv_indices for s in order]))
+    assert pack_kv([]).numel() == 0

@@ -91,24 +91,26 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], positions: Sequence[int], state_slots: Sequence[int],
-            contexts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Logits [B, V] of one decode step, or None when it does not fit (run it eagerly)."""
+            kv_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """Logits [B, V] of one decode step, or None when it does not fit (run it eagerly).
+        `kv_indices` [Σ(positions + 1)]: each sequence's whole context in turn, new token last."""
         B = len(token_ids)
         b = next((s for s in self.sizes if s >= B), None)
-        lengths = [c.numel() for c in contexts]
-        total = sum(lengths) + (0 if b is None else b - B)
+        total = kv_indices.numel() + (0 if b is None else b - B)
         if b is None or total > b * self.ctx_cap:
             return None
         pad = b - B
-        ctx = torch.cat(list(contexts) + [torch.full((pad,), self.pad_kv_slot, dtype=torch.int64)])  # [total]
-        indptr = torch.tensor([0] + lengths + [1] * pad, dtype=torch.int64).cumsum(0).to(torch.int32)
+        ctx = torch.cat([kv_indices, torch.full((pad,), self.pad_kv_slot, dtype=torch.int64)])  # [total]
         rows = torch.tensor([list(token_ids) + [0] * pad, list(positions) + [0] * pad,
-                             list(state_slots) + [self.pad_state_slot] * pad,
-                             [int(c[-1]) for c in contexts] + [self.pad_kv_slot] * pad], dtype=torch.int64)
+                             list(state_slots) + [self.pad_state_slot] * pad], dtype=torch.int64)   # [3, b]
+        indptr = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(rows[1] + 1, 0, out=indptr[1:])  # padded rows: position 0, one (pad) slot   # [b+1]
+        new_kv = ctx[indptr[1:] - 1]  # [b] each new token's slot ends its context (pad rows: pad slot)
+        indptr = indptr.to(torch.int32)
         self.input_ids[:b].copy_(rows[0], non_blocking=True)
         self.positions[:b].copy_(rows[1], non_blocking=True)
         self.state_slots[:b].copy_(rows[2], non_blocking=True)
-        self.out_kv_slots[:b].copy_(rows[3], non_blocking=True)  # the new token's slot ends its context
+        self.out_kv_slots[:b].copy_(new_kv, non_blocking=True)
         self.kv_indptr[:b + 1].copy_(indptr, non_blocking=True)
         self.kv_indices[:total].copy_(ctx, non_blocking=True)
         if not self.capture:

@@ -17,15 +17,16 @@ import torch
 
 from batchinfer.engine.config import EngineConfig, dtype_name
 from batchinfer.engine.cuda_graphs import DecodeGraphs
-from batchinfer.engine.model_runner import ModelRunner, SequenceChunk
+from batchinfer.engine.model_runner import DecodeRows, ModelRunner, SequenceChunk
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
-from batchinfer.engine.sampler import SampleRow, SamplingTensors, sample
+from batchinfer.engine.sampler import SamplingTensors, identity_key, sample
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
 from batchinfer.engine.stats import EngineStats, StatsTally
 from batchinfer.engine.types import Request, RequestOutput
 from cache.budget import build_pools, memory_budget, plan_pools
 from cache.shapes import shapes_from_model_config
+from cache.seq_handle import pack_kv
 from cache.state_cache import CacheConfig, StateCache
 
 log = logging.getLogger(__name__)
@@ -200,21 +201,26 @@ class Engine:
         return self._sample_and_stop([seq for (seq, _), c in zip(items, chunks) if c.wants_logits], logits)
 
     def _run_decode(self, seqs: list[Sequence]) -> list[Sequence]:
-        chunks = [SequenceChunk(token_ids=seq.tokens[seq.computed:seq.computed + 1], start=seq.computed,
-                                state_slot=seq.handle.working_slot,
-                                context_kv=seq.handle.kv_indices[:seq.computed + 1], wants_logits=True)
-                  for seq in seqs]
-        logits = self.runner.decode(chunks)  # [B, V]
-        self.tally.add(decode_steps=1, decode_seq_steps=len(seqs),
-                       decode_context_tokens=sum(seq.computed + 1 for seq in seqs))
+        # Each handle holds exactly the context of this step (the scheduler appended the token).
+        positions = [seq.computed for seq in seqs]
+        handles = [seq.handle for seq in seqs]
+        rows = DecodeRows(token_ids=[seq.tokens[p] for seq, p in zip(seqs, positions)], positions=positions,
+                          state_slots=[h.working_slot for h in handles], kv_indices=pack_kv(handles))
+        logits = self.runner.decode(rows)  # [B, V]
+        self.tally.add(decode_steps=1, decode_seq_steps=len(seqs), decode_context_tokens=sum(positions) + len(seqs))
         if self.config.replayssm:
             ring_len = self.config.ring_len
-            # A full ring (cursor == L) is folded into the checkpoint by this step's kernel.
-            self.tally.add(replayssm_flushes=sum(seq.ring_cursor == ring_len for seq in seqs))
-            for seq in seqs:
+            flushes = 0
+            for seq in seqs:  # a full ring (cursor == L) is folded into the checkpoint by this step's kernel
+                flushes += seq.ring_cursor == ring_len
                 seq.ring_cursor = seq.ring_cursor % ring_len + 1
+            self.tally.add(replayssm_flushes=flushes)
         for seq in seqs:
-            self._advance(seq, 1)
+            if seq.computed < seq.prompt_len:  # only prompt positions are ever tracked
+                self._advance(seq, 1)
+            else:
+                seq.computed += 1
+                seq.high_water = max(seq.high_water, seq.computed)
         return self._sample_and_stop(seqs, logits)
 
     def _advance(self, seq: Sequence, n: int) -> None:
@@ -225,20 +231,33 @@ class Engine:
             self.cache.donate(seq.handle)  # at once: planned followers may be admitted next step
 
     def _sample_and_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        """Draw each sequence's next token (one device → host copy per step), append it, and
+        finish the sequences that stop."""
         if not seqs:
             return []
-        rows = []
+        params = [seq.request.sampling for seq in seqs]
         for seq in seqs:
-            params = seq.request.sampling
-            rows.append(SampleRow(
-                params, seq.request.seed_key, seq.sample_index, position=seq.num_outputs,
-                seen_token_ids=seq.tokens if params.repetition_penalty != 1.0 else (),
-                banned_token_ids=self.stop_rules.banned_ids(seq)))
-        tokens = sample(logits, SamplingTensors.build(rows, logits.device)).tolist()
+            if seq.sample_key is None:
+                seq.sample_key = identity_key(seq.request.sampling, seq.request.seed_key, seq.sample_index)
+        num_outputs = [len(seq.tokens) - seq.prompt_len for seq in seqs]  # index of the token drawn now
+        penalised = any(p.repetition_penalty != 1.0 for p in params)
+        banned = [(i, t) for i, (seq, p, n) in enumerate(zip(seqs, params, num_outputs)) if n < p.min_tokens
+                  for t in sorted(self.stop_rules.stop_ids(seq))]
+        tensors = SamplingTensors.from_columns(
+            params, [seq.sample_key for seq in seqs], num_outputs,
+            seen_token_ids=[seq.tokens if p.repetition_penalty != 1.0 else () for seq, p in zip(seqs, params)]
+            if penalised else None, banned=banned, device=logits.device)
+        tokens = sample(logits, tensors).tolist()
         done = []
-        for seq, token in zip(seqs, tokens):
+        stop_rules, max_len = self.stop_rules, self.max_model_len
+        for seq, token, p in zip(seqs, tokens, params):
             seq.tokens.append(token)
-            reason = self.stop_rules.finish_reason(seq)
+            outputs = len(seq.tokens) - seq.prompt_len
+            # The common case decided here: a plain token, no stop strings, far from any limit.
+            if (outputs <= p.min_tokens or token not in stop_rules.stop_ids(seq)) and not p.stop \
+                    and outputs < p.max_tokens and len(seq.tokens) < max_len:
+                continue
+            reason = stop_rules.finish_reason(seq)
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)

@@ -25,10 +25,33 @@ class SequenceChunk:
     wants_logits: bool            # the chunk ends where a token is to be sampled
 
 
-def _pinned(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+@dataclass(frozen=True)
+class DecodeRows:
+    """One decode step, one entry per sequence, as plain lists (no per-sequence objects)."""
+    token_ids: list[int]              # [B] the token each sequence feeds
+    positions: list[int]              # [B] its absolute position
+    state_slots: list[int]            # [B] GDN working slots
+    kv_indices: torch.Tensor          # [Σ(positions + 1)] int64 CPU: each whole context in turn, new token last
+
+
+def _to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """1-D int64 host tensors → device views, in one transfer (each small copy costs a launch)."""
+    packed = torch.cat(parts)
     if device.type == "cuda":
-        return values.pin_memory().to(device, non_blocking=True)
-    return values.to(device)
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
+    return list(packed.split([p.numel() for p in parts]))
+
+
+def _forward_batch(input_ids, positions, cu_seqlens, state_slots, out_kv, kv_indices, kv_indptr, logits_indices,
+                   *, is_decode: bool, replay: bool, device: torch.device) -> ForwardBatch:
+    (input_ids, positions, cu_seqlens, state_slots, out_kv, kv_indices, kv_indptr, logits_indices) = _to_device(
+        [input_ids, positions, cu_seqlens, state_slots, out_kv, kv_indices, kv_indptr, logits_indices], device)
+    return ForwardBatch(
+        input_ids=input_ids, positions=positions, cu_seqlens=cu_seqlens.to(torch.int32), is_decode=is_decode,
+        state_slots=state_slots, out_kv_slots=out_kv, kv_indices=kv_indices,
+        kv_indptr=kv_indptr.to(torch.int32), logits_indices=logits_indices, replay=replay and is_decode)
 
 
 def build_forward_batch(chunks: Sequence[SequenceChunk], *, is_decode: bool, replay: bool,
@@ -46,18 +69,24 @@ def build_forward_batch(chunks: Sequence[SequenceChunk], *, is_decode: bool, rep
     out_kv = torch.cat([c.context_kv[c.start:] for c in chunks])                                    # [T]
     logits_indices = torch.tensor([cu[i + 1] - 1 for i, c in enumerate(chunks) if c.wants_logits],
                                   dtype=torch.int64)                                                 # [N]
-    return ForwardBatch(
-        input_ids=_pinned(input_ids, device),
-        positions=_pinned(positions, device),
-        cu_seqlens=_pinned(torch.tensor(cu, dtype=torch.int32), device),
-        is_decode=is_decode,
-        state_slots=_pinned(torch.tensor([c.state_slot for c in chunks], dtype=torch.int64), device),
-        out_kv_slots=_pinned(out_kv, device),
-        kv_indices=_pinned(kv_indices, device),
-        kv_indptr=_pinned(kv_indptr.to(torch.int32), device),
-        logits_indices=_pinned(logits_indices, device),
-        replay=replay and is_decode,
-    )
+    return _forward_batch(input_ids, positions, torch.tensor(cu, dtype=torch.int64),
+                          torch.tensor([c.state_slot for c in chunks], dtype=torch.int64), out_kv, kv_indices,
+                          kv_indptr, logits_indices, is_decode=is_decode, replay=replay, device=device)
+
+
+def build_decode_batch(rows: DecodeRows, *, replay: bool, device: torch.device) -> ForwardBatch:
+    """A decode step's batch from flat lists: a few tensor builds whatever the batch size."""
+    B = len(rows.token_ids)
+    kv_indices = rows.kv_indices                                                                # [Σctx]
+    if sum(rows.positions) + B != kv_indices.numel():
+        raise ValueError("each decode context must hold its position + 1 KV slots")
+    host = torch.tensor([rows.token_ids, rows.positions, rows.state_slots], dtype=torch.int64)  # [3, B]
+    kv_indptr = torch.zeros(B + 1, dtype=torch.int64)
+    torch.cumsum(host[1] + 1, 0, out=kv_indptr[1:])                                             # [B+1]
+    out_kv = kv_indices[kv_indptr[1:] - 1]                   # [B] the new token ends its context
+    steps = torch.arange(B + 1, dtype=torch.int64)           # one token per sequence
+    return _forward_batch(host[0], host[1], steps, host[2], out_kv, kv_indices, kv_indptr, steps[:B],
+                          is_decode=True, replay=replay, device=device)
 
 
 class ModelRunner:
@@ -78,14 +107,12 @@ class ModelRunner:
         return self.model.forward(batch, self.caches)
 
     @torch.inference_mode()
-    def decode(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
-        """One token per chunk, every chunk wants logits: [B, V] fp32.
+    def decode(self, rows: DecodeRows) -> torch.Tensor:
+        """One token per sequence, each wants logits: [B, V] fp32.
 
         Under ReplaySSM the model advances each slot's ring cursor (docs/MODULES.md)."""
         if self.decode_graphs is not None:
-            logits = self.decode_graphs.run([c.token_ids[0] for c in chunks], [c.start for c in chunks],
-                                           [c.state_slot for c in chunks], [c.context_kv for c in chunks])
+            logits = self.decode_graphs.run(rows.token_ids, rows.positions, rows.state_slots, rows.kv_indices)
             if logits is not None:
                 return logits  # a view of the graph's output: consume before the next step
-        batch = build_forward_batch(chunks, is_decode=True, replay=self.replay, device=self.device)
-        return self.model.forward(batch, self.caches)
+        return self.model.forward(build_decode_batch(rows, replay=self.replay, device=self.device), self.caches)

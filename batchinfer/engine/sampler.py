@@ -47,6 +47,35 @@ def _split64(value: int) -> tuple[int, int]:
     return value & _MASK32, value >> 32
 
 
+def _mix32_int(x: int) -> int:
+    """`_mix32` on one Python int (same arithmetic mod 2^32): for per-sequence constants."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def identity_key(params: SamplingParams, seed_key: int, sample_index: int) -> tuple[int, int]:
+    """`row_keys`' two running keys after a row's five identity words (seed, seed_key, sample
+    index), before its position: constant over a sample's life, so the engine computes it once
+    and `finish_row_keys` mixes in each step's position."""
+    seed_lo, seed_hi = _split64(params.seed)
+    key_lo, key_hi = _split64(seed_key)
+    first, second = 0x9E3779B9, 0x85EBCA6B
+    for word in (seed_lo, seed_hi, key_lo, key_hi, sample_index & _MASK32):
+        first = _mix32_int(first ^ word)
+        second = _mix32_int(second ^ first)
+    return first, second
+
+
+def finish_row_keys(identity: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`row_keys` of (identity words, position) from the identity keys [N, 2] and positions [N]."""
+    first = _mix32(identity[:, 0] ^ (positions & _MASK32))
+    second = _mix32(identity[:, 1] ^ first)
+    return torch.stack([first, second], dim=1)  # [N, 2]
+
+
 def row_keys(words: torch.Tensor) -> torch.Tensor:
     """Two 32-bit keys per row from its identity words [N, W] (each < 2^32) → [N, 2] int64."""
     first = torch.full_like(words[:, 0], 0x9E3779B9)
@@ -85,7 +114,8 @@ class SamplingTensors:
     top_p: torch.Tensor                 # [N] fp32
     min_p: torch.Tensor                 # [N] fp32
     repetition_penalty: torch.Tensor    # [N] fp32
-    keys: torch.Tensor                  # [N, 2] int64 hash keys of (seed, seed_key, sample, position)
+    keys: torch.Tensor | None           # [N, 2] int64 hash keys of (seed, seed_key, sample, position);
+                                        # rows with temperature 0 hold 0; None when every row is greedy
     seen_token_ids: torch.Tensor | None  # [N, M] int64 (rows padded by repeating an id), or None
     banned_rows: torch.Tensor | None     # [K] int64
     banned_token_ids: torch.Tensor | None  # [K] int64
@@ -95,39 +125,56 @@ class SamplingTensors:
 
     @staticmethod
     def build(rows: Sequence[SampleRow], device: torch.device) -> "SamplingTensors":
-        def floats(values):
-            return torch.tensor(values, dtype=torch.float32, device=device)
+        return SamplingTensors.from_columns(
+            [row.params for row in rows],
+            [identity_key(row.params, row.seed_key, row.sample_index) for row in rows],
+            [row.position for row in rows],
+            seen_token_ids=[row.seen_token_ids for row in rows],
+            banned=[(i, t) for i, row in enumerate(rows) for t in row.banned_token_ids], device=device)
 
-        words = []
-        for row in rows:
-            seed_lo, seed_hi = _split64(row.params.seed)
-            key_lo, key_hi = _split64(row.seed_key)
-            words.append((seed_lo, seed_hi, key_lo, key_hi, row.sample_index & _MASK32,
-                          row.position & _MASK32))
-        keys = row_keys(torch.tensor(words, dtype=torch.int64, device=device).reshape(len(rows), 6))
+    @staticmethod
+    def from_columns(params: Sequence[SamplingParams], identity_keys: Sequence[tuple[int, int]],
+                     positions: Sequence[int], *, seen_token_ids: Sequence[Sequence[int]] | None,
+                     banned: Sequence[tuple[int, int]], device: torch.device) -> "SamplingTensors":
+        """The engine's hot path: one entry per row in plain lists, a handful of tensor builds.
+        `identity_keys[i]` = `identity_key(params[i], seed_key, sample_index)`; `seen_token_ids`
+        is only read when some row has a repetition penalty; `banned` holds (row, token id)."""
+        n = len(params)
+        # Rows mostly share a few SamplingParams objects: one table row per distinct object.
+        distinct: dict[int, int] = {}
+        which = [distinct.setdefault(id(p), len(distinct)) for p in params]
+        table_params = list({id(p): p for p in params}.values())  # in first-seen order, as `distinct`
+        table = torch.tensor([(p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.top_k)
+                              for p in table_params], dtype=torch.float64)               # [U, 5]
+        columns = table[torch.tensor(which, dtype=torch.int64)].to(device)             # [N, 5]
+        floats = columns[:, :4].to(torch.float32)
+
+        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        keys = None
+        if sampled:  # greedy rows draw no noise: their keys are never needed
+            words = torch.tensor([identity_keys[i][0] for i in sampled] + [identity_keys[i][1] for i in sampled]
+                                 + [positions[i] for i in sampled], dtype=torch.int64).view(3, -1).to(device)
+            keys = torch.zeros(n, 2, dtype=torch.int64, device=device)
+            sampled_rows = torch.tensor(sampled, dtype=torch.int64, device=device)
+            keys[sampled_rows] = finish_row_keys(words[:2].T, words[2])   # [N, 2]; greedy rows 0
 
         seen = None
-        if any(row.params.repetition_penalty != 1.0 for row in rows):
-            width = max(1, max(len(row.seen_token_ids) for row in rows))
-            padded = [list(row.seen_token_ids) + [row.seen_token_ids[0] if row.seen_token_ids else 0]
-                      * (width - len(row.seen_token_ids)) for row in rows]
+        if any(p.repetition_penalty != 1.0 for p in table_params):
+            width = max(1, max(len(ids) for ids in seen_token_ids))
+            padded = [list(ids) + [ids[0] if ids else 0] * (width - len(ids)) for ids in seen_token_ids]
             seen = torch.tensor(padded, dtype=torch.int64, device=device)
-        sampled = [i for i, row in enumerate(rows) if row.params.temperature > 0]
-        banned = [(i, t) for i, row in enumerate(rows) for t in row.banned_token_ids]
         banned_rows = banned_ids = None
         if banned:
             pairs = torch.tensor(banned, dtype=torch.int64, device=device)
             banned_rows, banned_ids = pairs[:, 0], pairs[:, 1]
+        sampled_params = [p for p in table_params if p.temperature > 0]
         return SamplingTensors(
-            temperature=floats([row.params.temperature for row in rows]),
-            top_k=torch.tensor([row.params.top_k for row in rows], dtype=torch.int64, device=device),
-            top_p=floats([row.params.top_p for row in rows]),
-            min_p=floats([row.params.min_p for row in rows]),
-            repetition_penalty=floats([row.params.repetition_penalty for row in rows]),
+            temperature=floats[:, 0], top_k=columns[:, 4].to(torch.int64), top_p=floats[:, 1], min_p=floats[:, 2],
+            repetition_penalty=floats[:, 3],
             keys=keys, seen_token_ids=seen, banned_rows=banned_rows, banned_token_ids=banned_ids,
-            sampled_rows=torch.tensor(sampled, dtype=torch.int64, device=device) if sampled else None,
-            needs_top_k_top_p=any(rows[i].params.top_k > 0 or rows[i].params.top_p < 1 for i in sampled),
-            needs_min_p=any(rows[i].params.min_p > 0 for i in sampled))
+            sampled_rows=sampled_rows if sampled else None,
+            needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled_params),
+            needs_min_p=any(p.min_p > 0 for p in sampled_params))
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> None:
@@ -170,7 +217,9 @@ def _gumbel_argmax(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """Draw one token per row: logits [N, V] → token ids [N] int64 (on the logits' device)."""
-    logits = logits.float().clone()
+    logits = logits.float()
+    if params.seen_token_ids is not None or params.banned_rows is not None:
+        logits = logits.clone()  # edited in place below; the caller's logits stay as they were
     if params.seen_token_ids is not None:
         _apply_repetition_penalty(logits, params.seen_token_ids, params.repetition_penalty)
     if params.banned_rows is not None:

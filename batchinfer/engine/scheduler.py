@@ -126,7 +126,20 @@ class Scheduler:
 
     # ---- decode slots and preemption -------------------------------------------------------
     def _reserve_decode_slots(self, plan: StepPlan) -> None:
-        """KV slots for every decode token; preempt the youngest sequences when there are none."""
+        """KV slots for every decode token; preempt the youngest sequences when there are none.
+
+        Usually every token fits: one allocation for the whole batch (`append_many`). Only when
+        it does not are the sequences served one by one, preempting as they go."""
+        decoding = [seq for seq in self.running if seq.handle is not None and len(seq.tokens) - seq.computed == 1]
+        # A decoding sequence's handle lacks its last sampled token (or nothing, just admitted).
+        needing = [seq for seq in decoding if seq.handle.num_tokens < len(seq.tokens)]
+        if all(seq.handle.num_tokens == len(seq.tokens) - 1 for seq in needing) and \
+                self.cache.append_many([seq.handle for seq in needing], [seq.tokens[-1] for seq in needing]):
+            plan.decode.extend(decoding)
+            return
+        self._reserve_one_by_one(plan)
+
+    def _reserve_one_by_one(self, plan: StepPlan) -> None:
         for seq in list(self.running):
             if seq.pending != 1 or seq.handle is None:
                 continue

@@ -25,14 +25,15 @@ class Sequence:
     ring_cursor: int = 0                 # host mirror of the slot's ReplaySSM cursor
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    # Per-sample constants the decode hot path reads every step (see engine._sample_and_stop).
+    stop_token_ids: Optional[frozenset[int]] = field(default=None, repr=False)  # set by StopRules
+    sample_key: Optional[tuple[int, int]] = field(default=None, repr=False)     # sampler.identity_key
+    prompt_len: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.request.prompt_token_ids)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_token_ids)
+        self.prompt_len = len(self.request.prompt_token_ids)
 
     @property
     def outputs(self) -> list[int]:
@@ -72,12 +73,12 @@ class StopRules:
     max_model_len: int
     detokenize: Optional[Detokenize] = None
 
-    def stop_ids(self, seq: Sequence) -> set[int]:
-        params = seq.request.sampling
-        ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            ids |= self.eos_token_ids
-        return ids
+    def stop_ids(self, seq: Sequence) -> frozenset[int]:
+        if seq.stop_token_ids is None:  # computed once per sequence: checked every step
+            params = seq.request.sampling
+            ids = frozenset(params.stop_token_ids)
+            seq.stop_token_ids = ids if params.ignore_eos else ids | self.eos_token_ids
+        return seq.stop_token_ids
 
     def banned_ids(self, seq: Sequence) -> tuple[int, ...]:
         """Stop tokens may not be drawn before min_tokens outputs."""
