@@ -81,6 +81,15 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.cache.running)
     @rule(data=st.data())
+    def append_many(self, data):
+        """A decode step's batched reservation: all sequences grow by one, or none does."""
+        seqs = data.draw(st.lists(st.sampled_from(self.cache.running), min_size=1, unique_by=id))
+        before = [s.num_tokens for s in seqs]
+        grew = self.cache.append_many(seqs, [data.draw(st.integers(0, 2)) for _ in seqs])
+        assert [s.num_tokens for s in seqs] == [n + grew for n in before]
+
+    @precondition(lambda self: self.cache.running)
+    @rule(data=st.data())
     def track(self, data):
         seq = self._pick(data)
         position = data.draw(st.integers(0, seq.num_tokens))
