@@ -8,7 +8,6 @@ and checkpoints exist is checked by `runner.prepare_job`.
 """
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -17,7 +16,9 @@ from typing import Any, Callable, Optional
 import yaml
 
 from batchinfer.engine.types import SamplingParams
+from jobs import spec_checks as check
 from jobs.errors import JobError
+from jobs.spec_checks import Checker, did_you_mean
 
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
 DEMO_MODEL = "demo"
@@ -89,119 +90,26 @@ class JobFile:
         return tuple(job for job in self.jobs if job.name == name)
 
 
-# --- value checkers: each returns the cleaned value or raises ValueError(what is wrong) ---
-
-def _boolean(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"must be true or false, got {value!r}")
-    return value
-
-
-def _integer(low: Optional[int] = None, optional: bool = False) -> Callable[[Any], Optional[int]]:
-    def check(value: Any) -> Optional[int]:
-        if value is None and optional:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"must be an integer, got {value!r}")
-        if low is not None and value < low:
-            raise ValueError(f"must be >= {low}, got {value}")
-        return value
-    return check
-
-
-def _number(low: float, high: float, low_open: bool = False) -> Callable[[Any], float]:
-    def check(value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"must be a number, got {value!r}")
-        if value < low or (low_open and value == low) or value > high:
-            lo = "(" if low_open else "["
-            raise ValueError(f"must be in {lo}{low}, {high}], got {value}")
-        return float(value)
-    return check
-
-
-def _text(optional: bool = False) -> Callable[[Any], Optional[str]]:
-    def check(value: Any) -> Optional[str]:
-        if value is None and optional:
-            return None
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"must be a non-empty string, got {value!r}")
-        return value
-    return check
-
-
-def _choice(*options: str) -> Callable[[Any], str]:
-    def check(value: Any) -> str:
-        if value not in options:
-            raise ValueError(f"must be one of {', '.join(options)}; got {value!r}")
-        return value
-    return check
-
-
-def _device(value: Any) -> str:
-    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-        raise ValueError(f"must be auto, cpu, cuda or cuda:N; got {value!r}")
-    return value
-
-
-def _stop_strings(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise ValueError(f"must be a list of non-empty strings, got {value!r}")
-    return tuple(value)
-
-
+# --- what each section may hold: key → value checker (jobs/spec_checks.py) ---
 SAMPLING_KEYS: dict[str, Callable[[Any], Any]] = {
-    "max_tokens": _integer(1), "temperature": _number(0.0, float("inf")),
-    "top_p": _number(0.0, 1.0, low_open=True), "top_k": _integer(0), "min_p": _number(0.0, 1.0),
-    "repetition_penalty": _number(0.0, float("inf"), low_open=True), "seed": _integer(),
-    "stop": _stop_strings, "n": _integer(1), "ignore_eos": _boolean, "min_tokens": _integer(0),
+    "max_tokens": check.integer(1), "temperature": check.number(0.0, float("inf")),
+    "top_p": check.number(0.0, 1.0, low_open=True), "top_k": check.integer(0), "min_p": check.number(0.0, 1.0),
+    "repetition_penalty": check.number(0.0, float("inf"), low_open=True), "seed": check.integer(),
+    "stop": check.stop_strings, "n": check.integer(1), "ignore_eos": check.boolean, "min_tokens": check.integer(0),
 }
 ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
-    "device": _device, "dtype": _choice("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
-    "prefix_cache": _boolean, "state_cache": _choice("extra_buffer", "no_buffer"), "replayssm": _boolean,
-    "ring_len": _integer(1), "track_interval": _integer(1), "max_running": _integer(1),
-    "max_batch_tokens": _integer(1), "max_model_len": _integer(1, optional=True),
-    "memory_fraction": _number(0.0, 1.0, low_open=True),
+    "device": check.device_name,
+    "dtype": check.choice("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+    "prefix_cache": check.boolean, "state_cache": check.choice("extra_buffer", "no_buffer"), "replayssm": check.boolean,
+    "ring_len": check.integer(1), "track_interval": check.integer(1), "max_running": check.integer(1),
+    "max_batch_tokens": check.integer(1), "max_model_len": check.integer(1, optional=True),
+    "memory_fraction": check.number(0.0, 1.0, low_open=True),
 }
-PROMPT_KEYS = {"template": _text(), "column": _text(), "token_ids_column": _text()}
-OUTPUT_KEYS = {"path": _text(), "flush_rows": _integer(1)}
+PROMPT_KEYS = {"template": check.text(), "column": check.text(), "token_ids_column": check.text()}
+OUTPUT_KEYS = {"path": check.text(), "flush_rows": check.integer(1)}
 JOB_KEYS = ("name", "model", "input", "prompt", "chat", "system", "id_column", "sampling", "engine",
             "output", "limit")
 TOP_KEYS = ("defaults", "jobs")
-
-
-def did_you_mean(word: str, options: Any) -> str:
-    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-class _Checker:
-    """Carries the job file path so every helper can raise a located error."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def fail(self, where: str, what: str) -> JobError:
-        return JobError(self.path, where, what)
-
-    def mapping(self, value: Any, where: str, allowed: Any) -> dict:
-        if not isinstance(value, dict):
-            raise self.fail(where, f"must be a mapping, got {type(value).__name__}")
-        for key in value:
-            if key not in allowed:
-                raise self.fail(f"{where}.{key}", f"unknown key{did_you_mean(key, allowed)}")
-        return value
-
-    def section(self, value: Any, where: str, keys: dict[str, Callable[[Any], Any]]) -> dict:
-        checked = {}
-        for key, item in self.mapping(value, where, keys).items():
-            try:
-                checked[key] = keys[key](item)
-            except ValueError as exc:
-                raise self.fail(f"{where}.{key}", str(exc)) from None
-        return checked
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
@@ -219,7 +127,7 @@ def _resolve(path_text: str, base: Path) -> Path:
     return path if path.is_absolute() else (base / path).resolve()
 
 
-def _parse_job(raw: dict, index: int, checker: _Checker, base: Path) -> JobSpec:
+def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
     where = f"jobs[{index}]"
     checker.mapping(raw, where, JOB_KEYS)
     name = raw.get("name")
@@ -236,12 +144,12 @@ def _parse_job(raw: dict, index: int, checker: _Checker, base: Path) -> JobSpec:
         except ValueError as exc:
             raise checker.fail(f"{where}.{key}", str(exc)) from None
 
-    model = scalar("model", _text(), None)
-    input_pattern = scalar("input", _text(), None)
+    model = scalar("model", check.text(), None)
+    input_pattern = scalar("input", check.text(), None)
     prompt = checker.section(raw["prompt"], f"{where}.prompt", PROMPT_KEYS)
     if len(prompt) != 1:
         raise checker.fail(f"{where}.prompt", "needs exactly one of template, column, token_ids_column")
-    chat = scalar("chat", _boolean, False)
+    chat = scalar("chat", check.boolean, False)
     if chat and "token_ids_column" in prompt:
         raise checker.fail(f"{where}.chat", "cannot be true with prompt.token_ids_column (already tokenised)")
     output = raw.get("output", f"out/{name}")
@@ -258,16 +166,16 @@ def _parse_job(raw: dict, index: int, checker: _Checker, base: Path) -> JobSpec:
         engine=EngineSettings(**checker.section(raw.get("engine", {}), f"{where}.engine", ENGINE_KEYS)),
         output=OutputSpec(path=_resolve(output["path"], base), flush_rows=output.get("flush_rows", 1000)),
         chat=chat,
-        system=scalar("system", _text(optional=True), None),
-        id_column=scalar("id_column", _text(optional=True), None),
-        limit=scalar("limit", _integer(1, optional=True), None),
+        system=scalar("system", check.text(optional=True), None),
+        id_column=scalar("id_column", check.text(optional=True), None),
+        limit=scalar("limit", check.integer(1, optional=True), None),
         job_file=checker.path,
     )
 
 
 def parse_job_file(text: str, path: Path) -> JobFile:
     """Validate a job file's text; `path` locates relative paths and names errors."""
-    checker = _Checker(path)
+    checker = Checker(path)
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
