@@ -10,12 +10,13 @@ Typical use (the engine):
     seq = cache.admit(request_id, prompt_ids)      # then see StateCache's docstring
 """
 from .budget import PoolPlan, build_pools, memory_budget, plan_pools
+from .cache_config import CacheConfig, CacheStats, StateCacheMode
 from .kv_pool import KVPool
 from .radix_tree import Evicted, InsertResult, MatchResult, RadixNode, RadixTree
 from .seq_handle import SeqHandle
 from .shapes import GdnStateShape, KVShape, shapes_from_model_config
 from .slot_owner import DoubleFreeError, FreeList
-from .state_cache import CacheConfig, CacheStats, StateCache, StateCacheMode
+from .state_cache import StateCache
 from .state_pool import GdnStatePool
 
 __all__ = [

@@ -2,59 +2,21 @@
 donation of GDN states (extra_buffer / no_buffer), finish-time insertion, eviction."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Hashable, Literal, Optional, Sequence
+from dataclasses import asdict
+from typing import Hashable, Optional, Sequence
 
 import torch
 
 from .audit import audit_state_cache
+from .cache_config import CacheConfig, CacheStats
 from .kv_pool import KVPool
 from .radix_tree import MatchResult, RadixNode, RadixTree
 from .seq_handle import SeqHandle
 from .state_pool import GdnStatePool
 
-StateCacheMode = Literal["extra_buffer", "no_buffer"]
 _MAX_UNDONATED = 2  # tracked snapshots a sequence may hold before the oldest is donated for it
 _NO_MATCH = MatchResult(kv_len=0, kv_indices=torch.empty(0, dtype=torch.int64), state_node=None,
                         state_slot=None, resume_len=0)
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    mode: StateCacheMode = "extra_buffer"
-    prefix_cache: bool = True  # False: never match, never insert (every prompt from scratch)
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("extra_buffer", "no_buffer"):
-            raise ValueError(f"mode must be 'extra_buffer' or 'no_buffer', not {self.mode!r}")
-
-    @property
-    def tracks(self) -> bool:
-        return self.prefix_cache and self.mode == "extra_buffer"
-
-    @property
-    def slots_per_request(self) -> int:
-        """State slots a running request holds for its whole life: its working slot, whatever the
-        mode. extra_buffer tracking borrows a slot from the pool only at the moment it tracks
-        and normally hands it to the tree at once, so tracked states are counted with the
-        cached states (`plan_pools`' cache pool), not per request."""
-        return 1
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """Counters since the cache was built (ReplaySSM flushes are counted by the engine)."""
-
-    kv_matched_tokens: int = 0     # prompt tokens whose KV matched at admission
-    reused_tokens: int = 0         # prompt tokens not recomputed (state matched: resume_len)
-    discarded_kv_tokens: int = 0   # KV matched past the resume point (no state there)
-    states_tracked: int = 0
-    tracks_skipped: int = 0        # track() found no state slot even after evicting: not cached
-    states_donated: int = 0        # states the tree took (track donations + no_buffer finals)
-    states_evicted: int = 0
-    kv_evicted_tokens: int = 0
-    peak_kv_used: int = 0          # KV slots owned by requests or tree, at most
-    peak_states_used: int = 0
 
 
 class StateCache:

@@ -1,0 +1,45 @@
+"""The state cache's settings (`CacheConfig`) and its counters (`CacheStats`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+StateCacheMode = Literal["extra_buffer", "no_buffer"]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    mode: StateCacheMode = "extra_buffer"
+    prefix_cache: bool = True  # False: never match, never insert (every prompt from scratch)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("extra_buffer", "no_buffer"):
+            raise ValueError(f"mode must be 'extra_buffer' or 'no_buffer', not {self.mode!r}")
+
+    @property
+    def tracks(self) -> bool:
+        return self.prefix_cache and self.mode == "extra_buffer"
+
+    @property
+    def slots_per_request(self) -> int:
+        """State slots a running request holds for its whole life: its working slot, whatever the
+        mode. extra_buffer tracking borrows a slot from the pool only at the moment it tracks
+        and normally hands it to the tree at once, so tracked states are counted with the
+        cached states (`plan_pools`' cache pool), not per request."""
+        return 1
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters since the cache was built (ReplaySSM flushes are counted by the engine)."""
+
+    kv_matched_tokens: int = 0     # prompt tokens whose KV matched at admission
+    reused_tokens: int = 0         # prompt tokens not recomputed (state matched: resume_len)
+    discarded_kv_tokens: int = 0   # KV matched past the resume point (no state there)
+    states_tracked: int = 0
+    tracks_skipped: int = 0        # track() found no state slot even after evicting: not cached
+    states_donated: int = 0        # states the tree took (track donations + no_buffer finals)
+    states_evicted: int = 0
+    kv_evicted_tokens: int = 0
+    peak_kv_used: int = 0          # KV slots owned by requests or tree, at most
+    peak_states_used: int = 0
