@@ -116,6 +116,18 @@ def test_memory_pressure_forces_eviction_and_preemption():
     assert stats.cached_tokens <= stats.theoretical_max_cached_tokens
 
 
+def test_a_budget_below_max_running_is_reported(caplog):
+    model = random_model(model_config_from_dict(PRESETS["tiny"]), torch.float32, "cpu", seed=0)
+    with caplog.at_level("WARNING", logger="batchinfer.engine.engine"):
+        small = make_engine(model, memory_budget_bytes=540_000, max_running=64)
+    assert small.pool_plan.max_running < 64
+    assert f"fits {small.pool_plan.max_running} concurrent requests, not max_running=64" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="batchinfer.engine.engine"):
+        make_engine(model, max_running=2)
+    assert "concurrent requests" not in caplog.text
+
+
 @pytest.mark.parametrize("ctx_cap", [128, 80])  # 80: some steps do not fit and run eagerly
 def test_padded_static_decode_buffers_give_the_same_tokens(model, workload, reference, ctx_cap):
     """The CUDA-graph path's buffers and padding rows, run without capture on the CPU."""

@@ -56,6 +56,10 @@ class Engine:
         # refills: tree states are never pinned by running requests, only during admission.
         self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=config.max_running,
                                     slots_per_request=cache_config.slots_per_request)
+        if self.pool_plan.max_running < config.max_running:
+            # Say so: a quietly smaller batch looks like a slow GPU.
+            log.warning("memory budget fits %d concurrent requests, not max_running=%d (%.0f MiB per state slot)",
+                        self.pool_plan.max_running, config.max_running, self.pool_plan.bytes_per_state_slot / 2**20)
         kv_pool, state_pool = build_pools(self.pool_plan, kv_shape, state_shape, self.device)
         self.cache = StateCache(kv_pool, state_pool, cache_config)
         caches = state_pool.model_caches(kv_pool)
