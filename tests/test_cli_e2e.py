@@ -84,11 +84,12 @@ def test_run_and_plan_a_chat_job_with_samples_and_a_bad_row(tmp_path):
     assert f"{stats['theoretical_max_cached_tokens']:,}" in plan.output
 
 
-def test_resume_after_kill_9_holds_every_row_and_sample_exactly_once(tmp_path, demo_cache):
-    rows = 13
+def _start_job_and_signal_after_first_part(tmp_path: Path, demo_cache: Path, rows: int, sig: int):
+    """Run a CPU job as a real process; send `sig` once its first part is on disk.
+    → (returncode, stderr, out_dir)."""
     write_parquet(rag_table(rows), tmp_path / "data" / "rag.parquet")
     # Three sequences at a time, flushed as each wave finishes: parts appear well before the end.
-    # On the CPU everywhere, so a fast GPU cannot finish the job before the kill lands.
+    # On the CPU everywhere, so a fast GPU cannot finish the job before the signal lands.
     write_job_file(tmp_path, [job_entry(
         model="demo", sampling={"max_tokens": 6, "ignore_eos": True},
         engine={"max_running": 3, "device": "cpu"}, output={"path": "out/rag", "flush_rows": 3})])
@@ -100,9 +101,31 @@ def test_resume_after_kill_9_holds_every_row_and_sample_exactly_once(tmp_path, d
     deadline = time.monotonic() + 120
     while not list(out_dir.glob("part-*.parquet")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
+    process.send_signal(sig)
     _, stderr = process.communicate()
-    assert process.returncode == -signal.SIGKILL, stderr.decode()  # killed mid-job, not finished
+    return process.returncode, stderr.decode(), out_dir
+
+
+def test_ctrl_c_keeps_finished_parts_exits_130_and_a_rerun_completes(tmp_path, demo_cache):
+    rows = 13
+    code, stderr, out_dir = _start_job_and_signal_after_first_part(tmp_path, demo_cache, rows, signal.SIGINT)
+    assert code == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert json.loads((out_dir / "_stats.json").read_text())["status"] == "interrupted"
+    assert not [p for p in out_dir.iterdir() if p.name.endswith(".tmp")]
+    done_before = read_parts(out_dir).num_rows
+    assert 0 < done_before < rows
+
+    result = invoke(tmp_path, "run", "jobs.yaml")
+    assert result.exit_code == 0, (result.output, result.exception)
+    out = read_parts(out_dir)
+    assert out["row_index"].to_pylist() == list(range(rows))
+
+
+def test_resume_after_kill_9_holds_every_row_and_sample_exactly_once(tmp_path, demo_cache):
+    rows = 13
+    code, stderr, out_dir = _start_job_and_signal_after_first_part(tmp_path, demo_cache, rows, signal.SIGKILL)
+    assert code == -signal.SIGKILL, stderr  # killed mid-job, not finished
     before = {p.name: p.read_bytes() for p in out_dir.glob("part-*.parquet")}
     done_before = read_parts(out_dir).num_rows
     assert 0 < done_before < rows
