@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._common import gdn_gate_terms
+
 
 @dataclass(frozen=True)
 class StepLaunch:
@@ -57,9 +59,9 @@ def _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, seq, stride_ab, stride_bb, head
     """g = -exp(A_log)·softplus(a + dt_bias) and beta = sigmoid(b) for `heads` of one sequence."""
     a = tl.load(a_ptr + seq * stride_ab + heads).to(tl.float32)
     b = tl.load(b_ptr + seq * stride_bb + heads).to(tl.float32)
-    x = a + tl.load(dt_bias_ptr + heads).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    return -tl.exp(tl.load(A_log_ptr + heads).to(tl.float32)) * softplus, tl.sigmoid(b)
+    dt_bias = tl.load(dt_bias_ptr + heads).to(tl.float32)
+    A_log = tl.load(A_log_ptr + heads).to(tl.float32)
+    return gdn_gate_terms(a, b, A_log, dt_bias)  # the same math as the GDN kernels, one definition
 
 
 @triton.jit
