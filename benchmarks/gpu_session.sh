@@ -23,6 +23,11 @@ for part in "$@"; do
                tests/test_kernels_replay.py tests/test_kernels_attention.py tests/test_model_gpu.py tests/test_engine_gpu.py ;;
     kernels) step bench_gdn 170 python3 -m benchmarks.bench_gdn
              step bench_replay_attn 170 python3 -m benchmarks.bench_replay_attn ;;
+    profile) step breakdown 120 python3 -m benchmarks.profile_targets breakdown
+             step ncu 240 bash benchmarks/ncu_kernels.sh "$out" ;;
+    sanitize) step sanitize 150 compute-sanitizer --tool memcheck --print-limit 5 python3 -c \
+               'import tests.test_kernels_gdn as t; t._check_launches_at_model_shapes([t.CRASHING_ON_H200], repeats=1)' ;;
+    engine_tests) step engine_tests 150 python3 -m pytest -q --tb=short tests/test_engine_gpu.py tests/test_model_gpu.py ;;
     model)   step model_gpu 240 python3 -m benchmarks.model_gpu ;;
     engine)  step engine_arms 330 python3 -m benchmarks.engine_arms --quick ;;
     engine_full) step engine_full 560 python3 -m benchmarks.engine_arms --hf --json "$out/engine_full.json" ;;
