@@ -43,8 +43,9 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         H_k, H_v, d_k, d_v = self.num_k_heads, self.num_v_heads, self.k_head_dim, self.v_head_dim
         j = self.cache_index
-        mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(self.split_sizes, dim=-1)
-        mixed_qkv = mixed_qkv.contiguous()  # [T, D_conv]
+        # Views, not copies: every kernel (and reference) takes row strides, so the split and
+        # the head reshapes below cost nothing.
+        mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(self.split_sizes, dim=-1)  # [T, D_conv] view
         slots = batch.state_slots
         if batch.is_decode:
             mixed_qkv = ops.causal_conv1d_decode(mixed_qkv, self.conv_weight, None, caches.conv[j], slots)
@@ -52,10 +53,9 @@ class GatedDeltaNet(nn.Module):
             mixed_qkv = ops.causal_conv1d_prefill(mixed_qkv, self.conv_weight, None, caches.conv[j], slots,
                                                   batch.cu_seqlens)
         q, k, v = mixed_qkv.split([H_k * d_k, H_k * d_k, H_v * d_v], dim=-1)
-        q = q.reshape(T, H_k, d_k).contiguous()
-        k = k.reshape(T, H_k, d_k).contiguous()
-        v = v.reshape(T, H_v, d_v).contiguous()
-        a, b = a.contiguous(), b.contiguous()  # [T, H_v]
+        q = q.reshape(T, H_k, d_k)
+        k = k.reshape(T, H_k, d_k)
+        v = v.reshape(T, H_v, d_v)  # a, b: [T, H_v] views
         gdn_args = (q, k, v, a, b, self.A_log, self.dt_bias)
 
         if batch.is_decode and batch.replay:
