@@ -41,11 +41,25 @@ PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
 # (what fla's fused recurrent kernel does); large ones = more bytes per program.
 _Launch = triton_replay.StepLaunch
 REPLAY_SWEEP = [triton_replay.DEFAULT_STEP_LAUNCH] + [
-    _Launch(block_v=bv, block_k=bk, num_warps=nw, num_stages=ns)
-    for bv, bk, nw, ns in [(64, 128, 4, 1), (32, 128, 2, 1), (16, 128, 1, 1), (128, 128, 8, 1),
-                           (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 2, 4), (128, 16, 4, 8),
-                           (64, 32, 2, 4), (64, 32, 4, 4), (32, 32, 1, 4), (64, 64, 4, 2)]
-] + [_Launch(flush_block_v=fbv, flush_warps=fw) for fbv, fw in [(32, 2), (32, 4), (128, 8)]]
+    # Step: mma d_k dots (default) vs CUDA-core ones, ring-key dots in the step or once per key
+    # head in the flush launch, d_k chunk / stages / d_v block / warps around the default.
+    _Launch(tensor_cores=False),
+    _Launch(key_dots_in_flush=True),
+    _Launch(tensor_cores=False, key_dots_in_flush=True),
+    _Launch(block_k=64, num_stages=3),
+    _Launch(block_k=64, num_stages=3, key_dots_in_flush=True),
+    _Launch(block_k=128, num_stages=1),
+    _Launch(block_k=128, num_stages=1, key_dots_in_flush=True),
+    _Launch(block_v=64, num_warps=2),
+    _Launch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True),
+    _Launch(block_v=16, key_dots_in_flush=True),
+    _Launch(num_stages=2),
+] + [
+    # Flush: d_v block × d_k rows per chunk × warps (registers bound how many of its mostly
+    # early-exiting programs are resident per SM). (128, 128, 4) is ~the old per-(seq, head) shape.
+    _Launch(flush_block_v=fbv, flush_block_k=fbk, flush_warps=fw)
+    for fbv, fbk, fw in [(32, 32, 1), (32, 16, 2), (64, 16, 1), (16, 16, 1), (128, 32, 4), (128, 32, 8), (128, 128, 4)]
+]
 
 
 @dataclass(frozen=True)
@@ -152,7 +166,8 @@ def bench_fla(shape: GdnShape, batch: int, step, params) -> float | None:
 
 def describe(launch) -> str:
     return (f"bv={launch.block_v} bk={launch.block_k} w={launch.num_warps} s={launch.num_stages} "
-            f"fl={launch.flush_block_v}/{launch.flush_warps}")
+            f"tc={int(launch.tensor_cores)} kd={int(launch.key_dots_in_flush)} "
+            f"fl={launch.flush_block_v}/{launch.flush_block_k}/{launch.flush_warps}")
 
 
 def bench_replay(shape: GdnShape, batch: int) -> list[Row]:

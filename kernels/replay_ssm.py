@@ -1,20 +1,28 @@
 """Triton ReplaySSM decode step and fold (math and ring layout: kernels/ref/replay.py).
 
-Decode is bound by memory LATENCY as much as by bytes: per step and value head it reads the
-checkpoint C ([d_k, d_v], bf16 in production) and the ring, and writes one entry, and each
-program's loads must be in flight together to keep enough bytes moving per SM. So:
+Decode is bound by memory latency and, with the loads in flight, by the instructions the SMs
+issue (Nsight Compute, H200, B=128: the broadcast-FMA step issued ~2.4 instr/cycle at 49% DRAM
+throughput). So the work per loaded byte is kept small, in two launches:
 
-1. `_replay_fold_kernel` in flush mode (one program per (sequence, value head), looping over
-   d_v blocks) folds every FULL ring (cursor == L) into its checkpoint first; programs of
-   other sequences read the cursor and exit. Being its own launch, it finishes before the
-   step starts, so the step never folds: no fold registers on the common path, and no race
-   between a fold reading ring entry 0 and the step overwriting it.
+1. `_replay_fold_kernel` in flush mode, one program per (sequence, value head, d_v block), folds
+   every FULL ring (cursor == L) into its checkpoint tile, in chunks of d_k rows; programs of
+   other sequences read the cursor and exit. Being its own launch, it finishes before the step
+   starts, so the step never folds: no fold registers on the common path, and no race between
+   a fold reading ring entry 0 and the step overwriting it. With `key_dots_in_flush` the first
+   program of each (sequence, key head) whose ring is not full also writes the ring-key dots
+   rk·k, rk·q for the step, which otherwise recomputes them in every program (GROUP × d_v /
+   block_v times the same numbers, the same ring keys re-read from L2 each time).
 2. `_replay_step_kernel`, one program per (sequence, value head, d_v block of BLOCK_V), has a
    dependency chain of two round trips: `slots[seq]`, then everything else at once — cursor,
    C tile, ALL L ring entries (whatever the cursor), G's — with no mask that depends on the
    cursor. Validity (index < n) is applied afterwards in registers with tl.where, so stale
-   entries (garbage, NaN) never leak; G_n is picked out of the loaded G vector, not
-   gathered. Each C chunk serves both Cᵀk and Cᵀq (fp32 accumulation).
+   entries (garbage, NaN) never leak; G_n is picked out of the loaded G vector, not gathered.
+   With `tensor_cores` the products are mma's with N = 2: raw k and q are the two columns of
+   a [BLOCK_K, 2] operand, so Cᵀ[BV, BK] @ [k q] gives Cᵀk and Cᵀq in one accumulator (the mma
+   pads N to 8; the columns split in-thread, no reduction), rk[BL, BK] @ [k q] the ring-key
+   dots, and ruᵀ[BV, BL] @ coef[BL, 2] the ring's share. 16-bit operands are exact; an fp32
+   operand against a 16-bit one goes in as its high and low 16-bit parts (two mma's: ~16
+   mantissa bits, fp32 sums); fp32 against fp32 is true fp32 (`ieee`).
    It also appends the new entry: ring_u[n] (its own d_v columns), ring_g[n] (by the
    head's first d_v block) and ring_k[n] (by the first value head of the key-head group).
    Other programs may read entry n concurrently, but entry n is never live for this step
@@ -23,6 +31,7 @@ Both launches are graph-capturable, without host sync.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,27 +40,32 @@ import triton.language as tl
 
 from kernels._common import gdn_gate_terms
 
+# Triton 3.6's interpreter (the CPU tests) gets 16-bit tl.dot wrong; there the operands are
+# widened to fp32, which computes the same products exactly (16-bit products fit in fp32).
+WIDEN_DOTS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
 
 @dataclass(frozen=True)
 class StepLaunch:
     """Launch knobs of the decode step kernel and its flush launch (benchmarks sweep these).
 
-    The step holds what it loads in registers, which caps the C bytes in flight per SM at
-    ~64 KB for any unpipelined tile (ptxas, sm_90: ~125 regs/thread for a 16 KB tile at 4
-    warps). With d_k chunks and num_stages > 1, Triton issues the chunks as cp.async into
-    shared memory up front (3 of 4 chunks here), so more bytes are in flight per register.
+    The step holds what it loads in registers; with d_k chunks and num_stages > 1, Triton
+    issues the chunks as cp.async into shared memory up front, so more bytes are in flight
+    per register. Many small programs (one warp, 32 columns of d_v) beat wide tiles on the
+    H200 (docs/BENCHMARKS.md, 2026-11-29: 142 µs vs 352 µs at B=128).
     """
-    block_v: int = 128
+    block_v: int = 32
     block_k: int = 32
-    num_warps: int = 4
+    num_warps: int = 1
     num_stages: int = 4
-    flush_block_v: int = 64  # the flush loops over d_v in blocks of this many columns
-    flush_warps: int = 4
+    tensor_cores: bool = True  # d_k dots as mma's; False: broadcast-multiply + tl.sum (FMA)
+    key_dots_in_flush: bool = False  # rk·k, rk·q once per (seq, key head) in the flush launch
+    flush_block_v: int = 32  # the flush folds one [d_k, flush_block_v] tile per program,
+    flush_block_k: int = 16  # in chunks of this many d_k rows
+    flush_warps: int = 1
 
 
-# Measured best on the H200 (docs/BENCHMARKS.md, 2026-11-29): many small programs (one warp,
-# 32 columns of d_v, d_k in 4 pipelined chunks) beat wide tiles — 142 µs vs 352 µs at B=128.
-DEFAULT_STEP_LAUNCH = StepLaunch(block_v=32, block_k=32, num_warps=1, num_stages=4)
+DEFAULT_STEP_LAUNCH = StepLaunch()
 
 
 @triton.jit
@@ -65,9 +79,108 @@ def _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, seq, stride_ab, stride_bb, head
 
 
 @triton.jit
+def _kq_columns(k_row_ptr, q_row_ptr, offs_k, mask_k, OP_DTYPE: tl.constexpr, LOW: tl.constexpr):
+    """[BK, 2] mma operand: column 0 raw k, column 1 raw q over the d_k chunk offs_k.
+
+    LOW: what the OP_DTYPE rounding of the (wider) inputs dropped, so that dots with the high
+    and the low operand, summed, keep ~16 mantissa bits.
+    """
+    cols = tl.arange(0, 2)[None, :]
+    x = tl.load(tl.where(cols == 0, k_row_ptr, q_row_ptr) + offs_k[:, None],
+                mask=mask_k[:, None], other=0.0).to(tl.float32)
+    if LOW:
+        x = x - x.to(OP_DTYPE).to(tl.float32)
+    return x.to(OP_DTYPE)
+
+
+@triton.jit
+def _mma(a, b, acc):
+    """acc + a @ b, fp32 accumulation: 16-bit operands on tensor cores, fp32 ones in true fp32."""
+    if WIDEN_DOTS:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _mma_fp32_operand(a, b, acc):
+    """acc + a @ b where a or b is fp32 and the other may be 16-bit.
+
+    Against a 16-bit operand the fp32 one goes in as its high and low parts in that dtype (two
+    mma's): ~16 mantissa bits instead of 8, products exact, sums in fp32.
+    """
+    if a.dtype == b.dtype:
+        acc = _mma(a, b, acc)
+    elif a.dtype == tl.float32:
+        high = a.to(b.dtype)
+        acc = _mma((a - high.to(tl.float32)).to(b.dtype), b, _mma(high, b, acc))
+    else:
+        high = b.to(a.dtype)
+        acc = _mma(a, (b - high.to(tl.float32)).to(a.dtype), _mma(a, high, acc))
+    return acc
+
+
+@triton.jit
+def _dk_dots_mma(c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, in_ring,
+                 D_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr, RING_KEYS: tl.constexpr):
+    """Raw (unscaled) [Cᵀk, Cᵀq] [BV, 2] and, if RING_KEYS, [rk·k, rk·q] [BL, 2] on tensor cores.
+
+    The mma pads N = 2 to its 8 columns; the results need no reduction (columns split in-thread).
+    """
+    acc_c = tl.zeros([BLOCK_V, 2], tl.float32)
+    acc_r = tl.zeros([BLOCK_L, 2], tl.float32)
+    for k0 in tl.range(0, D_K, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < D_K
+        # Loaded as the transposed tile (not tl.trans of a [BK, BV] load): that keeps it a
+        # cp.async into shared memory (ptxas/PTX, sm_90: ~2.5x fewer instructions per chunk).
+        c_t = tl.load(c_base + offs_k[None, :] * stride_ck + offs_v[:, None],
+                      mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # Cᵀ chunk  [BV, BK]
+        kq = _kq_columns(k_row_ptr, q_row_ptr, offs_k, mask_k, c_t.dtype, False)  # [BK, 2]
+        acc_c = _mma(c_t, kq, acc_c)
+        if RING_KEYS:
+            rk = tl.load(rk_base + offs_k[None, :], mask=in_ring[:, None] & mask_k[None, :],
+                         other=0.0)  # [BL, BK], stale rows included (an mma keeps them in their row)
+            acc_r = _mma(rk, kq, acc_r)
+        if SPLIT:
+            kq_low = _kq_columns(k_row_ptr, q_row_ptr, offs_k, mask_k, c_t.dtype, True)
+            acc_c = _mma(c_t, kq_low, acc_c)
+            if RING_KEYS:
+                acc_r = _mma(rk, kq_low, acc_r)
+    return acc_c, acc_r
+
+
+@triton.jit
+def _dk_dots_fma(c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, in_ring,
+                 D_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, RING_KEYS: tl.constexpr):
+    """_dk_dots_mma's results by broadcast-multiply + tl.sum in fp32 (CUDA cores)."""
+    c_dot_k = tl.zeros([BLOCK_V], tl.float32)
+    c_dot_q = tl.zeros([BLOCK_V], tl.float32)
+    rk_dot_k = tl.zeros([BLOCK_L], tl.float32)
+    rk_dot_q = tl.zeros([BLOCK_L], tl.float32)
+    for k0 in tl.range(0, D_K, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < D_K
+        c = tl.load(c_base + offs_k[:, None] * stride_ck + offs_v[None, :],
+                    mask=mask_k[:, None] & mask_v[None, :], other=0.0).to(tl.float32)  # [BK, BV]
+        k = tl.load(k_row_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
+        q = tl.load(q_row_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
+        c_dot_k += tl.sum(c * k[:, None], 0)
+        c_dot_q += tl.sum(c * q[:, None], 0)
+        if RING_KEYS:
+            rk = tl.load(rk_base + offs_k[None, :], mask=in_ring[:, None] & mask_k[None, :],
+                         other=0.0).to(tl.float32)  # [BL, BK], stale rows included
+            rk_dot_k += tl.sum(rk * k[None, :], 1)
+            rk_dot_q += tl.sum(rk * q[None, :], 1)
+    return tl.join(c_dot_k, c_dot_q), tl.join(rk_dot_k, rk_dot_q)
+
+
+@triton.jit
 def _replay_step_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
-    ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, cursor_ptr, slots_ptr, o_ptr,
+    ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, cursor_ptr, slots_ptr, key_dots_ptr, o_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_ab, stride_bb, stride_ob, stride_oh,
     stride_cs, stride_ch, stride_ck,
@@ -77,11 +190,13 @@ def _replay_step_kernel(
     scale,
     GROUP: tl.constexpr, L: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, TENSOR_CORES: tl.constexpr, SPLIT: tl.constexpr,
+    KEY_DOTS_GIVEN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     v_block = tl.program_id(2)
+    H_K = tl.num_programs(1) // GROUP
     key_head = head // GROUP
     offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < D_V
@@ -89,12 +204,17 @@ def _replay_step_kernel(
     in_ring = offs_l < L  # a constant mask: no load below waits for the cursor
     offs_dk = tl.arange(0, BLOCK_DK)
     mask_dk = offs_dk < D_K
+    k_row_ptr = k_ptr + seq * stride_kb + key_head * stride_kh
+    q_row_ptr = q_ptr + seq * stride_qb + key_head * stride_qh
 
     # The new token's inputs do not depend on the slot: issued first.
-    q_all = tl.load(q_ptr + seq * stride_qb + key_head * stride_qh + offs_dk, mask=mask_dk, other=0.0)
-    k_all = tl.load(k_ptr + seq * stride_kb + key_head * stride_kh + offs_dk, mask=mask_dk, other=0.0)
+    q_all = tl.load(q_row_ptr + offs_dk, mask=mask_dk, other=0.0)
+    k_all = tl.load(k_row_ptr + offs_dk, mask=mask_dk, other=0.0)
     v = tl.load(v_ptr + seq * stride_vb + head * stride_vh + offs_v, mask=mask_v, other=0.0)
     g, beta = _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, seq, stride_ab, stride_bb, head)
+    if KEY_DOTS_GIVEN:  # [B, H_k, BL, 2] raw [rk·k, rk·q] from the flush launch (stale entries included)
+        rk_dots = tl.load(key_dots_ptr + ((seq * H_K + key_head) * BLOCK_L + offs_l[:, None]) * 2
+                          + tl.arange(0, 2)[None, :])
 
     # Everything slot-dependent is issued together, one round trip after `slot`.
     slot = tl.load(slots_ptr + seq).to(tl.int64)
@@ -112,40 +232,34 @@ def _replay_step_kernel(
     k_scale = tl.rsqrt(tl.sum(k_all * k_all) + 1e-6)
     k_dot_q = tl.sum(k_all * q_all) * (q_scale * k_scale)
 
-    # Raw dot products over d_k chunks (q/k scales applied once at the end).
-    c_dot_k = tl.zeros([BLOCK_V], tl.float32)
-    c_dot_q = tl.zeros([BLOCK_V], tl.float32)
-    rk_dot_k = tl.zeros([BLOCK_L], tl.float32)
-    rk_dot_q = tl.zeros([BLOCK_L], tl.float32)
-    for k0 in tl.range(0, D_K, BLOCK_K, num_stages=NUM_STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < D_K
-        c = tl.load(c_base + offs_k[:, None] * stride_ck + offs_v[None, :],
-                    mask=mask_k[:, None] & mask_v[None, :], other=0.0).to(tl.float32)  # [BK, BV]
-        rk = tl.load(rk_base + offs_k[None, :], mask=in_ring[:, None] & mask_k[None, :],
-                     other=0.0).to(tl.float32)  # [BL, BK], stale rows included
-        k = tl.load(k_ptr + seq * stride_kb + key_head * stride_kh + offs_k, mask=mask_k, other=0.0)
-        q = tl.load(q_ptr + seq * stride_qb + key_head * stride_qh + offs_k, mask=mask_k, other=0.0)
-        k = k.to(tl.float32)  # [BK]
-        q = q.to(tl.float32)  # [BK]
-        c_dot_k += tl.sum(c * k[:, None], 0)
-        c_dot_q += tl.sum(c * q[:, None], 0)
-        rk_dot_k += tl.sum(rk * k[None, :], 1)
-        rk_dot_q += tl.sum(rk * q[None, :], 1)
+    # Raw dot products over d_k chunks; column 0 against k, column 1 against q (q/k scales
+    # applied once at the end).
+    if TENSOR_CORES:
+        c_dots, rk_dots_here = _dk_dots_mma(
+            c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, in_ring,
+            D_K, BLOCK_K, BLOCK_V, BLOCK_L, NUM_STAGES, SPLIT, not KEY_DOTS_GIVEN)  # [BV, 2], [BL, 2]
+    else:
+        c_dots, rk_dots_here = _dk_dots_fma(
+            c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, in_ring,
+            D_K, BLOCK_K, BLOCK_V, BLOCK_L, NUM_STAGES, not KEY_DOTS_GIVEN)
+    if not KEY_DOTS_GIVEN:
+        rk_dots = rk_dots_here
 
     # Validity in registers. A full ring was folded by the flush launch: it restarts empty.
     n = tl.where(n_stored == L, 0, n_stored)
     live = offs_l < n  # entries of S_n; stale ones may hold NaN, so select, never multiply
     g_new = tl.sum(tl.where(offs_l == n - 1, ring_g_vec, 0.0)) + g  # G_{n+1} = G_n + g (G_0 = 0)
-    w = tl.where(live, tl.exp(g_new - ring_g_vec), 0.0)  # exp(G_{n+1} − G_i)  [BL]
-    coef_k = tl.where(live, w * rk_dot_k * k_scale, 0.0)  # [BL]
-    coef_q = tl.where(live, w * rk_dot_q * q_scale, 0.0)  # [BL]
-    ru = tl.where(live[:, None], ru.to(tl.float32), 0.0)  # [BL, BV]
+    w = tl.exp(g_new - ring_g_vec)  # exp(G_{n+1} − G_i)  [BL]
+    qk_scale = tl.where(tl.arange(0, 2) == 0, k_scale, q_scale)  # [2]
+    coef = tl.where(live[:, None], rk_dots * w[:, None] * qk_scale[None, :], 0.0)  # [BL, 2]
+    ru = tl.where(live[:, None], ru, 0.0).to(ring_u_ptr.dtype.element_ty)  # [BL, BV]
     decay = tl.exp(g_new)
-
-    decayed_s_k = decay * k_scale * c_dot_k + tl.sum(coef_k[:, None] * ru, 0)  # (exp(g)·S_n)ᵀ k  [BV]
+    # (exp(g)·S_n)ᵀ [k q] = decay · Cᵀ[k q] + Σ_i coef_i u_i  [BV, 2]
+    ring_dots = _mma_fp32_operand(tl.trans(ru), coef, tl.zeros([BLOCK_V, 2], tl.float32))  # Σ_i coef_i u_i
+    state_dots = c_dots * (decay * qk_scale)[None, :] + ring_dots
+    decayed_s_k, decayed_s_q = tl.split(state_dots)  # [BV] each
     u = beta * (v.to(tl.float32) - decayed_s_k)  # [BV]
-    o = decay * q_scale * c_dot_q + tl.sum(coef_q[:, None] * ru, 0) + k_dot_q * u  # S_{n+1}ᵀ q  [BV]
+    o = decayed_s_q + k_dot_q * u  # S_{n+1}ᵀ q = (exp(g)·S_n)ᵀ q + u (k·q)  [BV]
     tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
 
     # Append entry n: each part written by exactly one program.
@@ -160,76 +274,112 @@ def _replay_step_kernel(
 @triton.jit
 def _replay_fold_kernel(
     ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, cursor_ptr, src_ptr, dst_ptr,
+    q_ptr, k_ptr, key_dots_ptr,
     stride_cs, stride_ch, stride_ck,
     stride_rks, stride_rkl, stride_rkh,
     stride_rus, stride_rul, stride_ruh,
     stride_rgs, stride_rgl,
+    stride_qb, stride_qh, stride_kb, stride_kh,
     GROUP: tl.constexpr, L: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, FULL_ONLY: tl.constexpr,
+    FOLD_K: tl.constexpr, KEY_DOTS: tl.constexpr,
 ):
-    """ckpt[dst] <- exp(G_n)·C[src] + Σ_{i<n} exp(G_n − G_i) k_i ⊗ u_i for one (pair, value head).
+    """ckpt[dst] <- exp(G_n)·C[src] + Σ_{i<n} exp(G_n − G_i) k_i ⊗ u_i on one (pair, value head,
+    d_v block) tile.
 
-    FULL_ONLY (the step's flush): pairs whose ring is not full do nothing.
+    FULL_ONLY (the step's flush): pairs whose ring is not full do not fold. KEY_DOTS (flush
+    only, src == dst == the step's slots): the first program of each (sequence, key head) whose
+    ring is not full writes the raw dots ring_k[i]·k and ring_k[i]·q of all L entries for the step.
     """
     pair = tl.program_id(0)
     head = tl.program_id(1)
+    v_block = tl.program_id(2)
     src = tl.load(src_ptr + pair).to(tl.int64)
     n = tl.load(cursor_ptr + src).to(tl.int32)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_k = offs_k < D_K
+    key_head = head // GROUP
     if FULL_ONLY:
         active = n == L
     else:
         active = n >= 0
     if active:
         dst = tl.load(dst_ptr + pair).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_l = tl.arange(0, BLOCK_L)
-        mask_k = offs_k < D_K
+        offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < D_V
         valid = offs_l < n
-        rk = tl.load(ring_k_ptr + src * stride_rks + offs_l[:, None] * stride_rkl + (head // GROUP) * stride_rkh
-                     + offs_k[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         ring_g_vec = tl.load(ring_g_ptr + src * stride_rgs + offs_l * stride_rgl + head, mask=valid, other=0.0)
+        ru = tl.load(ring_u_ptr + src * stride_rus + offs_l[:, None] * stride_rul + head * stride_ruh
+                     + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)  # [BL, BV]
         g_end = tl.sum(tl.where(offs_l == n - 1, ring_g_vec, 0.0))
-        w = tl.where(valid, tl.exp(g_end - ring_g_vec), 0.0)  # [BL]
-        weighted_k_t = tl.trans(rk * w[:, None])  # [BK, BL]
-        decay = tl.exp(g_end)
-        for v0 in tl.range(0, D_V, BLOCK_V):
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            mask_v = offs_v < D_V
-            ru = tl.load(ring_u_ptr + src * stride_rus + offs_l[:, None] * stride_rul + head * stride_ruh
-                         + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-            tile = offs_k[:, None] * stride_ck + offs_v[None, :]
-            c_mask = mask_k[:, None] & mask_v[None, :]
+        w = tl.where(valid, tl.exp(g_end - ring_g_vec), 0.0)  # in [0, 1]: G only decreases  [BL]
+        # d_k rows are independent: chunks of FOLD_K rows bound the registers, which every
+        # program of the launch reserves, the many that exit at once included (fewer registers,
+        # more programs resident per SM, fewer waves of early exits).
+        for k0 in tl.range(0, BLOCK_K, FOLD_K):
+            rows = k0 + tl.arange(0, FOLD_K)
+            rows_in = rows < D_K
+            rk_t = tl.load(ring_k_ptr + src * stride_rks + offs_l[None, :] * stride_rkl + key_head * stride_rkh
+                           + rows[:, None], mask=rows_in[:, None] & valid[None, :], other=0.0)  # [FK, BL]
+            tile = rows[:, None] * stride_ck + offs_v[None, :]
+            c_mask = rows_in[:, None] & mask_v[None, :]
             c = tl.load(ckpt_ptr + src * stride_cs + head * stride_ch + tile, mask=c_mask, other=0.0)
-            folded = decay * c.to(tl.float32) + tl.dot(weighted_k_t, ru, input_precision="ieee")  # [BK, BV]
+            weighted_k_t = rk_t.to(tl.float32) * w[None, :]  # [FK, BL]
+            ring = _mma_fp32_operand(weighted_k_t, ru, tl.zeros([FOLD_K, BLOCK_V], tl.float32))  # [FK, BV]
+            folded = tl.exp(g_end) * c.to(tl.float32) + ring
             tl.store(ckpt_ptr + dst * stride_cs + head * stride_ch + tile,
                      folded.to(ckpt_ptr.dtype.element_ty), mask=c_mask)
+    if KEY_DOTS:
+        if (n != L) & (v_block == 0) & (head % GROUP == 0):
+            in_ring = offs_l < L  # all L (stale included, as the step's own dots): it masks them
+            rk = tl.load(ring_k_ptr + src * stride_rks + offs_l[:, None] * stride_rkl
+                         + key_head * stride_rkh + offs_k[None, :],
+                         mask=in_ring[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BL, BK]
+            k = tl.load(k_ptr + pair * stride_kb + key_head * stride_kh + offs_k, mask=mask_k, other=0.0)
+            q = tl.load(q_ptr + pair * stride_qb + key_head * stride_qh + offs_k, mask=mask_k, other=0.0)
+            dots = tl.join(tl.sum(rk * k.to(tl.float32)[None, :], 1), tl.sum(rk * q.to(tl.float32)[None, :], 1))
+            row = (pair * (tl.num_programs(1) // GROUP) + key_head) * BLOCK_L + offs_l  # [BL]
+            tl.store(key_dots_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :], dots)  # [BL, 2]
 
 
 def _check_pools(ckpt, ring_k, ring_u, ring_g, cursor) -> None:
     for name, t in (("ckpt", ckpt), ("ring_k", ring_k), ("ring_u", ring_u), ("ring_g", ring_g), ("cursor", cursor)):
         assert t.is_contiguous(), f"{name} pool must be contiguous"
     assert ring_g.dtype == torch.float32, "ring_g holds cumulative log decays in fp32"
+    assert ring_k.dtype == ring_u.dtype == ckpt.dtype, "ring_k / ring_u are stored in the checkpoint dtype"
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _ring_block(L: int) -> int:
+    return max(16, triton.next_power_of_2(L))  # tl.dot needs every dimension >= 16
+
+
 def _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots, *, full_only: bool,
-                 block_v: int, num_warps: int) -> None:
+                 block_v: int, block_k: int, num_warps: int, q=None, k=None, key_dots=None) -> None:
+    """Grid (pair, value head, d_v block). With key_dots, q / k are the step's inputs."""
     H_v, d_k, d_v = ckpt.shape[1], ckpt.shape[2], ckpt.shape[3]
-    L = ring_k.shape[1]
-    _replay_fold_kernel[(src_slots.numel(), H_v)](
+    block_v = min(max(16, block_v), max(16, triton.next_power_of_2(d_v)))
+    block_dk = max(16, triton.next_power_of_2(d_k))
+    fold_k = min(max(16, block_k), block_dk)
+    with_dots = key_dots is not None
+    q_, k_ = (q, k) if with_dots else (ring_k, ring_k)  # placeholders: never read
+    _replay_fold_kernel[(src_slots.numel(), H_v, triton.cdiv(d_v, block_v))](
         ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots,
+        q_, k_, key_dots if with_dots else ring_g,
         ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
         ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
         ring_u.stride(0), ring_u.stride(1), ring_u.stride(2),
         ring_g.stride(0), ring_g.stride(1),
-        GROUP=H_v // ring_k.shape[2], L=L, D_K=d_k, D_V=d_v,
-        BLOCK_K=max(16, triton.next_power_of_2(d_k)),
-        BLOCK_V=min(max(16, block_v), max(16, triton.next_power_of_2(d_v))),
-        BLOCK_L=max(16, triton.next_power_of_2(L)),  # tl.dot needs every dimension >= 16
-        FULL_ONLY=full_only, num_warps=num_warps,
+        q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1),
+        GROUP=H_v // ring_k.shape[2], L=ring_k.shape[1], D_K=d_k, D_V=d_v,
+        BLOCK_K=block_dk, BLOCK_V=block_v, BLOCK_L=_ring_block(ring_k.shape[1]),
+        FULL_ONLY=full_only,
+        FOLD_K=fold_k if ckpt.dtype != torch.float32 else min(fold_k, 32),  # fp32 (FMA dot): ptxas spills above
+        KEY_DOTS=with_dots, num_warps=num_warps,
     )
 
 
@@ -240,7 +390,7 @@ def flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, *, launch: Ste
     rings are not changed: the step then treats cursor == L as an empty ring.
     """
     _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
-                 block_v=launch.flush_block_v, num_warps=launch.flush_warps)
+                 block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps)
 
 
 def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, cursor, slots,
@@ -256,16 +406,26 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
     B, H_k, d_k = k.shape
     H_v, d_v = v.shape[1], v.shape[2]
     L = ring_k.shape[1]
+    assert q.dtype == k.dtype, "q and k share a dtype (one mma operand)"
     q, k, v, a, b = (_row_major(t) for t in (q, k, v, a, b))
     o = torch.empty((B, H_v, d_v), dtype=q.dtype, device=q.device) if out is None else out
     if B == 0:
         return o
-    flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch=launch)
+    block_l = _ring_block(L) if launch.tensor_cores or launch.key_dots_in_flush else triton.next_power_of_2(L)
+    key_dots = None
+    if launch.key_dots_in_flush:
+        key_dots = torch.empty((B, H_k, block_l, 2), dtype=torch.float32, device=q.device)
+        _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
+                     block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps,
+                     q=q, k=k, key_dots=key_dots)
+    else:
+        flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch=launch)
     block_dk = triton.next_power_of_2(d_k)
     block_k = min(max(16, launch.block_k), block_dk)
     block_v = min(max(16, launch.block_v), max(16, triton.next_power_of_2(d_v)))
     _replay_step_kernel[(B, H_v, triton.cdiv(d_v, block_v))](
-        q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, cursor, slots, o,
+        q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, cursor, slots,
+        ring_g if key_dots is None else key_dots, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), o.stride(0), o.stride(1),
         ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
@@ -274,14 +434,16 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
         ring_g.stride(0), ring_g.stride(1),
         d_k ** -0.5,
         GROUP=H_v // H_k, L=L, D_K=d_k, D_V=d_v,
-        BLOCK_DK=block_dk, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=triton.next_power_of_2(L),
-        NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
+        BLOCK_DK=block_dk, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l,
+        NUM_STAGES=launch.num_stages, TENSOR_CORES=launch.tensor_cores,
+        SPLIT=ckpt.dtype != torch.float32 and q.dtype != ckpt.dtype,
+        KEY_DOTS_GIVEN=key_dots is not None, num_warps=launch.num_warps,
     )
     return o
 
 
-def replay_fold(ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots, *, block_v: int = 64,
-                num_warps: int = 4):
+def replay_fold(ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots, *, block_v: int = 32,
+                block_k: int = 16, num_warps: int = 1):
     """ckpt[dst] <- state of src at its cursor, rounded to the ckpt dtype. Cursors untouched.
 
     A pair may fold in place (dst == src), but no dst may be another pair's src: programs run
@@ -291,4 +453,4 @@ def replay_fold(ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots, *, b
     if src_slots.numel() == 0:
         return
     _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots, full_only=False,
-                 block_v=block_v, num_warps=num_warps)
+                 block_v=block_v, block_k=block_k, num_warps=num_warps)

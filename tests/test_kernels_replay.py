@@ -105,11 +105,20 @@ def test_reference_matches_recurrence_across_flushes():
         torch.testing.assert_close(folded_states(pools, slots), state[slots], rtol=1e-5, atol=1e-5)
 
 
-DECODE_CASES = {  # shape, step/flush launch knobs
-    "L4-dk-chunked": (Shapes(ring=4, heads_k=1, heads_v=2, d_k=32), {"block_v": 16, "block_k": 16}),
+DECODE_CASES = {  # shape, StepLaunch knobs
+    # C streamed in two d_k chunks; the flush folds in two chunks of d_k rows.
+    "L4-dk-chunked": (Shapes(ring=4, heads_k=1, heads_v=2, d_k=32),
+                      {"block_v": 16, "block_k": 16, "flush_block_k": 16}),
     "L16": (Shapes(ring=16), {"block_v": 16, "block_k": 128}),
-    # L and d_v not powers of two: padded ring rows, a partial d_v block, a 3-block flush loop.
+    # L and d_v not powers of two: padded ring rows, a partial d_v block, three flush d_v blocks.
     "L5-dv48": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48), {"block_v": 32, "flush_block_v": 16}),
+    # Ring-key dots computed once per key head by the flush launch (GROUP = 3 value heads read them).
+    "L5-dv48-key-dots": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48),
+                         {"key_dots_in_flush": True, "flush_block_v": 32}),
+    # The CUDA-core variant of the d_k dots, with and without the flush's ring-key dots.
+    "L16-fma": (Shapes(ring=16), {"tensor_cores": False, "block_v": 16}),
+    "L4-fma-key-dots": (Shapes(ring=4, heads_k=1, heads_v=2, d_k=32),
+                        {"tensor_cores": False, "key_dots_in_flush": True, "block_k": 16, "flush_warps": 2}),
 }
 
 
@@ -140,22 +149,68 @@ def test_triton_decode_matches_reference(case):
             advance(pools[4], slots, L)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_fold_copies_state_and_leaves_source_untouched(impl):
-    shape = Shapes()
+BF16_CASES = {  # q/k/v dtype, StepLaunch knobs
+    "bf16-inputs": (torch.bfloat16, {}),
+    "fp32-inputs": (torch.float32, {}),  # k, q enter the mma as high + low bf16 parts
+    "fp32-inputs-key-dots": (torch.float32, {"key_dots_in_flush": True}),
+}
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_triton_decode_bf16_checkpoint_matches_reference(case):
+    """The production layout: bf16 checkpoint and ring. On the first step the rings that are not
+    full hold the same bf16 values for both sides and all math is fp32, so fp32 outputs agree to
+    ~1e-6 (fp32 k, q rounded to bf16 in the mma instead of split: ~3e-4). Later, a stored u or a
+    folded C may round one bf16 ulp apart: 2e-2, as on the GPU."""
+    inputs_dtype, knobs = BF16_CASES[case]
+    shape = Shapes(ring=4, heads_k=1, heads_v=3, d_k=32, d_v=48)
     L = shape.ring
-    pools = make_pools(shape, cursors=[3, L, 0, 1, 2, 0, L], device=DEVICE)
+    ref_pools = make_pools(shape, [L, 0, 1, L - 1, 2, L, 0], dtype=torch.bfloat16, device=DEVICE)
+    tri_pools = [p.clone() for p in ref_pools]
+    slots = torch.tensor([5, 2, 0, 3, 1], device=DEVICE)
+    not_full = torch.tensor([1, 3, 4], device=DEVICE)  # rows of `slots` whose ring is not full
+    A_log, dt_bias = make_gate_params(shape, DEVICE)
+    gen = torch.Generator().manual_seed(6)
+    for step in range(L + 1):
+        inputs = make_step_inputs(shape, len(slots), gen, DEVICE, inputs_dtype)
+        poisoned = torch.full((len(slots), shape.heads_v, shape.d_v), float("nan"), device=DEVICE, dtype=inputs_dtype)
+        expected = ref_replay.replay_decode(*inputs, A_log, dt_bias, *ref_pools, slots).float()
+        out = triton_replay.replay_decode(*inputs, A_log, dt_bias, *tri_pools, slots, out=poisoned, **knobs).float()
+        if step == 0 and inputs_dtype == torch.float32:  # (bf16 inputs: bf16 outputs, 1-ulp apart)
+            torch.testing.assert_close(out[not_full], expected[not_full], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+        for pools in (ref_pools, tri_pools):
+            advance(pools[4], slots, L)
+    for pool_ref, pool_tri in zip(ref_pools, tri_pools):
+        torch.testing.assert_close(pool_tri.float(), pool_ref.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+FOLD_CASES = {  # impl, pool dtype, tolerance of the folded checkpoint
+    "ref": ("ref", torch.float32, TOL),
+    "triton": ("triton", torch.float32, TOL),
+    # bf16: high + low bf16 parts of the fp32 ring weights, then one rounding to bf16: half an
+    # ulp on the GPU, up to a whole one (2^-7 relative) in the interpreter, which truncates.
+    "triton-bf16": ("triton", torch.bfloat16, {"rtol": 2 ** -7, "atol": 1e-6}),
+}
+
+
+@pytest.mark.parametrize("case", FOLD_CASES)
+def test_fold_copies_state_and_leaves_source_untouched(case):
+    impl, dtype, tol = FOLD_CASES[case]
+    shape = Shapes(d_k=32)
+    L = shape.ring
+    pools = make_pools(shape, cursors=[3, L, 0, 1, 2, 0, L], dtype=dtype, device=DEVICE)
     before = [p.clone() for p in pools]
     src, dst = torch.tensor([1, 4, 3], device=DEVICE), torch.tensor([5, 2, 6], device=DEVICE)
     expected = folded_states(pools, src)
-    IMPLS[impl].replay_fold(*pools, src, dst)
-    torch.testing.assert_close(pools[0][dst].float(), expected, **TOL)
+    IMPLS[impl].replay_fold(*pools, src, dst)  # Triton: two chunks of 16 d_k rows per program
+    torch.testing.assert_close(pools[0][dst].float(), expected, **tol)
     untouched = torch.tensor([0, 1, 3, 4], device=DEVICE)  # sources and bystanders: bit-identical
     for now, then in zip(pools, before):
         torch.testing.assert_close(now[untouched], then[untouched], rtol=0, atol=0, equal_nan=True)
     # The folded copy with cursor 0 is the same state as the source at its cursor.
     pools[4][dst] = 0
-    torch.testing.assert_close(folded_states(pools, dst), expected, **TOL)
+    torch.testing.assert_close(folded_states(pools, dst), expected, **tol)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
