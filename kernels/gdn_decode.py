@@ -1,45 +1,100 @@
 """Triton Gated DeltaNet decode: one recurrent step per sequence, state updated in place by slot.
 
-One program per (sequence, value head, d_v block): the [d_k, BLOCK_V] state tile is read once,
-decayed, corrected by the delta rule and written once, in fp32 registers, so the step is bound
-by state bandwidth (read + write of the pool entry). The state load is issued first and both
-reductions over d_k (Sᵀk and Sᵀq) run on the decayed state together, using
-o = S'ᵀq = (exp(g)·S)ᵀq + (k·q)·u, so the write-back waits on one reduction round, not two.
-Launch knobs: `DecodeLaunch`. Reference: kernels/ref/gdn.py:gdn_decode.
+The work is a set of tiles, one per (sequence, value head, d_v block): the [d_k, BLOCK_V] state
+tile is read once, decayed, corrected by the delta rule and written once, in fp32 registers, so
+the step is bound by state bandwidth (read + write of the pool entry). Both reductions over d_k
+(Sᵀk and Sᵀq) run on the decayed state together, using o = S'ᵀq = (exp(g)·S)ᵀq + (k·q)·u, so the
+write-back waits on one reduction round, not two.
+
+Two variants (`DecodeLaunch.variant`):
+- "tile": one program per tile. A program reads, computes, then writes, so the bytes in flight
+  per SM are (resident programs) × (one tile) only while those programs are loading.
+- "persistent": `programs_per_sm` programs per SM loop over the tiles, software-pipelined
+  `num_stages` deep: Triton issues the state loads of the next tiles (cp.async into shared
+  memory) while the current tile computes, so loads stay in flight through the compute.
+With `tma=True` (sm_90+) the state tile arrives by one TMA bulk copy into shared memory instead
+of per-thread loads: no address registers, and the persistent loop prefetches it the same way.
+With `num_warps=1` a [d_k, BLOCK_V] tile lives in one warp and both d_k reductions are warp
+shuffles: no shared-memory round trip, no barrier (Triton's layout puts several warps along d_k,
+so their partial sums meet in shared memory). tl.dot is not used for the reductions: with the
+fp32 state it would round the state to tf32 (~1e-3 relative, compounding over steps), and
+"ieee" precision is not a tensor-core product.
+Reference: kernels/ref/gdn.py:gdn_decode.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels._common import KernelLaunch, gdn_gate_terms, l2_normalise_vector, next_pow2_at_least_16
+from kernels._common import LOOP_AS_WHILE, KernelLaunch, gdn_gate_terms, l2_normalise_vector, next_pow2_at_least_16
 
-# block_v = 32 over 8 warps: ~120 registers/thread on sm_90 and B·H_v·d_v/32 programs, enough to
-# saturate bandwidth from small batches on. benchmarks/bench_gdn.py sweeps alternatives.
-DEFAULT_LAUNCH = KernelLaunch(block_v=32, num_warps=8, num_stages=1)
+VARIANTS = ("tile", "persistent")
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Launch knobs: the d_v block a tile owns, warps, pipeline stages, and the variant.
+
+    `programs_per_sm` only matters for "persistent" (grid = programs_per_sm × SMs, capped at the
+    tile count); `num_stages` is the software-pipeline depth of its tile loop (1: no prefetch).
+    """
+
+    block_v: int = 32
+    num_warps: int = 8
+    num_stages: int = 1
+    variant: str = "tile"
+    programs_per_sm: int = 4
+    tma: bool = False  # state tile loaded by a Hopper TMA descriptor (sm_90+; the interpreter emulates it)
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"DecodeLaunch.variant must be one of {VARIANTS}, got {self.variant!r}")
+
+
+# block_v = 32 over 8 warps: B·H_v·d_v/32 programs, enough to saturate bandwidth from small
+# batches on. benchmarks/bench_gdn.py (DECODE_SWEEP) sweeps the alternatives.
+DEFAULT_LAUNCH = DecodeLaunch(block_v=32, num_warps=8, num_stages=1, variant="tile")
 
 
 @triton.jit
-def _gdn_decode_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, out_ptr,
+def _step_tile(
+    seq, head, vblock, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, state_desc, slots_ptr,
+    out_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
-    stride_s0, stride_s1, stride_s2, stride_ob, stride_oh,
-    D_K, D_V, scale,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    stride_s0, stride_s1, stride_ob, stride_oh, scale,
+    D_K: tl.constexpr, D_V: tl.constexpr, STRIDE_S2: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    """One tile: state[slots[seq], head, :, vblock·BLOCK_V:+BLOCK_V] stepped in place, its outputs stored."""
     key_head = head // GROUP
     kk = tl.arange(0, BLOCK_K)
-    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vv = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok, v_ok = kk < D_K, vv < D_V
-    tile_ok = k_ok[:, None] & v_ok[None, :]
+    # A tile that fits the head exactly needs no mask (constexpr): fewer predicates in registers.
+    FULL_TILE: tl.constexpr = (BLOCK_K == D_K) and (D_V % BLOCK_V == 0)
 
-    # The state tile first: it is the only large load, everything else fits under its latency.
+    # The slot, then the tile it addresses: the only large load, issued before the small ones.
+    # The row stride is a constexpr, so each thread's addresses are one base plus immediates.
     slot = tl.load(slots_ptr + seq).to(tl.int64)
-    tile = state_ptr + slot * stride_s0 + head * stride_s1 + kk[:, None] * stride_s2 + vv[None, :]
-    S = tl.load(tile, mask=tile_ok, other=0.0)  # [BK, BV]
+    tile_base = slot * stride_s0 + head * stride_s1 + vblock * BLOCK_V
+    in_tile = kk[:, None] * STRIDE_S2 + tl.arange(0, BLOCK_V)[None, :]  # [BK, BV], the same for every tile
+    # Loaded and stored through two differently built (equal) addresses: in the pipelined loop the
+    # store then rebuilds its pointers from one scalar and the loop-invariant in_tile, instead of
+    # carrying a [BK, BV] pointer tensor per stage in registers.
+    load_tile = state_ptr + (tile_base + in_tile)
+    store_tile = (state_ptr + tile_base) + in_tile
+    if USE_TMA:  # one bulk copy into shared memory, zero-filled past d_k / d_v; 32-bit coordinates
+        corner = [slot.to(tl.int32), head.to(tl.int32), 0, (vblock * BLOCK_V).to(tl.int32)]
+        S = state_desc.load(corner).reshape(BLOCK_K, BLOCK_V)
+    elif FULL_TILE:
+        S = tl.load(load_tile)  # [BK, BV]
+    else:
+        S = tl.load(load_tile, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
     q = tl.load(q_ptr + seq * stride_qb + key_head * stride_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + seq * stride_kb + key_head * stride_kh + kk, mask=k_ok, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + seq * stride_vb + head * stride_vh + vv, mask=v_ok, other=0.0).to(tl.float32)  # [BV]
@@ -53,33 +108,115 @@ def _gdn_decode_kernel(
     k_dot_S = tl.sum(S * k[:, None], axis=0)  # [BV]
     q_dot_S = tl.sum(S * q[:, None], axis=0)  # [BV]
     u = beta * (v - k_dot_S)  # [BV]
-    tl.store(tile, (S + k[:, None] * u[None, :]).to(state_ptr.dtype.element_ty), mask=tile_ok)
+    S = (S + k[:, None] * u[None, :]).to(state_ptr.dtype.element_ty)
+    if FULL_TILE:
+        tl.store(store_tile, S)
+    else:
+        tl.store(store_tile, S, mask=k_ok[:, None] & v_ok[None, :])
     o = q_dot_S + tl.sum(q * k, axis=0) * u
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, state_desc, slots_ptr, out_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
+    stride_s0, stride_s1, stride_ob, stride_oh, scale, num_tiles,
+    H_V: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, STRIDE_S2: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PERSISTENT: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
+):
+    """Tile grid (B, H_v, d_v blocks): one tile per program. Persistent grid (P,): program p steps
+    tiles p, p + P, ... of the flattened (sequence, head, d_v block) order, d_v block fastest, so
+    the programs of one iteration hold neighbouring tiles (whole state rows; shared q/k lines)."""
+    N_VBLOCKS: tl.constexpr = (D_V + BLOCK_V - 1) // BLOCK_V
+    if not PERSISTENT:
+        _step_tile(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
+                   q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, state_desc, slots_ptr, out_ptr,
+                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
+                   stride_s0, stride_s1, stride_ob, stride_oh, scale,
+                   D_K, D_V, STRIDE_S2, GROUP, BLOCK_K, BLOCK_V, USE_TMA)
+    elif LOOP_AS_WHILE:  # the interpreter: no runtime-bounded `for`
+        tile_id = tl.program_id(0).to(tl.int64)
+        while tile_id < num_tiles:
+            _step_tile(tile_id // (N_VBLOCKS * H_V), (tile_id // N_VBLOCKS) % H_V, tile_id % N_VBLOCKS,
+                       q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, state_desc, slots_ptr,
+                       out_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
+                       stride_s0, stride_s1, stride_ob, stride_oh, scale,
+                       D_K, D_V, STRIDE_S2, GROUP, BLOCK_K, BLOCK_V, USE_TMA)
+            tile_id += tl.num_programs(0)
+    else:
+        # Software-pipelined NUM_STAGES deep: the slot loads, then the state loads (cp.async or
+        # TMA into shared memory) of the next tiles are issued while this one computes.
+        for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+            _step_tile(tile_id // (N_VBLOCKS * H_V), (tile_id // N_VBLOCKS) % H_V, tile_id % N_VBLOCKS,
+                       q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, state_desc, slots_ptr,
+                       out_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
+                       stride_s0, stride_s1, stride_ob, stride_oh, scale,
+                       D_K, D_V, STRIDE_S2, GROUP, BLOCK_K, BLOCK_V, USE_TMA)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 elsewhere (the interpreter: a small grid, so its programs loop)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tma_can_load(state: torch.Tensor) -> bool:
+    """A TMA descriptor needs sm_90+ and 16-byte aligned base and strides (d_v a multiple of 4
+    for fp32, 8 for bf16); elsewhere a `tma` launch falls back to pointer loads."""
+    if state.device.type == "cuda" and torch.cuda.get_device_capability(state.device) < (9, 0):
+        return False
+    itemsize = state.element_size()
+    return state.data_ptr() % 16 == 0 and all(s * itemsize % 16 == 0 for s in state.stride()[:-1])
+
+
+def as_decode_launch(launch: DecodeLaunch | KernelLaunch) -> DecodeLaunch:
+    """A plain KernelLaunch (the older knob type) means the tile variant with its three knobs."""
+    if isinstance(launch, DecodeLaunch):
+        return launch
+    return DecodeLaunch(block_v=launch.block_v, num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
 def _unit_inner(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, launch: KernelLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
-    """One step per sequence: q, k [B, H_k, d_k]; v [B, H_v, d_v]; a, b [B, H_v]; state [S, H_v, d_k, d_v]."""
+def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, launch: DecodeLaunch | KernelLaunch = DEFAULT_LAUNCH,
+               *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One step per sequence: q, k [B, H_k, d_k]; v [B, H_v, d_v]; a, b [B, H_v]; state [S, H_v, d_k, d_v].
+
+    Returns o [B, H_v, d_v] in q.dtype, written into `out` when given (contiguous in d_v).
+    """
+    launch = as_decode_launch(launch)
     q, k, v, a, b = (_unit_inner(t) for t in (q, k, v, a, b))
     assert state.stride(3) == 1, "state must be contiguous in d_v"
     B, H_k, d_k = k.shape
     H_v, d_v = v.shape[1:]
-    out = torch.empty((B, H_v, d_v), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((B, H_v, d_v), dtype=q.dtype, device=q.device)
+    assert out.shape == (B, H_v, d_v) and out.stride(2) == 1, "out must be [B, H_v, d_v], contiguous in d_v"
     if B == 0:
         return out
     block_k = next_pow2_at_least_16(d_k)
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
-    grid = (B, H_v, triton.cdiv(d_v, block_v))
+    n_vblocks = triton.cdiv(d_v, block_v)
+    num_tiles = B * H_v * n_vblocks
+    persistent = launch.variant == "persistent"
+    if persistent:
+        grid = (min(num_tiles, launch.programs_per_sm * _multiprocessor_count(q.device)),)
+    else:
+        grid = (B, H_v, n_vblocks)
+    use_tma = launch.tma and _tma_can_load(state)
+    state_desc = TensorDescriptor.from_tensor(state, block_shape=[1, 1, block_k, block_v]) if use_tma else None
     _gdn_decode_kernel[grid](
-        q, k, v, a, b, A_log, dt_bias, state, slots, out,
+        q, k, v, a, b, A_log, dt_bias, state, state_desc, slots, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1),
-        d_k, d_v, d_k ** -0.5,
-        GROUP=H_v // H_k, BLOCK_K=block_k, BLOCK_V=block_v,
+        state.stride(0), state.stride(1), out.stride(0), out.stride(1), d_k ** -0.5, num_tiles,
+        H_V=H_v, D_K=d_k, D_V=d_v, STRIDE_S2=state.stride(2), GROUP=H_v // H_k, BLOCK_K=block_k, BLOCK_V=block_v,
+        PERSISTENT=persistent, NUM_STAGES=launch.num_stages, USE_TMA=use_tma, LOOP_AS_WHILE=LOOP_AS_WHILE,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out
