@@ -143,7 +143,7 @@ def _prefill_sweeps(quick: bool, big: bool):
     """Launch configs per prefill stage (fewer for the biggest shape: compile time dominates)."""
     from kernels._common import KernelLaunch as L
 
-    wy = [L(32, 8, 1), L(64, 8, 1), L(128, 8, 1), L(32, 4, 1)]
+    wy = [L(64, 4, 1), L(64, 2, 1), L(32, 4, 1), L(32, 2, 1), L(128, 4, 1), L(64, 4, 2), L(32, 1, 1), L(64, 8, 1)]
     state = [L(32, 4, 2), L(32, 8, 2), L(32, 4, 3), L(64, 8, 2), L(64, 4, 2), L(16, 4, 2)]
     out = [L(64, 8, 2), L(128, 8, 2), L(64, 4, 2), L(32, 4, 2), L(128, 4, 3)]
     if quick or big:
@@ -202,7 +202,17 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
     return row, sweep
 
 
-DECODE_SWEEP = [(16, 2, 1), (16, 4, 1), (32, 4, 1), (32, 8, 1), (64, 4, 1), (64, 8, 1), (128, 8, 1), (32, 4, 2)]
+# DecodeLaunch(block_v, num_warps, num_stages, variant, programs_per_sm, tma), most promising
+# first (--quick takes four): one-warp tiles keep the d_k reductions in a warp; persistent programs
+# prefetch the next num_stages - 1 tiles (cp.async, or TMA with tma=True) while one computes.
+# programs_per_sm stays within what fits on an SM (registers, shared memory): a second wave of
+# persistent programs would serialise.
+DECODE_SWEEP = [
+    (32, 1, 1), (32, 4, 3, "persistent", 4), (32, 4, 4, "persistent", 4, True), (16, 2, 4, "persistent", 8),
+    (16, 2, 4, "persistent", 8, True), (16, 1, 3, "persistent", 12), (16, 1, 4, "persistent", 8, True),
+    (32, 8, 3, "persistent", 2, True), (32, 4, 1, "tile", 4, True), (16, 1, 1), (32, 2, 3, "persistent", 6),
+    (16, 4, 1), (32, 4, 1), (64, 4, 3, "persistent", 2, True),
+]
 
 
 def bench_decode(batch: int, fla, quick: bool):
@@ -231,10 +241,8 @@ def bench_decode(batch: int, fla, quick: bool):
     row = Row("gdn_decode", f"B={batch}", ours_ms, None, fla_ms, check=check, **rates(ours_ms))
 
     def sweep() -> Row:
-        from kernels._common import KernelLaunch
-
         print(f"sweep gdn_decode B={batch} (default {ours.DEFAULT_LAUNCH})")
-        configs = [KernelLaunch(*c) for c in (DECODE_SWEEP[:4] if quick else DECODE_SWEEP)]
+        configs = [ours.DecodeLaunch(*c) for c in (DECODE_SWEEP[:4] if quick else DECODE_SWEEP)]
         _, tuned_ms = _sweep("decode", configs, lambda c: ours.gdn_decode(**x, state=pool, slots=slots, launch=c),
                              quick)
         return row if tuned_ms is None else replace(row, tuned_ms=tuned_ms, **rates(min(ours_ms, tuned_ms)))

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ra.check_correctness()
     sweep = not (args.quick or args.no_sweep)
+    gdn.SWEEP_DEADLINE_S = 230.0  # GDN sweeps stop 230 s after start; ReplaySSM / attention follow
     rows: list[Target] = []
     for part in (lambda: _gdn_targets(args.quick, sweep), lambda: _replay_targets(args.quick or args.no_sweep),
                  lambda: _attention_targets(args.quick or args.no_sweep)):
