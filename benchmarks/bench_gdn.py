@@ -208,7 +208,8 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
 # programs_per_sm stays within what fits on an SM (registers, shared memory): a second wave of
 # persistent programs would serialise.
 DECODE_SWEEP = [
-    (32, 1, 1), (32, 4, 3, "persistent", 4), (32, 4, 4, "persistent", 4, True), (16, 2, 4, "persistent", 8),
+    (32, 2, 4, "persistent", 6), (32, 2, 3, "persistent", 8), (32, 2, 3, "persistent", 6, True),
+    (32, 2, 3, "persistent", 5), (32, 8, 1, "tile"), (32, 1, 1), (32, 4, 3, "persistent", 4), (32, 4, 4, "persistent", 4, True), (16, 2, 4, "persistent", 8),
     (16, 2, 4, "persistent", 8, True), (16, 1, 3, "persistent", 12), (16, 1, 4, "persistent", 8, True),
     (32, 8, 3, "persistent", 2, True), (32, 4, 1, "tile", 4, True), (16, 1, 1), (32, 2, 3, "persistent", 6),
     (16, 4, 1), (32, 4, 1), (64, 4, 3, "persistent", 2, True),

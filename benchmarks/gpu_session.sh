@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader | tee "$
 git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$out/summary.txt"
 for part in "$@"; do
   case $part in
-    tests)   step gpu_tests 200 python3 -m pytest -q --tb=short tests/test_kernels_gdn.py tests/test_kernels_gdn_decode.py tests/test_kernels_gdn_fused.py tests/test_kernels_conv_norm.py \
+    tests)   step gpu_tests 200 python3 -m pytest -q --tb=short tests/test_kernels_gdn.py tests/test_kernels_gdn_decode.py tests/test_kernels_conv_norm.py \
                tests/test_kernels_replay.py tests/test_kernels_attention.py tests/test_model_gpu.py tests/test_engine_gpu.py ;;
     kernels) step kernels 420 python3 -m benchmarks.kernels ;;
     kernels_table) step kernels_table 300 python3 -m benchmarks.kernels --no-sweep ;;

@@ -56,9 +56,11 @@ class DecodeLaunch:
             raise ValueError(f"DecodeLaunch.variant must be one of {VARIANTS}, got {self.variant!r}")
 
 
-# block_v = 32 over 8 warps: B·H_v·d_v/32 programs, enough to saturate bandwidth from small
-# batches on. benchmarks/bench_gdn.py (DECODE_SWEEP) sweeps the alternatives.
-DEFAULT_LAUNCH = DecodeLaunch(block_v=32, num_warps=8, num_stages=1, variant="tile")
+# The H200 sweep's best at B = 32 / 128 / 512 (docs/BENCHMARKS.md, 2026-11-29, session 2):
+# persistent programs, 6 per SM, 2 warps, next tiles prefetched 2 deep — 81% of copy bandwidth,
+# 1.17–1.23× fla, against 65% for the one-shot tile at 8 warps. benchmarks/bench_gdn.py
+# (DECODE_SWEEP) sweeps the alternatives.
+DEFAULT_LAUNCH = DecodeLaunch(block_v=32, num_warps=2, num_stages=3, variant="persistent", programs_per_sm=6)
 
 
 @triton.jit
