@@ -74,7 +74,7 @@ def _replay_targets(quick: bool) -> list[Target]:
     for batch in (128, 512):
         pools, step, params, slots = ra.make_replay_state(shape, batch)
         cursors = ra.cursor_cycle(pools[4], shape.ring)
-        times = [ra.bench(lambda: ra.replay_steps(pools, cursors, step, params, slots, launch)) / shape.ring
+        times = [ra.bench_graph(lambda: ra.replay_steps(pools, cursors, step, params, slots, launch)) / shape.ring
                  for launch in launches]
         fla_ms = ra.bench_fla(shape, batch, step, params)
         best = min(times)
