@@ -1,5 +1,5 @@
 """Triton chunked Gated DeltaNet prefill over packed varlen sequences (chunk 64): the public
-op, its launch knobs and the scratch plan; the four kernels and their maths are in
+op, its launch knobs and the plan of its intermediates; the four kernels and their maths are in
 kernels/gdn_prefill_kernels.py.
 
 Chunks never straddle sequences; a sequence's initial state is read from `state[slot]` and its
@@ -23,7 +23,8 @@ from kernels._common import (
 from kernels.gdn_prefill_kernels import chunk_output_kernel, chunk_wy_kernel, l2norm_qk_kernel, state_pass_kernel
 
 CHUNK = 64
-SUB = 16  # block size of the triangular inverse
+SUB = 16  # rows of the WY kernel's sub-blocks (its triangular inverse works on SUB×SUB blocks)
+WY_KEY_STEP = 32  # d_k columns per step of the WY kernel's key products (sm90_compile: registers)
 NORM_ROWS = 16  # tokens per program of the q/k normalisation
 
 
@@ -33,13 +34,14 @@ class PrefillLaunch:
 
     Stages share no block_v-dependent buffer or grid: every intermediate is allocated at full d_v
     (plan_prefill) and each launch sizes its own grid, so any mix of per-stage knobs is valid
-    (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults are the combination whose end-to-end
-    run on the H200 was fastest AND known good (1×32768: 8.2 ms vs 10.8 ms for the first
-    defaults; docs/BENCHMARKS.md, 2026-11-29). WY at 4 warps was 2.6× faster at 8×2048 but sat
-    in the one combination that hit an illegal memory access, so it waits for a clean run.
+    (tests/test_kernels_gdn.py: MIXED_LAUNCHES). state_pass and output defaults are the H200's
+    fastest known-good end-to-end combination (docs/BENCHMARKS.md, 2026-11-29). The WY default is
+    from the offline sm_90 compile alone (benchmarks/sm90_compile.py; not yet timed): the kernel
+    sits near 240 registers per thread at any warp count, so 4 warps keep 2 programs per SM
+    and 8 warps only 1.
     """
 
-    wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=8, num_stages=1))
+    wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=4, num_stages=1))
     state_pass: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=32, num_warps=4, num_stages=2))
     output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=4, num_stages=2))
 
@@ -55,8 +57,7 @@ def _unit_inner(t: torch.Tensor) -> torch.Tensor:
 class PrefillWork:
     """Inputs, chunk table and intermediates of one prefill call; each stage reads and writes these.
 
-    Intermediates and matmul operands are in the input dtype (bf16 on the GPU), G and the
-    triangular system in fp32.
+    Intermediates and matmul operands are in the input dtype (bf16 on the GPU), G in fp32.
     """
 
     q: torch.Tensor  # [T, H_k, d_k] raw
@@ -73,7 +74,6 @@ class PrefillWork:
     qn: torch.Tensor  # [T, H_k, d_k] normalised, scaled
     kn: torch.Tensor  # [T, H_k, d_k] normalised
     G: torch.Tensor  # [T, H_v] fp32 cumulative log-decay within each chunk
-    system: torch.Tensor  # [T, H_v, C] fp32 scratch: the system, then its inverse
     w: torch.Tensor  # [T, H_v, d_k]
     u: torch.Tensor  # [T, H_v, d_v]
     v_new: torch.Tensor  # [T, H_v, d_v]
@@ -92,6 +92,8 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens) -> Pre
     T, H_k, d_k = k.shape
     H_v, d_v = v.shape[1:]
     chunks = chunk_table(cu_seqlens, CHUNK, T)
+    # Chunks and sequences index grid dims 1-2 (CUDA caps them at 65535): ~4M tokens per call.
+    assert chunks.capacity <= 65535 and slots.numel() <= 65535, "split the prefill into smaller calls"
     dev, inter = q.device, q.dtype
     return PrefillWork(
         q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, slots=slots,
@@ -99,7 +101,6 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens) -> Pre
         qn=torch.empty((T, H_k, d_k), dtype=inter, device=dev),
         kn=torch.empty((T, H_k, d_k), dtype=inter, device=dev),
         G=torch.empty((T, H_v), dtype=torch.float32, device=dev),
-        system=torch.empty((T, H_v, CHUNK), dtype=torch.float32, device=dev),
         w=torch.empty((T, H_v, d_k), dtype=inter, device=dev),
         u=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
         v_new=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
@@ -120,13 +121,14 @@ def run_l2norm(work: PrefillWork) -> None:
 def run_wy(work: PrefillWork, launch: KernelLaunch) -> None:
     T, H_k, d_k, H_v, d_v = work.dims
     dot_dtype = TRITON_DTYPES[work.q.dtype]
-    chunk_wy_kernel[(work.chunks.capacity, H_v)](
+    block_k = next_pow2_at_least_16(d_k)
+    chunk_wy_kernel[(H_v, work.chunks.capacity)](
         work.kn, work.v, work.a, work.b, work.A_log, work.dt_bias, work.chunks.start, work.chunks.seq_end,
-        work.G, work.system, work.w, work.u,
+        work.G, work.w, work.u,
         work.v.stride(0), work.v.stride(1), work.a.stride(0), work.b.stride(0), H_v, H_k, d_k,
-        D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=next_pow2_at_least_16(d_k),
+        D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, K_STEP=min(WY_KEY_STEP, block_k),
         BLOCK_V=min(launch.block_v, next_pow2_at_least_16(d_v)), DOT_DTYPE=dot_dtype,
-        INV_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
 
@@ -136,7 +138,7 @@ def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
     T, H_k, d_k, H_v, d_v = work.dims
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
     state = work.state
-    state_pass_kernel[(work.slots.numel(), H_v, triton.cdiv(d_v, block_v))](
+    state_pass_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
         work.kn, work.w, work.u, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
         work.chunk_states, work.v_new,
         state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
@@ -149,7 +151,7 @@ def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
 def run_output(work: PrefillWork, launch: KernelLaunch) -> None:
     T, H_k, d_k, H_v, d_v = work.dims
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
-    chunk_output_kernel[(work.chunks.capacity, H_v, triton.cdiv(d_v, block_v))](
+    chunk_output_kernel[(triton.cdiv(d_v, block_v), H_v, work.chunks.capacity)](
         work.qn, work.kn, work.G, work.chunk_states, work.v_new, work.out, work.chunks.start, work.chunks.seq_end,
         work.out.stride(0), work.out.stride(1), H_v, H_k, d_k, d_v,
         GROUP=H_v // H_k, C=CHUNK, BLOCK_K=next_pow2_at_least_16(d_k), BLOCK_V=block_v,
