@@ -143,9 +143,9 @@ def _prefill_sweeps(quick: bool, big: bool):
     """Launch configs per prefill stage (fewer for the biggest shape: compile time dominates)."""
     from kernels._common import KernelLaunch as L
 
-    wy = [L(64, 4, 1), L(64, 2, 1), L(32, 4, 1), L(32, 2, 1), L(128, 4, 1), L(64, 4, 2), L(32, 1, 1), L(64, 8, 1)]
-    state = [L(32, 4, 2), L(32, 8, 2), L(32, 4, 3), L(64, 8, 2), L(64, 4, 2), L(16, 4, 2)]
-    out = [L(64, 8, 2), L(128, 8, 2), L(64, 4, 2), L(32, 4, 2), L(128, 4, 3)]
+    wy = [L(32, 1, 1), L(64, 1, 1), L(64, 2, 1), L(32, 2, 1), L(128, 1, 1), L(64, 4, 1)]
+    state = [L(64, 4, 2), L(32, 4, 2), L(16, 4, 2), L(64, 4, 3), L(32, 8, 2), L(64, 8, 2)]
+    out = [L(128, 4, 3), L(64, 4, 2), L(128, 4, 2), L(64, 4, 3), L(128, 8, 2)]
     if quick or big:
         wy, state, out = wy[:2], state[:4], out[:3]
     return wy, state, out

@@ -77,6 +77,8 @@ def _replay_targets(quick: bool) -> list[Target]:
         times = [ra.bench_graph(lambda: ra.replay_steps(pools, cursors, step, params, slots, launch)) / shape.ring
                  for launch in launches]
         fla_ms = ra.bench_fla(shape, batch, step, params)
+        for ms, launch in sorted(zip(times, launches), key=lambda t: t[0]):
+            print(f"  replay B={batch} {ms * 1e3:8.1f} us/step  {ra.describe(launch)}")
         best = min(times)
         ratio = fla_ms / best if fla_ms else float("nan")
         out.append(Target("replay_decode bf16 L=16", f"B={batch}", times[0], best, fla_ms,

@@ -34,16 +34,15 @@ class PrefillLaunch:
 
     Stages share no block_v-dependent buffer or grid: every intermediate is allocated at full d_v
     (plan_prefill) and each launch sizes its own grid, so any mix of per-stage knobs is valid
-    (tests/test_kernels_gdn.py: MIXED_LAUNCHES). state_pass and output defaults are the H200's
-    fastest known-good end-to-end combination (docs/BENCHMARKS.md, 2026-11-29). The WY default is
-    from the offline sm_90 compile alone (benchmarks/sm90_compile.py; not yet timed): the kernel
-    sits near 240 registers per thread at any warp count, so 4 warps keep 2 programs per SM
-    and 8 warps only 1.
+    (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the H200 sweep's fastest end-to-end
+    combination at 8×2048 (docs/BENCHMARKS.md, 2026-11-29, session 2: 1.38 ms, was 2.14 ms with
+    the compile-table guesses). The register-resident WY kernel wins with ONE warp: at ~240
+    registers per thread a 16-row tile is replicated in every warp, so more warps add work.
     """
 
-    wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=4, num_stages=1))
-    state_pass: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=32, num_warps=4, num_stages=2))
-    output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=4, num_stages=2))
+    wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=32, num_warps=1, num_stages=1))
+    state_pass: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=4, num_stages=2))
+    output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=128, num_warps=4, num_stages=3))
 
 
 DEFAULT_LAUNCH = PrefillLaunch()

@@ -65,7 +65,10 @@ class StepLaunch:
     flush_warps: int = 1
 
 
-DEFAULT_STEP_LAUNCH = StepLaunch()
+# The H200 sweep's best at B = 512 (CUDA-graph timing, docs/BENCHMARKS.md, 2026-11-29, session
+# 2: 315 µs per step = 3.5× fla): 64-column tiles over 2 warps, d_k in 64-row chunks 3 deep, and
+# the ring-key dot products done once per key head in the flush launch.
+DEFAULT_STEP_LAUNCH = StepLaunch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True)
 
 
 @triton.jit
