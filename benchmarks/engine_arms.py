@@ -1,7 +1,7 @@
 """Engine arms on shared-prefix workloads (GPU): what planned reuse and ReplaySSM buy.
 
-    python benchmarks/engine_arms.py --quick            # < 5 min on one H200
-    python benchmarks/engine_arms.py --layers 16 --hf   # deeper, plus transformers' generate
+    python -m benchmarks.engine_arms --quick  # < 5 min on one H200
+    python -m benchmarks.engine_arms --layers 16 --hf  # deeper, plus transformers' generate
 
 Model: the qwen3.5-27b preset in bf16 with random weights (`--layers N` keeps the 3:1
 GDN/attention pattern with fewer layers). Workloads (random token ids, ignore_eos, so every

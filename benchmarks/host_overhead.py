@@ -1,7 +1,7 @@
 """Host-side cost of one decode step: the real Engine around a model that costs nothing.
 
-    PYTHONPATH=. python benchmarks/host_overhead.py                 # batch 256, 64 output tokens
-    PYTHONPATH=. python benchmarks/host_overhead.py --profile       # plus the top of cProfile
+    python -m benchmarks.host_overhead  # batch 256, 64 output tokens
+    python -m benchmarks.host_overhead --profile  # plus the top of cProfile
 
 The stub model's forward returns random logits of the right shape at once, so every
 millisecond measured is Python / torch-on-CPU work the engine does between GPU steps:

@@ -1,7 +1,7 @@
 """Model-level GPU check for the lead to run on the H200 (< 4 minutes):
 
-  python benchmarks/model_gpu.py            # CUDA: Triton kernels in bf16 vs the fp32 reference
-  python benchmarks/model_gpu.py --smoke    # CPU, tiny shapes: checks that the script itself works
+  python -m benchmarks.model_gpu            # CUDA: Triton kernels in bf16 vs the fp32 reference
+  python -m benchmarks.model_gpu --smoke    # CPU, tiny shapes: checks that the script itself works
 
 1. Parity: one random model per family (dense Qwen3.5-like, Qwen3-Next-like MoE) at real
    head dims; the bf16 model on the Triton path against the same weights in fp32 on the
