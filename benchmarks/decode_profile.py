@@ -104,7 +104,8 @@ class StepPhases:
                 "sample_stop_ms": sample, "other_host_ms": total - med("schedule") - forward - sample}
 
 
-def kernel_table(engine: Engine, requests: list[Request], skip_steps: int, record_steps: int) -> tuple[dict, dict]:
+def kernel_table(engine: Engine, requests: list[Request], skip_steps: int, record_steps: int,
+                 trace_path: str | None = None) -> tuple[dict, dict]:
     """Device time per decode-only step (µs) by family and by kernel, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -136,6 +137,8 @@ def kernel_table(engine: Engine, requests: list[Request], skip_steps: int, recor
         engine._step = inner
     if not state["done"]:
         return {}, {}
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
     per_family: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = {}
     for event in prof.key_averages():
@@ -145,6 +148,54 @@ def kernel_table(engine: Engine, requests: list[Request], skip_steps: int, recor
         per_kernel[event.key] = device_us / record_steps
         per_family[family(event.key)] += device_us / record_steps
     return dict(per_family), per_kernel
+
+
+def gap_report(trace_path: str, top: int = 12) -> None:
+    """Idle device time between consecutive kernels of the recorded steps, and where it falls."""
+    import json
+
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    if len(kernels) < 2:
+        print("  no kernels in the trace")
+        return
+    gaps = []  # (idle µs before the kernel, previous kernel, kernel)
+    busy, end = 0.0, kernels[0]["ts"]
+    for prev, cur in zip(kernels, kernels[1:]):
+        gaps.append((cur["ts"] - (prev["ts"] + prev["dur"]), prev["name"], cur["name"]))
+    for k in kernels:
+        busy += k["dur"]
+        end = max(end, k["ts"] + k["dur"])
+    span = end - kernels[0]["ts"]
+    small = [g for g, _, _ in gaps if 0 < g < 1000]  # between kernels of one step (not host waits)
+    print(f"  {len(kernels)} device ops over {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms; "
+          f"gaps < 1 ms: {len(small)}, sum {sum(small) / 1e3:.2f} ms, median {statistics.median(small) if small else 0:.1f} µs")
+    by_pair: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for g, a, b in gaps:
+        if 0 < g < 1000:
+            by_pair[(a[:50], b[:50])].append(g)
+    print("  largest gap sums (previous op → next op):")
+    for (a, b), gs in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"    {sum(gs) / 1e3:7.3f} ms  {len(gs):5d}×  {a} → {b}")
+
+
+def replay_only_ms(engine: Engine, batch: int, reps: int = 10) -> float | None:
+    """Median time of the bucket graph replayed alone (inputs as the last step left them)."""
+    graphs = engine.runner.decode_graphs
+    if graphs is None or batch not in graphs._graphs:
+        return None
+    graph = graphs._graphs[batch]
+    times = []
+    for _ in range(reps + 2):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times[2:])
 
 
 def make_requests(count: int, prompt_len: int, output_tokens: int, vocab: int, seed: int, tag: str) -> list[Request]:
@@ -163,6 +214,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=24)
     parser.add_argument("--replayssm", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--trace-dir", default="/tmp", help="where the profiler's chrome traces go")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -184,13 +236,15 @@ def main() -> None:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
 
     tables = {}
+    replay_ms = replay_only_ms(engine, args.batch) if cuda else None
     if cuda:
         engine.scheduler.schedule = type(engine.scheduler).schedule.__get__(engine.scheduler)
         for label in ("graphs", "eager"):
             if label == "eager":
                 engine.runner.decode_graphs = None
             reqs = make_requests(args.batch, args.prompt_len, 12, vocab, 3 if label == "graphs" else 4, label)
-            tables[label] = kernel_table(engine, reqs, skip_steps=3, record_steps=4)
+            tables[label] = kernel_table(engine, reqs, skip_steps=3, record_steps=4,
+                                         trace_path=f"{args.trace_dir}/decode_{label}.json")
 
     for label, (fams, kernels) in tables.items():
         if not fams:
@@ -199,6 +253,7 @@ def main() -> None:
         print(f"\nkernels per decode step ({label}), top 20 by device time:")
         for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:20]:
             print(f"  {us / 1e3:8.3f} ms  {name[:110]}")
+        gap_report(f"{args.trace_dir}/decode_{label}.json")
         print(f"by family ({label}): " + ", ".join(f"{f} {us / 1e3:.2f}" for f, us in
                                                     sorted(fams.items(), key=lambda kv: -kv[1]))
               + f"; total {sum(fams.values()) / 1e3:.2f} ms")
@@ -212,6 +267,8 @@ def main() -> None:
         for key in ("total_ms", "schedule_ms", "forward_ms", "sample_stop_ms", "other_host_ms"):
             print(f"  {key:<16} {report[key]:8.2f}")
         print(f"  total / roofline {report['total_ms'] / roofline_ms:.2f}×")
+    if replay_ms is not None:
+        print(f"graph of batch {args.batch} replayed alone: {replay_ms:.2f} ms")
 
 
 if __name__ == "__main__":
