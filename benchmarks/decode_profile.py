@@ -198,6 +198,26 @@ def replay_only_ms(engine: Engine, batch: int, reps: int = 10) -> float | None:
     return statistics.median(times[2:])
 
 
+def replay_check(engine: Engine, batch: int, reps: int = 10) -> None:
+    """The bucket graph replayed alone: event time without and with torch.profiler attached, the
+    profiler's kernel-time sum, and the SM / memory clocks and power while it runs."""
+    import subprocess
+
+    from torch.profiler import ProfilerActivity, profile
+
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active",
+                            "--format=csv,noheader", "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    plain = replay_only_ms(engine, batch, reps * 3)
+    smi.terminate()
+    samples = smi.communicate()[0].strip().splitlines()
+    print(f"  replay alone: {plain:.2f} ms; nvidia-smi during it (sm MHz, mem MHz, W, throttle): "
+          + " | ".join(samples[len(samples) // 3::max(1, len(samples) // 4)][:4]))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        profiled = replay_only_ms(engine, batch, reps)
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    print(f"  replay under torch.profiler: {profiled:.2f} ms; kernel time per replay {kernel_us / 1e3 / (reps + 2):.2f} ms")
+
+
 def make_requests(count: int, prompt_len: int, output_tokens: int, vocab: int, seed: int, tag: str) -> list[Request]:
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
@@ -237,6 +257,8 @@ def main() -> None:
 
     tables = {}
     replay_ms = replay_only_ms(engine, args.batch) if cuda else None
+    if cuda:
+        replay_check(engine, args.batch)
     if cuda:
         engine.scheduler.schedule = type(engine.scheduler).schedule.__get__(engine.scheduler)
         for label in ("graphs", "eager"):
