@@ -234,6 +234,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=24)
     parser.add_argument("--replayssm", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--no-tables", action="store_true", help="skip the profiler's kernel tables")
     parser.add_argument("--trace-dir", default="/tmp", help="where the profiler's chrome traces go")
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -259,7 +260,7 @@ def main() -> None:
     replay_ms = replay_only_ms(engine, args.batch) if cuda else None
     if cuda:
         replay_check(engine, args.batch)
-    if cuda:
+    if cuda and not args.no_tables:
         engine.scheduler.schedule = type(engine.scheduler).schedule.__get__(engine.scheduler)
         for label in ("graphs", "eager"):
             if label == "eager":
