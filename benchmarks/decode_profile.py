@@ -214,8 +214,10 @@ def replay_check(engine: Engine, batch: int, reps: int = 10) -> None:
           + " | ".join(samples[len(samples) // 3::max(1, len(samples) // 4)][:4]))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         profiled = replay_only_ms(engine, batch, reps)
-    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
-    print(f"  replay under torch.profiler: {profiled:.2f} ms; kernel time per replay {kernel_us / 1e3 / (reps + 2):.2f} ms")
+    per_kernel = {e.key: e.self_device_time_total / (reps + 2) for e in prof.key_averages()}
+    print(f"  replay under torch.profiler: {profiled:.2f} ms; kernel time per replay {sum(per_kernel.values()) / 1e3:.2f} ms")
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"    {us / 1e3:8.3f} ms  {name[:100]}")
 
 
 def make_requests(count: int, prompt_len: int, output_tokens: int, vocab: int, seed: int, tag: str) -> list[Request]:
