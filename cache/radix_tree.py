@@ -29,6 +29,7 @@ class RadixNode:
     state_slot: Optional[int] = None
     lock_ref: int = 0                      # locks held on this node or any descendant
     state_pins: int = 0                    # admissions copying this node's state right now
+    followers: int = 0                     # planned admissions still to resume from this state
     last_access: int = 0                   # logical clock of the last insert/lock through it
 
     @property
@@ -100,11 +101,16 @@ class RadixTree:
       valid for that node object (splits create the *upper* part as the new node).
     - `pin_state(node)`/`unpin_state(node)` protect one node's state while an admission copies
       it (the only moment a state in the tree is read); a pinned state is never evicted.
+    - `expect_followers(node, n)` / `follower_admitted(node)`: the planner's promise that n
+      more admissions will resume from this node's state (a branch state whose followers wait
+      for room). Such a state is evicted last, and never when the caller asks to spare it
+      (`spare_expected`: a tracked interval state is worth less than a planned branch state).
     - `evict` frees least-recently-used material: states first if asked (any node whose state
-      is not pinned, inner and locked ones included — unlocked ones first; a state may go
-      before its KV), then KV from unlocked leaves — leaves without a state first (their KV
-      lies past the last state on the path, useless for resuming), trimmed from the tail when
-      only part is needed; a leaf with a state goes whole, state included.
+      is not pinned, inner and locked ones included — states without expected followers first,
+      then unlocked ones; a state may go before its KV), then KV from unlocked leaves — leaves
+      without a state first (their KV lies past the last state on the path, useless for
+      resuming), trimmed from the tail when only part is needed; a leaf with a state goes
+      whole, state included; leaves whose state has expected followers go last.
     """
 
     def __init__(self) -> None:
@@ -116,6 +122,7 @@ class RadixTree:
         # eviction free" is O(1) — the engine asks at every admission under memory pressure.
         self._locked_kv_tokens = 0
         self._pinned_states = 0
+        self._spared_states = 0  # states pinned or with expected followers
 
     # ---- lookup ----------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> MatchResult:
@@ -138,6 +145,19 @@ class RadixTree:
         return MatchResult(kv_len=depth, kv_indices=kv, state_node=state_node,
                            state_slot=None if state_node is None else state_node.state_slot,
                            resume_len=0 if state_node is None else state_node.depth)
+
+    def node_at(self, tokens: Sequence[int], depth: int) -> Optional[RadixNode]:
+        """The node ending exactly `depth` tokens down the path of `tokens` (None: no such node)."""
+        if not 0 < depth <= len(tokens):
+            return None
+        tokens = tuple(tokens[:depth])
+        node, at = self.root, 0
+        while at < depth:
+            child = node.children.get(tokens[at])
+            if child is None or child.depth > depth or child.tokens != tokens[at:child.depth]:
+                return None
+            node, at = child, child.depth
+        return node
 
     # ---- insertion -------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], kv_indices: torch.Tensor,
@@ -209,32 +229,65 @@ class RadixTree:
         after unpinning."""
         if node.state_slot is None or node.lock_ref == 0:
             raise RuntimeError("pin_state needs a locked node with a state")
+        spared = self._is_spared(node)
         node.state_pins += 1
         self._pinned_states += node.state_pins == 1
+        self._spared_states += not spared
 
     def unpin_state(self, node: RadixNode) -> None:
         if node.state_pins <= 0:
             raise RuntimeError("unpin_state of a state that is not pinned")
         node.state_pins -= 1
         self._pinned_states -= node.state_pins == 0
+        self._spared_states -= not self._is_spared(node)
+
+    def expect_followers(self, node: RadixNode, count: int) -> None:
+        """`count` more planned admissions will resume from `node`'s state (see the contract)."""
+        if node.state_slot is None or count < 0:
+            raise RuntimeError("expect_followers needs a node with a state and a count >= 0")
+        spared = self._is_spared(node)
+        node.followers += count
+        self._spared_states += self._is_spared(node) and not spared
+
+    def follower_admitted(self, node: RadixNode) -> None:
+        """One planned admission from `node` happened (a no-op when none is expected any more:
+        the state may have been evicted, which clears the count)."""
+        if node.followers > 0:
+            node.followers -= 1
+            self._spared_states -= not self._is_spared(node)
+
+    @staticmethod
+    def _is_spared(node: RadixNode) -> bool:
+        return node.state_slot is not None and (node.state_pins > 0 or node.followers > 0)
+
+    def _drop_state(self, node: RadixNode) -> int:
+        """Take `node`'s (unpinned) state away from it; returns the slot."""
+        self._spared_states -= self._is_spared(node)
+        slot, node.state_slot, node.followers = node.state_slot, None, 0
+        return slot
 
     # ---- eviction --------------------------------------------------------------------------
-    def evictable(self) -> tuple[int, int]:
-        """(KV tokens, states) that `evict` could free right now: KV not locked, states not pinned."""
-        return self.num_kv_tokens - self._locked_kv_tokens, self.num_states - self._pinned_states
+    def evictable(self, spare_expected: bool = False) -> tuple[int, int]:
+        """(KV tokens, states) that `evict` could free right now: KV not locked, states not pinned
+        (nor expecting followers, with `spare_expected`)."""
+        held = self._spared_states if spare_expected else self._pinned_states
+        return self.num_kv_tokens - self._locked_kv_tokens, self.num_states - held
 
-    def evict(self, num_kv_tokens: int, num_states: int = 0) -> Evicted:
-        """Free at least the asked amounts where possible (fewer if too much is locked / pinned)."""
+    def evict(self, num_kv_tokens: int, num_states: int = 0, spare_expected: bool = False) -> Evicted:
+        """Free at least the asked amounts where possible (fewer if too much is locked / pinned).
+        `spare_expected` keeps states with expected followers out of the state eviction."""
         freed_kv: list[torch.Tensor] = []
         freed_states: list[int] = []
         if num_states > 0:
-            # Unlocked states first: a locked node lies on a running sequence's path, so the
-            # next admissions in plan (DFS) order are the likeliest to resume from it.
-            candidates = (n for n in self.nodes() if n.state_slot is not None and n.state_pins == 0)
-            victims = heapq.nsmallest(num_states, candidates, key=lambda n: (n.lock_ref > 0, n.last_access))
+            # States nobody is planned to resume from first; then unlocked ones: a locked node
+            # lies on a running sequence's path, so the next admissions in plan (DFS) order are
+            # the likeliest to resume from it.
+            candidates = (n for n in self.nodes() if n.state_slot is not None and n.state_pins == 0
+                          and not (spare_expected and n.followers > 0))
+            victims = heapq.nsmallest(num_states, candidates,
+                                      key=lambda n: (n.followers > 0, n.lock_ref > 0, n.last_access))
             for node in victims:
-                freed_states.append(node.state_slot)
-                node.state_slot = None
+                freed_states.append(self._drop_state(node))
         if num_kv_tokens > 0:
             freed_kv, leaf_states = self._evict_leaves(num_kv_tokens)
             freed_states += leaf_states
@@ -245,12 +298,11 @@ class RadixTree:
 
     def _evict_leaves(self, num_kv_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
         tie = itertools.count()  # heap entries never compare nodes
-        heap = [(n.state_slot is not None, n.last_access, next(tie), n)
-                for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
+        heap = [self._leaf_key(n, next(tie)) for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
         heapq.heapify(heap)
         freed_kv, freed_states, count = [], [], 0
         while count < num_kv_tokens and heap:
-            has_state, _, _, node = heapq.heappop(heap)
+            _, has_state, _, _, node = heapq.heappop(heap)
             need = num_kv_tokens - count
             if not has_state and need < len(node.tokens):
                 # Trim the tail only: the rest of the edge stays a valid (stateless) prefix.
@@ -260,13 +312,17 @@ class RadixTree:
                 break
             freed_kv.append(node.kv)
             if node.state_slot is not None:
-                freed_states.append(node.state_slot)
+                freed_states.append(self._drop_state(node))
             count += len(node.tokens)
             parent = node.parent
             del parent.children[node.tokens[0]]
             if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.state_slot is not None, parent.last_access, next(tie), parent))
+                heapq.heappush(heap, self._leaf_key(parent, next(tie)))
         return freed_kv, freed_states
+
+    @staticmethod
+    def _leaf_key(node: RadixNode, tie: int) -> tuple:
+        return (node.followers > 0, node.state_slot is not None, node.last_access, tie, node)
 
     # ---- inspection ------------------------------------------------------------------------
     def nodes(self) -> Iterator[RadixNode]:
@@ -286,7 +342,7 @@ class RadixTree:
 
     def audit(self) -> None:
         """Structural invariants: edges, depths, children keys, lock counts, totals."""
-        kv_total = states = locked_kv = pinned_states = 0
+        kv_total = states = locked_kv = pinned_states = spared_states = 0
         for node in self.nodes():
             assert len(node.tokens) >= 1 and node.kv.numel() == len(node.tokens), "edge/KV length mismatch"
             assert node.depth == node.parent.depth + len(node.tokens), "depth out of step with parent"
@@ -297,6 +353,9 @@ class RadixTree:
             locked_kv += len(node.tokens) if node.lock_ref else 0
             assert node.state_pins == 0 or node.state_slot is not None, "a pin on a node without a state"
             pinned_states += node.state_pins > 0
+            assert node.followers == 0 or node.state_slot is not None, "followers expected of a node without a state"
+            spared_states += self._is_spared(node)
         assert self.root.lock_ref == 0 and self.root.state_slot is None
         assert kv_total == self.num_kv_tokens and states == self.num_states, "tree totals drifted"
         assert (locked_kv, pinned_states) == (self._locked_kv_tokens, self._pinned_states), "locked totals drifted"
+        assert spared_states == self._spared_states, "spared-state total drifted"

@@ -65,26 +65,27 @@ class StateCache:
         return list(self._live.values())
 
     # ---- room ------------------------------------------------------------------------------
-    def ensure_free(self, num_kv: int, num_states: int = 0) -> bool:
+    def ensure_free(self, num_kv: int, num_states: int = 0, spare_expected: bool = False) -> bool:
         """Evict until the pools have `num_kv` KV slots and `num_states` state slots free.
 
         Returns False — evicting nothing — when that is impossible even after evicting all the
-        evictable cache content (unlocked KV, unpinned states).
+        evictable cache content (unlocked KV, unpinned states; with `spare_expected`, not the
+        states planned followers will resume from).
         """
         short_kv = max(0, num_kv - self.kv_pool.num_free)
         short_states = max(0, num_states - self.state_pool.num_free)
         if not short_kv and not short_states:
             return True
-        evictable_kv, evictable_states = self.tree.evictable()
+        evictable_kv, evictable_states = self.tree.evictable(spare_expected)
         if short_kv > evictable_kv or short_states > evictable_states:
             return False
-        self.evict(short_kv, short_states)
+        self.evict(short_kv, short_states, spare_expected)
         return self.kv_pool.num_free >= num_kv and self.state_pool.num_free >= num_states
 
-    def evict(self, num_kv: int, num_states: int = 0) -> tuple[int, int]:
+    def evict(self, num_kv: int, num_states: int = 0, spare_expected: bool = False) -> tuple[int, int]:
         """Evict at least this much evictable cache content (LRU, see `RadixTree.evict`) back to
         the pools, whatever is free now; returns (KV tokens, states) actually freed."""
-        evicted = self.tree.evict(num_kv, num_states)
+        evicted = self.tree.evict(num_kv, num_states, spare_expected)
         self.kv_pool.free(evicted.kv_indices)
         self.state_pool.free(evicted.state_slots)
         self._counts["kv_evicted_tokens"] += evicted.kv_indices.numel()
@@ -101,8 +102,11 @@ class StateCache:
             self._let_go(match.state_node)
 
     # ---- request lifecycle -----------------------------------------------------------------
-    def admit(self, key: Hashable, tokens: Sequence[int]) -> Optional[SeqHandle]:
-        """Match, lock the reused prefix, allocate slots, set the working state; None if no room."""
+    def admit(self, key: Hashable, tokens: Sequence[int], planned_resume: int = 0) -> Optional[SeqHandle]:
+        """Match, lock the reused prefix, allocate slots, set the working state; None if no room.
+
+        `planned_resume` > 0: this admission is one of the followers the plan expected to resume
+        at that depth (`expect_followers`); once admitted it no longer holds that state back."""
         if len(tokens) < 1:
             raise ValueError("a prompt needs at least one token")
         match = self.match(tokens)
@@ -124,6 +128,10 @@ class StateCache:
         self._counts["kv_matched_tokens"] += match.kv_len
         self._counts["reused_tokens"] += resume
         self._counts["discarded_kv_tokens"] += match.kv_len - resume
+        if planned_resume > 0:
+            planned = self.tree.node_at(tokens, planned_resume)
+            if planned is not None:
+                self.tree.follower_admitted(planned)
         self._note_peaks()
         return seq
 
@@ -170,7 +178,7 @@ class StateCache:
             return False
         if len(seq.filled_tracks) >= _MAX_UNDONATED:
             self._donate_one(seq, *seq.filled_tracks.pop(0))
-        slot = self._alloc_state()
+        slot = self._alloc_state(spare_expected=True)
         if slot is None:
             self._counts["tracks_skipped"] += 1
             return False
@@ -191,6 +199,18 @@ class StateCache:
         while seq.filled_tracks:
             donated += self._donate_one(seq, *seq.filled_tracks.pop(0))
         return donated
+
+    def expect_followers(self, seq: SeqHandle, position: int, count: int) -> bool:
+        """`count` planned admissions will resume from the state at `position` of `seq`'s tokens
+        (donated by `seq`, or already in the tree): eviction keeps it until they are admitted
+        (`admit(..., planned_resume=position)`) unless nothing else is left to evict. Returns
+        False (nothing done) when the tree holds no state there."""
+        self._check_live(seq)
+        node = self.tree.node_at(seq.tokens, position)
+        if count <= 0 or node is None or node.state_slot is None:
+            return False
+        self.tree.expect_followers(node, count)
+        return True
 
     def finish(self, seq: SeqHandle, computed_len: Optional[int] = None) -> None:
         """The sequence is done: cache what the strategy keeps, free the rest, forget the handle.
@@ -263,8 +283,8 @@ class StateCache:
         self._counts["states_donated"] += taken
         return taken
 
-    def _alloc_state(self) -> Optional[int]:
-        if not self.ensure_free(0, 1):
+    def _alloc_state(self, spare_expected: bool = False) -> Optional[int]:
+        if not self.ensure_free(0, 1, spare_expected):
             return None
         slot = self.state_pool.alloc()
         self._note_peaks()

@@ -175,3 +175,50 @@ def test_eviction_cascades_to_parent_that_becomes_leaf():
     ev = tree.evict(num_kv_tokens=6)
     assert sorted(ev.kv_indices.tolist()) == [0, 1, 2, 3, 8, 9]
     assert tree.num_kv_tokens == 0 and not tree.root.children
+
+
+def test_node_at_finds_exact_node_boundaries_only():
+    tree = RadixTree()
+    tree.insert([1, 2, 3, 4], _kv(0, 4))
+    tree.insert([1, 2, 7], _kv(10, 3))  # splits after [1, 2]
+    assert tree.node_at([1, 2, 3, 4], 2).depth == 2
+    assert tree.node_at([1, 2, 3, 4, 9], 4).depth == 4
+    assert tree.node_at([1, 2, 3, 4], 3) is None      # inside an edge
+    assert tree.node_at([1, 2, 5, 5], 4) is None      # off the tree
+    assert tree.node_at([1, 2], 0) is None and tree.node_at([1, 2], 3) is None
+
+
+def test_states_with_expected_followers_are_evicted_last_and_spared_on_request():
+    tree = RadixTree()
+    branch = tree.insert([1, 2, 3], _kv(0, 3), state_slot_at_end=0).node   # oldest: LRU's first pick
+    tree.insert([5, 6], _kv(3, 2), state_slot_at_end=1)
+    tree.insert([5, 6, 7], _kv(3, 3), state_slot_at_end=2)
+    tree.expect_followers(branch, 2)
+    tree.audit()
+    assert tree.evictable() == (6, 3) and tree.evictable(spare_expected=True) == (6, 2)
+    assert tree.evict(0, 1).state_slots == (1,)                     # not the older branch state
+    assert tree.evict(0, 5, spare_expected=True).state_slots == (2,)  # spared entirely
+    tree.follower_admitted(branch)
+    assert tree.evictable(spare_expected=True) == (6, 0)
+    tree.follower_admitted(branch)
+    tree.follower_admitted(branch)  # more admissions than expected: a no-op, never negative
+    assert branch.followers == 0 and tree.evictable(spare_expected=True) == (6, 1)
+    tree.audit()
+
+
+def test_evicting_a_state_with_followers_forgets_them():
+    tree = RadixTree()
+    branch = tree.insert([1, 2, 3], _kv(0, 3), state_slot_at_end=4).node
+    tree.expect_followers(branch, 3)
+    with pytest.raises(RuntimeError):
+        tree.expect_followers(tree.insert([8], _kv(9, 1)).node, 1)  # no state there
+    assert tree.evict(0, 1).state_slots == (4,)  # last resort: nothing else to evict
+    assert branch.followers == 0
+    tree.audit()
+    # Leaves: the leaf whose state has followers goes after a stateful leaf without.
+    branch = tree.insert([1, 2, 3], _kv(0, 3), state_slot_at_end=5).node
+    tree.insert([6, 6], _kv(20, 2), state_slot_at_end=6)
+    tree.expect_followers(branch, 1)
+    ev = tree.evict(num_kv_tokens=2)
+    assert ev.state_slots == (6,) and tree.match([1, 2, 3, 9]).resume_len == 3
+    tree.audit()

@@ -2,6 +2,7 @@
 cache, ReplaySSM, batching or memory pressure, and reuse equal to the planner's ideal."""
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,7 @@ from batchinfer.engine.types import SamplingParams
 from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.presets import PRESETS, random_model
 from cache.shapes import shapes_from_model_config
-from tests.engine_utils import make_engine, requests_for, run, shared_prefix_prompts, tiny_model, tokens_of
+from tests.engine_utils import TINY_VOCAB, make_engine, requests_for, run, shared_prefix_prompts, tiny_model, tokens_of
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 SAMPLES = {3: 2}  # request 3 asks for two (greedy, hence identical) samples
@@ -187,3 +188,32 @@ def test_budget_for_n_working_slots_runs_n_at_once_with_ideal_reuse(model, workl
     stats = engine.stats
     assert stats.cached_tokens == stats.theoretical_max_cached_tokens > 0
     assert stats.states_evicted > 0 and engine.cache.stats().tracks_skipped == 0 and stats.preemptions == 0
+
+
+def _grouped_prompts(groups: int, per_group: int, prefix_len: int, suffix_len: int, seed: int):
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(groups):
+        prefix = [rng.randrange(TINY_VOCAB) for _ in range(prefix_len)]
+        prompts += [prefix + [rng.randrange(TINY_VOCAB) for _ in range(suffix_len)] for _ in range(per_group)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+@pytest.mark.parametrize("max_running", [8, 16, 48])
+def test_branch_states_outlive_state_pool_pressure(model, max_running):
+    """16 groups × 4 prompts, a state tracked every 16 tokens: the working slots leave the state
+    pool only its cached share (8, 8, 12 slots), which interval tracks keep churning. A branch
+    state whose followers wait for a running place must stay until they are admitted (8: reuse
+    was 0 of 3,072 tokens without that), and leaders of more groups than the share can hold
+    must wait their turn (16: reuse was 1,664 without that)."""
+    prompts = _grouped_prompts(16, 4, 64, 33, seed=3)
+    requests = requests_for(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine = make_engine(model, memory_budget_bytes=64 << 20, max_running=max_running, track_interval=16)
+    assert engine.pool_plan.max_running == max_running
+    outputs = run(engine, requests)
+    stats = engine.stats
+    assert stats.cached_tokens == stats.theoretical_max_cached_tokens > 3000
+    assert stats.states_evicted > 0 and stats.discarded_kv_tokens == 0
+    reference = make_engine(model, prefix_cache=False, replayssm=False)
+    assert tokens_of(outputs) == tokens_of(run(reference, requests))

@@ -68,7 +68,8 @@ class Engine:
         self.tally = StatsTally()
         self.scheduler = Scheduler(
             self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.max_batch_tokens,
-            track_interval=config.track_interval, wait_for_leaders=cache_config.tracks, tally=self.tally)
+            track_interval=config.track_interval, wait_for_leaders=cache_config.tracks, tally=self.tally,
+            branch_state_capacity=self.pool_plan.cache_state_slots)
         self._windows = itertools.count()
 
     @classmethod
@@ -233,6 +234,9 @@ class Engine:
         seq.high_water = max(seq.high_water, seq.computed)
         if self.scheduler.should_track(seq) and self.cache.track(seq.handle, seq.computed):
             self.cache.donate(seq.handle)  # at once: planned followers may be admitted next step
+            # Keep it until they are: eviction takes states nobody is waiting for first.
+            self.cache.expect_followers(seq.handle, seq.computed,
+                                        self.scheduler.followers_to_come(seq, seq.computed))
 
     def _sample_and_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
         """Draw each sequence's next token (one device → host copy per step), append it, and

@@ -8,8 +8,11 @@ every such position exists at a chunk end and can be tracked.
 
 Admission follows the plan's DFS order. A sequence planned to resume from a branch state
 waits until its leader has computed past that point (the state is then in the tree), so the
-reuse it gets equals the plan's regardless of max_running; only eviction under memory
-pressure can make it less. When a decode token finds no KV slot even after eviction, the
+reuse it gets equals the plan's regardless of max_running. A branch state stays in the tree
+until its followers are admitted (the cache evicts it last, `expect_followers`), and a leader
+is admitted only while the branch states it will open fit the state pool's cached share
+beside those still waiting for followers — so only a pool too small for the plan's open
+branches, or KV eviction under memory pressure, can make reuse less than planned. When a decode token finds no KV slot even after eviction, the
 youngest running sequence is preempted: all its slots are freed, and it is re-admitted later
 to recompute prompt + generated tokens (resuming from whatever the cache still holds).
 """
@@ -37,13 +40,17 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache, *, max_running: int, max_batch_tokens: int, track_interval: int,
-                 wait_for_leaders: bool, tally: StatsTally) -> None:
+                 wait_for_leaders: bool, tally: StatsTally, branch_state_capacity: int = 1 << 30) -> None:
         self.cache = cache                    # cache.StateCache
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.track_interval = track_interval
         self.wait_for_leaders = wait_for_leaders  # only when planned states are tracked (extra_buffer)
         self.tally = tally
+        # Cached state slots beside the running requests' own: how many branch states may wait
+        # for their followers at once (plan_pools' cache_state_slots).
+        self.branch_state_capacity = branch_state_capacity
+        self._open_branches: set[tuple[int, int]] = set()  # (id(leader), depth) with followers to come
         self.waiting: list[Sequence] = []     # sorted by priority
         self.running: list[Sequence] = []     # in admission order (youngest last)
 
@@ -53,6 +60,8 @@ class Scheduler:
 
     def add(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
+            if seq.leader is not None:
+                seq.leader.followers.setdefault(seq.planned_reuse, []).append(seq)
             bisect.insort(self.waiting, seq, key=lambda s: s.priority)
 
     # ---- one step --------------------------------------------------------------------------
@@ -94,10 +103,12 @@ class Scheduler:
         while i < len(self.waiting) and free_places > 0 and scanned < limit:
             seq = self.waiting[i]
             scanned += 1
-            if self.wait_for_leaders and not seq.is_ready():
+            if self.wait_for_leaders and (not seq.is_ready() or not self._branches_fit(seq)):
                 i += 1
                 continue
-            handle = self.cache.admit(id(seq), seq.tokens)
+            first = seq.cached_tokens is None
+            handle = self.cache.admit(id(seq), seq.tokens,
+                                      planned_resume=seq.planned_reuse if first and seq.leader is not None else 0)
             if handle is None:
                 if not self.running:  # nothing will ever free room for it
                     self.waiting.pop(i)
@@ -107,7 +118,27 @@ class Scheduler:
                 break  # keep plan order: wait for running sequences to free room
             self.waiting.pop(i)
             self._start(seq, handle)
+            if first:
+                self._note_first_admission(seq)
             free_places -= 1
+
+    def _branches_fit(self, seq: Sequence) -> bool:
+        """A leader's first admission opens a branch state per checkpoint; admit it only while
+        they fit beside the open ones (or when none is open: the plan needs it anyway)."""
+        if seq.cached_tokens is not None or not seq.followers or not self._open_branches:
+            return True
+        return len(self._open_branches) + len(seq.followers) <= self.branch_state_capacity
+
+    def _note_first_admission(self, seq: Sequence) -> None:
+        for depth in seq.followers:
+            self._open_branches.add((id(seq), depth))
+        leader = seq.leader
+        if leader is not None and leader.followers_to_come(seq.planned_reuse) == 0:
+            self._open_branches.discard((id(leader), seq.planned_reuse))
+
+    def followers_to_come(self, seq: Sequence, position: int) -> int:
+        """Planned followers that will resume from `seq`'s state at `position` (0: none)."""
+        return seq.followers_to_come(position) if self.wait_for_leaders else 0
 
     def _start(self, seq: Sequence, handle) -> None:
         seq.handle = handle

@@ -17,6 +17,7 @@ class Sequence:
     planned_reuse: int                   # the planner's ideal reuse for this sample
     checkpoints: frozenset[int]          # planned branch depths this sequence's prefill leads
     leader: Optional["Sequence"]         # produces the state at `planned_reuse` (None: no reuse)
+    followers: dict[int, list["Sequence"]] = field(default_factory=dict, repr=False)  # checkpoint → who resumes there
     tokens: list[int] = field(default_factory=list)  # prompt, then sampled outputs
     handle: object = None                # cache.SeqHandle while running, else None
     computed: int = 0                    # leading tokens whose KV and GDN state are in place
@@ -51,6 +52,10 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def followers_to_come(self, depth: int) -> int:
+        """Planned followers of this sequence's checkpoint at `depth` not yet admitted once."""
+        return sum(1 for f in self.followers.get(depth, ()) if f.cached_tokens is None and not f.finished)
 
     def is_ready(self) -> bool:
         """The state this sequence plans to resume from exists (or never will: leader done)."""
