@@ -19,6 +19,11 @@ shuffles: no shared-memory round trip, no barrier (Triton's layout puts several 
 so their partial sums meet in shared memory). tl.dot is not used for the reductions: with the
 fp32 state it would round the state to tf32 (~1e-3 relative, compounding over steps), and
 "ieee" precision is not a tensor-core product.
+What the persistent pipeline prefetches (sm_90a TTGIR): the slot one stage before its state tile,
+and q, k, v, A_log, dt_bias with the tile, all by cp.async; a and b (2-byte scalars, too narrow for
+cp.async) stay blocking loads in the loop unless `gates_ahead` loads them one tile early.
+`stream_state` stores the state .cs (evict-first in L2) and loads it evict-first where the load is
+a plain one (the pipelined cp.async drops that hint).
 Reference: kernels/ref/gdn.py:gdn_decode.
 """
 from __future__ import annotations
@@ -50,6 +55,12 @@ class DecodeLaunch:
     variant: str = "tile"
     programs_per_sm: int = 4
     tma: bool = False  # state tile loaded by a Hopper TMA descriptor (sm_90+; the interpreter emulates it)
+    # A state line is read once and written once per step: load it evict-first, store it streaming
+    # (.cs), so written lines leave L2 (to DRAM) early rather than in bursts as later reads evict them.
+    stream_state: bool = False
+    # "persistent": load a, b of the program's next tile one iteration early: otherwise each tile's
+    # compute stalls on their round trip, since the pipeliner cannot prefetch 2-byte scalars.
+    gates_ahead: bool = False
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -68,15 +79,25 @@ SMALL_BATCH = 32
 
 
 @triton.jit
+def _tile_gates(tile_id, a_ptr, b_ptr, stride_ab, stride_bb, H_V: tl.constexpr, N_VBLOCKS: tl.constexpr):
+    """fp32 (a, b) of a flattened tile's (sequence, value head)."""
+    seq, head = tile_id // (N_VBLOCKS * H_V), (tile_id // N_VBLOCKS) % H_V
+    return (tl.load(a_ptr + seq * stride_ab + head).to(tl.float32),
+            tl.load(b_ptr + seq * stride_bb + head).to(tl.float32))
+
+
+@triton.jit
 def _step_tile(
-    seq, head, vblock, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, state_desc, slots_ptr,
-    out_ptr,
+    seq, head, vblock, gate_a, gate_b, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
+    state_desc, slots_ptr, out_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
     stride_s0, stride_s1, stride_ob, stride_oh, scale,
     D_K: tl.constexpr, D_V: tl.constexpr, STRIDE_S2: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_TMA: tl.constexpr,
+    GATES_GIVEN: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
-    """One tile: state[slots[seq], head, :, vblock·BLOCK_V:+BLOCK_V] stepped in place, its outputs stored."""
+    """One tile: state[slots[seq], head, :, vblock·BLOCK_V:+BLOCK_V] stepped in place, its outputs stored.
+    With GATES_GIVEN the caller has loaded a, b (gate_a, gate_b, fp32); else they are loaded here."""
     key_head = head // GROUP
     kk = tl.arange(0, BLOCK_K)
     vv = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -98,15 +119,17 @@ def _step_tile(
         corner = [slot.to(tl.int32), head.to(tl.int32), 0, (vblock * BLOCK_V).to(tl.int32)]
         S = state_desc.load(corner).reshape(BLOCK_K, BLOCK_V)
     elif FULL_TILE:
-        S = tl.load(load_tile)  # [BK, BV]
+        S = tl.load(load_tile, eviction_policy=LOAD_EVICT)  # [BK, BV]
     else:
-        S = tl.load(load_tile, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        S = tl.load(load_tile, mask=k_ok[:, None] & v_ok[None, :], other=0.0, eviction_policy=LOAD_EVICT)
     q = tl.load(q_ptr + seq * stride_qb + key_head * stride_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + seq * stride_kb + key_head * stride_kh + kk, mask=k_ok, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + seq * stride_vb + head * stride_vh + vv, mask=v_ok, other=0.0).to(tl.float32)  # [BV]
-    a = tl.load(a_ptr + seq * stride_ab + head).to(tl.float32)
-    b = tl.load(b_ptr + seq * stride_bb + head).to(tl.float32)
-    g, beta = gdn_gate_terms(a, b, tl.load(A_log_ptr + head).to(tl.float32), tl.load(dt_bias_ptr + head).to(tl.float32))
+    if not GATES_GIVEN:
+        gate_a = tl.load(a_ptr + seq * stride_ab + head).to(tl.float32)
+        gate_b = tl.load(b_ptr + seq * stride_bb + head).to(tl.float32)
+    g, beta = gdn_gate_terms(gate_a, gate_b, tl.load(A_log_ptr + head).to(tl.float32),
+                             tl.load(dt_bias_ptr + head).to(tl.float32))
     q = l2_normalise_vector(q) * scale  # [BK]
     k = l2_normalise_vector(k)  # [BK]
 
@@ -116,9 +139,9 @@ def _step_tile(
     u = beta * (v - k_dot_S)  # [BV]
     S = (S + k[:, None] * u[None, :]).to(state_ptr.dtype.element_ty)
     if FULL_TILE:
-        tl.store(store_tile, S)
+        tl.store(store_tile, S, cache_modifier=STORE_CACHE)
     else:
-        tl.store(store_tile, S, mask=k_ok[:, None] & v_ok[None, :])
+        tl.store(store_tile, S, mask=k_ok[:, None] & v_ok[None, :], cache_modifier=STORE_CACHE)
     o = q_dot_S + tl.sum(q * k, axis=0) * u
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
 
@@ -131,35 +154,51 @@ def _gdn_decode_kernel(
     H_V: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, STRIDE_S2: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     PERSISTENT: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
+    GATES_AHEAD: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     """Tile grid (B, H_v, d_v blocks): one tile per program. Persistent grid (P,): program p steps
     tiles p, p + P, ... of the flattened (sequence, head, d_v block) order, d_v block fastest, so
     the programs of one iteration hold neighbouring tiles (whole state rows; shared q/k lines)."""
     N_VBLOCKS: tl.constexpr = (D_V + BLOCK_V - 1) // BLOCK_V
     if not PERSISTENT:
-        _step_tile(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
+        _step_tile(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), 0.0, 0.0,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, state_desc, slots_ptr, out_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
                    stride_s0, stride_s1, stride_ob, stride_oh, scale,
-                   D_K, D_V, STRIDE_S2, GROUP, BLOCK_K, BLOCK_V, USE_TMA)
-    elif LOOP_AS_WHILE:  # the interpreter: no runtime-bounded `for`
+                   D_K, D_V, STRIDE_S2, GROUP, BLOCK_K, BLOCK_V, USE_TMA, False, LOAD_EVICT, STORE_CACHE)
+        return
+    step = tl.num_programs(0)
+    next_a, next_b = 0.0, 0.0  # GATES_AHEAD: a, b of the program's next tile, loaded an iteration early
+    if GATES_AHEAD:
+        next_a, next_b = _tile_gates(tl.program_id(0), a_ptr, b_ptr, stride_ab, stride_bb, H_V, N_VBLOCKS)
+    if LOOP_AS_WHILE:  # the interpreter: no runtime-bounded `for`
         tile_id = tl.program_id(0).to(tl.int64)
         while tile_id < num_tiles:
+            gate_a, gate_b = next_a, next_b
+            if GATES_AHEAD:  # clamped on the last tile: a valid address, the value unused
+                next_a, next_b = _tile_gates(tl.minimum(tile_id + step, num_tiles - 1), a_ptr, b_ptr, stride_ab,
+                                             stride_bb, H_V, N_VBLOCKS)
             _step_tile(tile_id // (N_VBLOCKS * H_V), (tile_id // N_VBLOCKS) % H_V, tile_id % N_VBLOCKS,
-                       q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, state_desc, slots_ptr,
-                       out_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
-                       stride_s0, stride_s1, stride_ob, stride_oh, scale,
-                       D_K, D_V, STRIDE_S2, GROUP, BLOCK_K, BLOCK_V, USE_TMA)
-            tile_id += tl.num_programs(0)
+                       gate_a, gate_b, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
+                       state_desc, slots_ptr, out_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb,
+                       stride_vh, stride_ab, stride_bb, stride_s0, stride_s1, stride_ob, stride_oh, scale,
+                       D_K, D_V, STRIDE_S2, GROUP, BLOCK_K, BLOCK_V, USE_TMA, GATES_AHEAD,
+                       LOAD_EVICT, STORE_CACHE)
+            tile_id += step
     else:
         # Software-pipelined NUM_STAGES deep: the slot loads, then the state loads (cp.async or
         # TMA into shared memory) of the next tiles are issued while this one computes.
-        for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        for tile_id in tl.range(tl.program_id(0), num_tiles, step, num_stages=NUM_STAGES):
+            gate_a, gate_b = next_a, next_b
+            if GATES_AHEAD:  # a plain load: it blocks only at its first use, an iteration later
+                next_a, next_b = _tile_gates(tl.minimum(tile_id + step, num_tiles - 1), a_ptr, b_ptr, stride_ab,
+                                             stride_bb, H_V, N_VBLOCKS)
             _step_tile(tile_id // (N_VBLOCKS * H_V), (tile_id // N_VBLOCKS) % H_V, tile_id % N_VBLOCKS,
-                       q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, state_desc, slots_ptr,
-                       out_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
-                       stride_s0, stride_s1, stride_ob, stride_oh, scale,
-                       D_K, D_V, STRIDE_S2, GROUP, BLOCK_K, BLOCK_V, USE_TMA)
+                       gate_a, gate_b, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
+                       state_desc, slots_ptr, out_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb,
+                       stride_vh, stride_ab, stride_bb, stride_s0, stride_s1, stride_ob, stride_oh, scale,
+                       D_K, D_V, STRIDE_S2, GROUP, BLOCK_K, BLOCK_V, USE_TMA, GATES_AHEAD,
+                       LOAD_EVICT, STORE_CACHE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,6 +223,15 @@ def as_decode_launch(launch: DecodeLaunch | KernelLaunch) -> DecodeLaunch:
     if isinstance(launch, DecodeLaunch):
         return launch
     return DecodeLaunch(block_v=launch.block_v, num_warps=launch.num_warps, num_stages=launch.num_stages)
+
+
+def _state_cache_hints(stream: bool) -> dict:
+    """Cache policy of the state tile: evict-first loads and streaming (.cs) stores, or the defaults.
+    (No .cg on the loads: ptxas rejects .cg combined with an eviction policy. Triton's cp.async
+    lowering drops the eviction policy, so on the pipelined path only the .cs store remains.)"""
+    if stream:
+        return dict(LOAD_EVICT="evict_first", STORE_CACHE=".cs")
+    return dict(LOAD_EVICT="", STORE_CACHE="")
 
 
 def _unit_inner(t: torch.Tensor) -> torch.Tensor:
@@ -225,6 +273,7 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, launch: DecodeLaunch
         state.stride(0), state.stride(1), out.stride(0), out.stride(1), d_k ** -0.5, num_tiles,
         H_V=H_v, D_K=d_k, D_V=d_v, STRIDE_S2=state.stride(2), GROUP=H_v // H_k, BLOCK_K=block_k, BLOCK_V=block_v,
         PERSISTENT=persistent, NUM_STAGES=launch.num_stages, USE_TMA=use_tma, LOOP_AS_WHILE=LOOP_AS_WHILE,
+        GATES_AHEAD=persistent and launch.gates_ahead, **_state_cache_hints(launch.stream_state),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out

@@ -9,8 +9,14 @@ each variant at the model's shapes in bf16.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import triton
 
 from kernels import gdn_decode as tri
 from kernels._common import KernelLaunch
@@ -31,7 +37,20 @@ LAUNCHES = {
     "tile-tma": tri.DecodeLaunch(block_v=32, num_warps=4, tma=True),
     "persistent-tma": tri.DecodeLaunch(block_v=16, num_warps=2, num_stages=3, variant="persistent",
                                        programs_per_sm=3, tma=True),
+    # Issue-3 knobs: streaming cache hints on the state tile, a/b loaded one tile ahead, a d_v block
+    # wider than the head (one masked block per head), and all of them over TMA.
+    "tile-stream": tri.DecodeLaunch(block_v=16, num_warps=2, stream_state=True),
+    "persistent-stream": tri.DecodeLaunch(block_v=16, num_warps=2, num_stages=3, variant="persistent",
+                                          programs_per_sm=3, stream_state=True),
+    "persistent-gates-ahead": tri.DecodeLaunch(block_v=16, num_warps=2, num_stages=3, variant="persistent",
+                                               programs_per_sm=3, gates_ahead=True),
+    "persistent-wide-stream-ahead": tri.DecodeLaunch(block_v=64, num_warps=4, num_stages=3, variant="persistent",
+                                                     programs_per_sm=3, stream_state=True, gates_ahead=True),
+    "persistent-tma-stream-ahead": tri.DecodeLaunch(block_v=32, num_warps=2, num_stages=3, variant="persistent",
+                                                    programs_per_sm=5, tma=True, stream_state=True, gates_ahead=True),
 }
+ISSUE3_LAUNCHES = ["default", "tile-stream", "persistent-stream", "persistent-gates-ahead",
+                   "persistent-wide-stream-ahead", "persistent-tma-stream-ahead"]
 
 
 def make_step(num_seqs, H_k, H_v, d_k, d_v, seed, dtype=torch.float32, device=DEVICE):
@@ -67,7 +86,9 @@ def run_poisoned(step, pool, slots, launch):
 
 FP32, BF16 = torch.float32, torch.bfloat16
 FULL_TILE, MASKED = (16, 32), (24, 48)  # (d_k, d_v): tiles that fit the head exactly, and ones that overhang
-CASES = [(name, FP32, FULL_TILE) for name in LAUNCHES] + [(name, BF16, MASKED) for name in LAUNCHES] + [
+# The issue-3 launches run in test_decode_batch_sizes (both pool dtypes, both tile fits) instead.
+CHAINED = [name for name in LAUNCHES if name == "default" or name not in ISSUE3_LAUNCHES]
+CASES = [(name, FP32, FULL_TILE) for name in CHAINED] + [(name, BF16, MASKED) for name in CHAINED] + [
     ("persistent", FP32, MASKED)]
 
 
@@ -90,6 +111,31 @@ def test_decode_matches_reference(launch_name, pool_dtype, dims):
         torch.testing.assert_close(pool.float(), expect_pool.float(), **tol)
     unused = [s for s in range(NUM_SLOTS) if s not in SLOTS]
     assert torch.equal(pool[unused], original[unused])
+
+
+BATCH_CASES = [(1, FP32, MASKED), (3, BF16, MASKED), (17, FP32, FULL_TILE)]
+
+
+@pytest.mark.parametrize("num_seqs,pool_dtype,dims", BATCH_CASES, ids=["B1", "B3", "B17"])
+@pytest.mark.parametrize("launch_name", ISSUE3_LAUNCHES)
+def test_decode_batch_sizes(launch_name, num_seqs, pool_dtype, dims):
+    """B = 1, 3, 17 on a random permutation of a 24-slot pool: the persistent programs then run
+    unequal numbers of tiles (the gates-ahead index is clamped on each program's last tile), and
+    with B = 1 the grid is capped at the tile count."""
+    d_k, d_v = dims
+    gen = torch.Generator().manual_seed(num_seqs)
+    pool = (torch.randn(24, 4, d_k, d_v, generator=gen) * 0.5).to(DEVICE, pool_dtype)
+    slots = torch.randperm(24, generator=gen)[:num_seqs].to(DEVICE)
+    expect_pool, original = pool.clone(), pool.clone()
+    step = make_step(num_seqs, 2, 4, d_k, d_v, seed=10 + num_seqs)
+    expect = ref.gdn_decode(**step, state=expect_pool, slots=slots)
+    got = run_poisoned(step, pool, slots, LAUNCHES[launch_name])
+    tol = dict(rtol=2e-5, atol=2e-5) if pool_dtype == FP32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, expect, **tol)
+    torch.testing.assert_close(pool.float(), expect_pool.float(), **tol)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert torch.equal(pool[untouched.to(DEVICE)], original[untouched.to(DEVICE)])
 
 
 @pytest.mark.parametrize("launch_name", ["default", "persistent-tma"])
@@ -165,3 +211,61 @@ def test_decode_sweep_launches_cuda():
         got = run_poisoned(step, state, slots, tri.DecodeLaunch(*config))
         torch.testing.assert_close(got.float(), expect.float(), rtol=2e-2, atol=2e-2, msg=str(config))
         torch.testing.assert_close(state, expect_state, rtol=1e-4, atol=1e-4, msg=str(config))
+
+
+def _sm90_ptx(launch: tri.DecodeLaunch) -> str:
+    """PTX of the decode kernel compiled for sm_90a at the model's shapes (Triton's bundled ptxas
+    assembles it, so a rejected instruction raises; no GPU needed). Call with TRITON_INTERPRET=0."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    H_v, d = 48, 128
+    ints = dict(stride_qb=16 * d, stride_qh=d, stride_kb=16 * d, stride_kh=d, stride_vb=H_v * d, stride_vh=d,
+                stride_ab=H_v, stride_bb=H_v, stride_s0=H_v * d * d, stride_s1=d * d, stride_ob=H_v * d,
+                stride_oh=d, num_tiles=128 * H_v * (d // launch.block_v))
+    persistent = launch.variant == "persistent"
+    constexprs = dict(state_desc=None, H_V=H_v, D_K=d, D_V=d, STRIDE_S2=d, GROUP=3, BLOCK_K=d, BLOCK_V=launch.block_v,
+                      PERSISTENT=persistent, NUM_STAGES=launch.num_stages, USE_TMA=False, LOOP_AS_WHILE=False,
+                      GATES_AHEAD=persistent and launch.gates_ahead, **tri._state_cache_hints(launch.stream_state))
+    names = tri._gdn_decode_kernel.arg_names
+    signature, aligned = {}, []
+    for i, name in enumerate(names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):  # as the model calls it: bf16 activations, fp32 params and pool
+            fp32 = name in ("A_log_ptr", "dt_bias_ptr", "state_ptr")
+            signature[name] = "*fp32" if fp32 else "*i64" if name == "slots_ptr" else "*bf16"
+            aligned.append(i)
+        else:  # the launcher specialises integers divisible by 16
+            signature[name] = "fp32" if name == "scale" else "i32"
+            aligned += [i] if name != "scale" and ints[name] % 16 == 0 else []
+    source = ASTSource(tri._gdn_decode_kernel, signature,
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+SM90_LAUNCHES = {
+    "tile": tri.DecodeLaunch(block_v=32, num_warps=8, stream_state=True),
+    "persistent": tri.DecodeLaunch(block_v=32, num_warps=2, num_stages=3, variant="persistent", programs_per_sm=6,
+                                   stream_state=True, gates_ahead=True),
+}
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CUDA tests run these launches for real")
+def test_stream_hints_compile_for_sm90(tmp_path):
+    """ptxas accepts the hinted loads and stores (it rejects .cg combined with an eviction policy),
+    the state is stored streaming, and the persistent loop still prefetches state tiles by cp.async.
+    Compiled in a child process: the interpreter (set for this one) cannot compile for a GPU."""
+    script = ("import sys; from tests.test_kernels_gdn_decode import SM90_LAUNCHES, _sm90_ptx\n"
+              "for name, launch in SM90_LAUNCHES.items():\n"
+              "    open(f'{sys.argv[1]}/{name}.ptx', 'w').write(_sm90_ptx(launch))\n")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    tile, persistent = ((tmp_path / f"{name}.ptx").read_text() for name in ("tile", "persistent"))
+    assert "ld.global.L1::evict_first.L2::cache_hint.v4" in tile and "st.global.cs.v4" in tile
+    assert "cp.async.cg.shared.global" in persistent  # the pipeliner's prefetch (it drops the load hint)
+    assert "st.global.cs.v4" in persistent
