@@ -10,7 +10,7 @@ triton.testing.do_bench (with warm-up). Shapes: Qwen3.5-27B's GDN (16 key / 48 v
 
 Two phases. First every kernel at its DEFAULT launch for every shape, and the table is printed.
 Then the sweeps: each kernel's launch knobs (KernelLaunch / ConvLaunch) over a handful of configs;
-for prefill each stage alone (l2norm, wy, state pass, output), so they also show where the time
+for prefill each stage alone (wy, state pass, output), so they also show where the time
 goes. "tuned ms" is the default replaced by the best of each stage's sweep (prefill: re-timed end
 to end). A CUDA error is sticky (every later call fails), so the first one ends all sweeps: the
 failing config is named and the table is reprinted with what was measured before it.
@@ -140,14 +140,30 @@ def _compare_fla(make_runner, ours_out, quick: bool):
 
 
 def _prefill_sweeps(quick: bool, big: bool):
-    """Launch configs per prefill stage (fewer for the biggest shape: compile time dominates)."""
+    """Launch configs per prefill stage (fewer for the biggest shape: compile time dominates).
+
+    State pass: StatePassLaunch(block_v, warps, stages, transposed=, key_parts=, prefetch=), most
+    promising first (kernels/gdn_prefill_state.py says what each variant changes; sm_90 registers
+    per thread from benchmarks/sm90_compile.py in the comments; only the default spills). For 1
+    sequence the pass is latency-bound (≤ 1 program per SM), so the big shape keeps more of them.
+    """
     from kernels._common import KernelLaunch as L
+    from kernels.gdn_prefill import StatePassLaunch as S
 
     wy = [L(32, 1, 1), L(64, 1, 1), L(64, 2, 1), L(32, 2, 1), L(128, 1, 1), L(64, 4, 1)]
-    state = [L(64, 4, 2), L(32, 4, 2), L(16, 4, 2), L(64, 4, 3), L(32, 8, 2), L(64, 8, 2)]
+    state = [
+        S(64, 4, 2),  # the default (255 regs, 80 B spill)
+        S(32, 4, 2, transposed=True),  # 255 regs, 8 barriers per chunk (untransposed: 19-21)
+        S(32, 8, 2, transposed=True),  # 171 regs, 8 barriers
+        S(64, 8, 2, key_parts=2),  # 210 regs
+        S(64, 8, 1, prefetch=True),  # 251 regs
+        S(32, 4, 2),  # 186 regs, 2x the programs
+        S(32, 4, 3, transposed=True, key_parts=2),  # 246 regs
+        S(64, 4, 2, key_parts=2),  # 248 regs
+    ]
     out = [L(128, 4, 3), L(64, 4, 2), L(128, 4, 2), L(64, 4, 3), L(128, 8, 2)]
     if quick or big:
-        wy, state, out = wy[:2], state[:4], out[:3]
+        wy, state, out = wy[:2], state[:4 if quick else 6], out[:3]
     return wy, state, out
 
 
@@ -178,10 +194,11 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
               check)
 
     def sweep() -> Row:
-        print(f"sweep gdn_prefill {num_seqs}x{seq_len} (each stage alone; default {ours.DEFAULT_LAUNCH})")
+        # Stages in launch order (wy, state_pass, output; q/k normalisation is folded into them),
+        # each timed alone on one planned work: wy first, as the later stages read what it writes.
+        print(f"sweep gdn_prefill {num_seqs}x{seq_len} (each stage alone: wy, state_pass, output; "
+              f"default {ours.DEFAULT_LAUNCH})")
         work = ours.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
-        ours.run_l2norm(work)
-        print(f"  {'l2norm':<12}{_bench(lambda: ours.run_l2norm(work), quick):9.3f} ms")
         wy_cfgs, state_cfgs, out_cfgs = _prefill_sweeps(quick, big=T >= 32768 and num_seqs == 1)
         best_wy, _ = _sweep("wy", wy_cfgs, lambda c: ours.run_wy(work, c), quick)
         best_state, _ = _sweep("state_pass", state_cfgs, lambda c: ours.run_state_pass(work, c), quick)
@@ -202,17 +219,24 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
     return row, sweep
 
 
-# DecodeLaunch(block_v, num_warps, num_stages, variant, programs_per_sm, tma), most promising
-# first (--quick takes four): one-warp tiles keep the d_k reductions in a warp; persistent programs
-# prefetch the next num_stages - 1 tiles (cp.async, or TMA with tma=True) while one computes.
-# programs_per_sm stays within what fits on an SM (registers, shared memory): a second wave of
-# persistent programs would serialise.
+# DecodeLaunch(block_v, num_warps, num_stages, variant, programs_per_sm, tma, stream_state,
+# gates_ahead), most promising first (--quick takes four). programs_per_sm is what fits on an SM
+# (sm_90a offline compile: registers, shared memory); one more would start a second wave that
+# serialises. Issue 3 (85% of copy bandwidth at B >= 128) — the new knobs first:
+#   stream: state stored .cs (evict-first; the pipelined cp.async drops the load hint), so written
+#           lines leave L2 early; bv 128: one program owns whole 512-B state rows, a contiguous
+#           64 KB tile per (sequence, head), like a copy's access pattern; ahead: a, b (2-byte
+#           scalars the pipeliner cannot cp.async) loaded one tile early.
 DECODE_SWEEP = [
-    (32, 2, 4, "persistent", 6), (32, 2, 3, "persistent", 8), (32, 2, 3, "persistent", 6, True),
-    (32, 2, 3, "persistent", 5), (32, 8, 1, "tile"), (32, 1, 1), (32, 4, 3, "persistent", 4), (32, 4, 4, "persistent", 4, True), (16, 2, 4, "persistent", 8),
-    (16, 2, 4, "persistent", 8, True), (16, 1, 3, "persistent", 12), (16, 1, 4, "persistent", 8, True),
-    (32, 8, 3, "persistent", 2, True), (32, 4, 1, "tile", 4, True), (16, 1, 1), (32, 2, 3, "persistent", 6),
-    (16, 4, 1), (32, 4, 1), (64, 4, 3, "persistent", 2, True),
+    (32, 2, 3, "persistent", 6, False, True),  # default + stream: 156 regs, 34 KB smem, 6/SM
+    (128, 8, 3, "persistent", 1, False, True),  # whole rows: 169 regs, 133 KB smem (2 tiles ahead), 1/SM
+    (64, 4, 3, "persistent", 3, False, True),  # 256-B row pieces: 162 regs, 65 KB smem, 3/SM
+    (32, 2, 3, "persistent", 6, False, True, True),  # default + stream + ahead: 164 regs, 6/SM
+    (128, 8, 3, "persistent", 1, True, True),  # whole rows by TMA bulk copies: 204 regs, 133 KB smem, 1/SM
+    (16, 1, 3, "persistent", 12, False, True),  # one warp (shuffle reductions) + stream: 149 regs, 12/SM
+    # Session 2's launches that fit an SM (the default first: this run's control):
+    (32, 2, 3, "persistent", 6), (32, 2, 3, "persistent", 6, True), (32, 4, 3, "persistent", 5),
+    (16, 2, 4, "persistent", 8), (16, 1, 3, "persistent", 12), (32, 1, 1), (32, 8, 1, "tile"),
 ]
 
 
@@ -249,6 +273,24 @@ def bench_decode(batch: int, fla, quick: bool):
         return row if tuned_ms is None else replace(row, tuned_ms=tuned_ms, **rates(min(ours_ms, tuned_ms)))
 
     return row, (sweep if batch >= 32 else None)
+
+
+def run_decode_sweeps(batches=(128, 512), budget_s: float = 240.0, quick: bool = False) -> list[Row]:
+    """The decode rows and their launch sweeps alone (the full bench sweeps prefill first, which can
+    spend the shared time budget before decode's turn):
+
+        python -c "from benchmarks.bench_gdn import run_decode_sweeps as r; r()"
+    """
+    global SWEEP_DEADLINE_S
+    SWEEP_DEADLINE_S = time.monotonic() - _START + budget_s
+    fla, rows = _load_fla(), []
+    for batch in batches:
+        measured = _guarded(bench_decode, batch, fla, quick)
+        if measured is not None:
+            row, sweep = measured
+            rows.append(sweep() if sweep is not None else row)
+    print_table(rows)
+    return rows
 
 
 CONV_PREFILL_SWEEP = [(16, 256, 4), (32, 256, 4), (32, 256, 8), (16, 512, 4), (64, 256, 8), (8, 1024, 8), (32, 512, 8)]

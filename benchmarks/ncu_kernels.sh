@@ -16,4 +16,4 @@ ncu_one() {  # ncu_one NAME KERNEL_REGEX SKIP COUNT TARGET
 ncu_one replay_step _replay_step 20 1 replay
 ncu_one replay_flush _replay_fold 20 1 replay
 ncu_one decode _gdn_decode 2 1 decode
-ncu_one prefill 'l2norm_qk|chunk_wy|state_pass|chunk_output' 4 4 prefill
+ncu_one prefill 'chunk_wy|state_pass|chunk_output' 3 3 prefill

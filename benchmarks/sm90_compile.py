@@ -5,6 +5,7 @@ Triton assembles it for sm_90a and reports the resources).
     python -m benchmarks.sm90_compile wy                 # num_warps 2/4/8 × block_v 32/64/128
     python -m benchmarks.sm90_compile output --warps 4 --block-v 64 --stages 2
     WY_KEY_STEP=16 python -m benchmarks.sm90_compile wy --warps 4 --maxnreg 168
+    STATE_TRANSPOSED=1 STATE_KEY_PARTS=2 STATE_PREFETCH=1 python -m benchmarks.sm90_compile state_pass  # variants
 
 Shapes are the model's (H_k 16, H_v 48, d_k = d_v = 128, bf16 inputs, fp32 G / state pool).
 Integer arguments are specialised as Triton's launcher would at those values (divisible by 16),
@@ -28,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels import gdn_prefill_kernels as K
-from kernels.gdn_prefill import CHUNK, NORM_ROWS, SUB, WY_KEY_STEP
+from kernels.gdn_prefill import CHUNK, SUB, WY_KEY_STEP
 
 H_K, H_V, D_K, D_V = 16, 48, 128, 128
 T = 32768
@@ -46,7 +47,7 @@ INT_VALUES = dict(
     stride_s0=H_V * D_K * D_V, stride_s1=D_K * D_V, stride_s2=D_V,
 )
 POINTER_TYPES = {
-    "G_ptr": "*fp32", "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "state_ptr": "*fp32",
+    "G_ptr": "*fp32", "k_inv_norm_ptr": "*fp32", "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "state_ptr": "*fp32",
     "chunk_start_ptr": "*i32", "chunk_end_ptr": "*i32", "cu_ptr": "*i32", "seq_offsets_ptr": "*i32",
     "slots_ptr": "*i64",
 }  # every other pointer: bf16
@@ -63,10 +64,11 @@ def _common(block_v: int) -> dict:
 
 
 KERNELS = {
-    "l2norm": KernelSpec(K.l2norm_qk_kernel, lambda bv: dict(ROWS=NORM_ROWS, BLOCK_K=D_K)),
     "wy": KernelSpec(K.chunk_wy_kernel,
                      lambda bv: dict(_common(bv), D_V=D_V, SUB=SUB, K_STEP=KEY_STEP, PRECISION="tf32")),
-    "state_pass": KernelSpec(K.state_pass_kernel, lambda bv: dict(_common(bv), D_K=D_K, D_V=D_V, LOOP_AS_WHILE=False)),
+    "state_pass": KernelSpec(K.state_pass_kernel, lambda bv: dict(
+        _common(bv), D_K=D_K, D_V=D_V, LOOP_AS_WHILE=False, KEY_PARTS=int(os.environ.get("STATE_KEY_PARTS", 1)),
+        TRANSPOSED=os.environ.get("STATE_TRANSPOSED") == "1", PREFETCH=os.environ.get("STATE_PREFETCH") == "1")),
     "output": KernelSpec(K.chunk_output_kernel, _common),
 }
 

@@ -47,12 +47,6 @@ def l2_normalise_vector(x):
     return x * tl.rsqrt(tl.sum(x * x, axis=0) + L2NORM_EPS)
 
 
-@triton.jit
-def l2_normalise_rows(x):
-    """Row-wise x / sqrt(Σx² + eps) for an fp32 tile [rows, d] (one head vector per row)."""
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + L2NORM_EPS)[:, None]
-
-
 def next_pow2_at_least_16(n: int) -> int:
     """Tile width for a head dim: a power of two, ≥ 16 so that tl.dot accepts it."""
     return max(16, triton.next_power_of_2(n))

@@ -1,12 +1,13 @@
 """Triton chunked Gated DeltaNet prefill over packed varlen sequences (chunk 64): the public
-op, its launch knobs and the plan of its intermediates; the four kernels and their maths are in
-kernels/gdn_prefill_kernels.py.
+op, its launch knobs and the plan of its intermediates; the kernels and their maths are in
+kernels/gdn_prefill_kernels.py (overview, output), gdn_prefill_wy.py and gdn_prefill_state.py.
 
 Chunks never straddle sequences; a sequence's initial state is read from `state[slot]` and its
 final state written back there. No host sync: the chunk grid is sized from shapes
 (kernels/_common.py:ChunkTable). Launch knobs per kernel: `PrefillLaunch`; each stage can be
-launched alone on a planned `PrefillWork` (`run_l2norm`, `run_wy`, `run_state_pass`,
-`run_output`: benchmarks/bench_gdn.py tunes them one by one).
+launched alone on a planned `PrefillWork` (`run_wy`, `run_state_pass`, `run_output`:
+benchmarks/bench_gdn.py tunes them one by one), or all in order (`run_prefill`). q and k are never
+normalised into a copy: each kernel folds the inverse norms into its products' row scales.
 Reference: kernels/ref/gdn.py:gdn_prefill.
 """
 from __future__ import annotations
@@ -20,12 +21,33 @@ import triton.language as tl
 from kernels._common import (
     LOOP_AS_WHILE, TRITON_DTYPES, ChunkTable, KernelLaunch, chunk_table, next_pow2_at_least_16,
 )
-from kernels.gdn_prefill_kernels import chunk_output_kernel, chunk_wy_kernel, l2norm_qk_kernel, state_pass_kernel
+from kernels.gdn_prefill_kernels import chunk_output_kernel
+from kernels.gdn_prefill_state import state_pass_kernel
+from kernels.gdn_prefill_wy import chunk_wy_kernel
 
 CHUNK = 64
 SUB = 16  # rows of the WY kernel's sub-blocks (its triangular inverse works on SUB×SUB blocks)
 WY_KEY_STEP = 32  # d_k columns per step of the WY kernel's key products (sm90_compile: registers)
-NORM_ROWS = 16  # tokens per program of the q/k normalisation
+
+
+@dataclass(frozen=True)
+class StatePassLaunch(KernelLaunch):
+    """The state pass's knobs: KernelLaunch plus its code variants (kernels/gdn_prefill_state.py
+    says what each changes). A plain KernelLaunch means all three off."""
+
+    transposed: bool = False  # carry Sᵀ [block_v, d_k]: the state is the products' register operand
+    key_parts: int = 1  # 1, or 2: the state as two d_k halves (needs d_k ≥ 32)
+    prefetch: bool = False  # next chunk's tiles loaded into registers a whole chunk ahead (use num_stages=1)
+
+    def __post_init__(self):
+        if self.key_parts not in (1, 2):
+            raise ValueError(f"key_parts is 1 or 2, not {self.key_parts}")
+
+
+def as_state_pass_launch(launch: KernelLaunch) -> StatePassLaunch:
+    if isinstance(launch, StatePassLaunch):
+        return launch
+    return StatePassLaunch(launch.block_v, launch.num_warps, launch.num_stages)
 
 
 @dataclass(frozen=True)
@@ -41,7 +63,7 @@ class PrefillLaunch:
     """
 
     wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=32, num_warps=1, num_stages=1))
-    state_pass: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=4, num_stages=2))
+    state_pass: KernelLaunch = field(default_factory=lambda: StatePassLaunch(block_v=64, num_warps=4, num_stages=2))
     output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=128, num_warps=4, num_stages=3))
 
 
@@ -70,9 +92,8 @@ class PrefillWork:
     slots: torch.Tensor  # [B]
     cu: torch.Tensor  # [B+1] int32
     chunks: ChunkTable
-    qn: torch.Tensor  # [T, H_k, d_k] normalised, scaled
-    kn: torch.Tensor  # [T, H_k, d_k] normalised
     G: torch.Tensor  # [T, H_v] fp32 cumulative log-decay within each chunk
+    k_inv_norm: torch.Tensor  # [T, H_k] fp32: 1/‖k‖ (rsqrt(Σk² + eps)), written by the WY kernel
     w: torch.Tensor  # [T, H_v, d_k]
     u: torch.Tensor  # [T, H_v, d_v]
     v_new: torch.Tensor  # [T, H_v, d_v]
@@ -97,9 +118,8 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens) -> Pre
     return PrefillWork(
         q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, slots=slots,
         cu=cu_seqlens.to(torch.int32), chunks=chunks,
-        qn=torch.empty((T, H_k, d_k), dtype=inter, device=dev),
-        kn=torch.empty((T, H_k, d_k), dtype=inter, device=dev),
         G=torch.empty((T, H_v), dtype=torch.float32, device=dev),
+        k_inv_norm=torch.empty((T, H_k), dtype=torch.float32, device=dev),
         w=torch.empty((T, H_v, d_k), dtype=inter, device=dev),
         u=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
         v_new=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
@@ -108,23 +128,15 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens) -> Pre
     )
 
 
-def run_l2norm(work: PrefillWork) -> None:
-    T, H_k, d_k, _, _ = work.dims
-    l2norm_qk_kernel[(triton.cdiv(T, NORM_ROWS), H_k)](
-        work.q, work.k, work.qn, work.kn, T, H_k, d_k,
-        work.q.stride(0), work.q.stride(1), work.k.stride(0), work.k.stride(1), d_k ** -0.5,
-        ROWS=NORM_ROWS, BLOCK_K=next_pow2_at_least_16(d_k), num_warps=4,
-    )
-
-
 def run_wy(work: PrefillWork, launch: KernelLaunch) -> None:
     T, H_k, d_k, H_v, d_v = work.dims
     dot_dtype = TRITON_DTYPES[work.q.dtype]
     block_k = next_pow2_at_least_16(d_k)
     chunk_wy_kernel[(H_v, work.chunks.capacity)](
-        work.kn, work.v, work.a, work.b, work.A_log, work.dt_bias, work.chunks.start, work.chunks.seq_end,
-        work.G, work.w, work.u,
-        work.v.stride(0), work.v.stride(1), work.a.stride(0), work.b.stride(0), H_v, H_k, d_k,
+        work.k, work.v, work.a, work.b, work.A_log, work.dt_bias, work.chunks.start, work.chunks.seq_end,
+        work.G, work.k_inv_norm, work.w, work.u,
+        work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1), work.a.stride(0), work.b.stride(0),
+        H_v, H_k, d_k,
         D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, K_STEP=min(WY_KEY_STEP, block_k),
         BLOCK_V=min(launch.block_v, next_pow2_at_least_16(d_v)), DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
@@ -133,15 +145,20 @@ def run_wy(work: PrefillWork, launch: KernelLaunch) -> None:
 
 
 def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
-    """Runs even for empty sequences: their state is read and written back unchanged."""
+    """Runs even for empty sequences: their state is read and written back unchanged. `launch`: a
+    StatePassLaunch, or a plain KernelLaunch (no variant)."""
     T, H_k, d_k, H_v, d_v = work.dims
+    launch = as_state_pass_launch(launch)
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
+    block_k = next_pow2_at_least_16(d_k)
+    assert block_k // launch.key_parts >= 16, "key_parts=2 needs d_k > 16 (tl.dot takes ≥ 16 columns)"
     state = work.state
     state_pass_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
-        work.kn, work.w, work.u, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
+        work.k, work.k_inv_norm, work.w, work.u, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
         work.chunk_states, work.v_new,
-        state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
-        D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, BLOCK_K=next_pow2_at_least_16(d_k), BLOCK_V=block_v,
+        work.k.stride(0), work.k.stride(1), state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
+        D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v,
+        KEY_PARTS=launch.key_parts, TRANSPOSED=launch.transposed, PREFETCH=launch.prefetch,
         DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
@@ -151,24 +168,29 @@ def run_output(work: PrefillWork, launch: KernelLaunch) -> None:
     T, H_k, d_k, H_v, d_v = work.dims
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
     chunk_output_kernel[(triton.cdiv(d_v, block_v), H_v, work.chunks.capacity)](
-        work.qn, work.kn, work.G, work.chunk_states, work.v_new, work.out, work.chunks.start, work.chunks.seq_end,
-        work.out.stride(0), work.out.stride(1), H_v, H_k, d_k, d_v,
+        work.q, work.k, work.k_inv_norm, work.G, work.chunk_states, work.v_new, work.out,
+        work.chunks.start, work.chunks.seq_end, work.q.stride(0), work.q.stride(1), work.k.stride(0), work.k.stride(1),
+        work.out.stride(0), work.out.stride(1), H_v, H_k, d_k, d_v, d_k ** -0.5,
         GROUP=H_v // H_k, C=CHUNK, BLOCK_K=next_pow2_at_least_16(d_k), BLOCK_V=block_v,
         DOT_DTYPE=TRITON_DTYPES[work.q.dtype], num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
+
+
+def run_prefill(work: PrefillWork, launch: PrefillLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
+    """Every stage, in order, on a planned PrefillWork; returns work.out."""
+    if work.slots.numel() == 0:
+        return work.out
+    has_tokens = work.chunks.capacity > 0 and work.q.shape[0] > 0
+    if has_tokens:
+        run_wy(work, launch.wy)
+    run_state_pass(work, launch.state_pass)
+    if has_tokens:
+        run_output(work, launch.output)
+    return work.out
 
 
 def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
                 launch: PrefillLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """Chunked GDN: q, k [T, H_k, d_k]; v [T, H_v, d_v]; a, b [T, H_v]; state [S, H_v, d_k, d_v]
     read and written by `slots` [B]; cu_seqlens [B+1]. Returns o [T, H_v, d_v] in q.dtype."""
-    work = plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens)
-    if slots.numel() == 0:
-        return work.out
-    if work.chunks.capacity > 0 and q.shape[0] > 0:
-        run_l2norm(work)
-        run_wy(work, launch.wy)
-    run_state_pass(work, launch.state_pass)
-    if work.chunks.capacity > 0 and q.shape[0] > 0:
-        run_output(work, launch.output)
-    return work.out
+    return run_prefill(plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens), launch)

@@ -9,342 +9,43 @@ collapse into one triangular system (the WY / UT transform):
 
 so that for the chunk's initial state S0 the new values are u = U − W·S0, the outputs are
 o = (q·exp(G))·S0 + causal(q·kᵀ · exp(G_i − G_j))·u, and the final state is
-S0·exp(G_C) + kᵀ·(u · exp(G_C − G)). One kernel per stage, in launch order:
+S0·exp(G_C) + kᵀ·(u · exp(G_C − G)), with q and k L2-normalised (q also scaled by d_k^-½).
+No kernel normalises q or k on its own: each runs its products on the raw input rows and folds
+the inverse norms into row scales (the WY kernel gets the key norms from its Gram blocks and
+stores them, [T, H_k] fp32). One kernel per stage, in launch order:
 
-0. `l2norm_qk_kernel`     q, k L2-normalised once (q also scaled), in the input dtype.
-1. `chunk_wy_kernel`      per (chunk, value head), all in registers by 16-row sub-blocks: gates
-                          and G, the system's blocks, M⁻¹ by blocks (substitution on the
-                          diagonal, products below), then W and U.
-2. `state_pass_kernel`    per (sequence, value head, d_v block): the only sequential part —
-                          carries S in fp32 registers across chunks, saves each chunk's S0 and u.
-3. `chunk_output_kernel`  per (chunk, value head, d_v block): the outputs, fully parallel.
+1. `chunk_wy_kernel`      (kernels/gdn_prefill_wy.py) per (chunk, value head), all in registers by
+                          16-row sub-blocks: gates and G, the system's blocks, M⁻¹ by blocks
+                          (substitution on the diagonal, products below), then W and U.
+2. `state_pass_kernel`    (kernels/gdn_prefill_state.py) per (sequence, value head, d_v block): the
+                          only sequential part — carries S in fp32 registers across chunks, saves
+                          each chunk's S0 and u.
+3. `chunk_output_kernel`  (here) per (chunk, value head, d_v block): the outputs, fully parallel.
+
+All three are importable from here; the tile helpers they share are in kernels/gdn_prefill_tiles.py.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels._common import gdn_gate_terms, l2_normalise_rows
-
-
-@triton.jit
-def _mm(a, b, DOT_DTYPE: tl.constexpr):
-    """a @ b accumulated in fp32, operands in DOT_DTYPE: the input dtype (bf16/fp16 tensor cores),
-    or true fp32 ("ieee", not tf32) for fp32 inputs, which is the exact path the tests pin down."""
-    if DOT_DTYPE == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
-
-
-@triton.jit
-def _chunk_rows(chunk_start_ptr, chunk_end_ptr, chunk, C: tl.constexpr):
-    """Chunk `chunk` of the table: first token, row count (≤ 0 for an unused tail chunk), and
-    its C local row indices, token rows and row mask."""
-    start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
-    n_rows = tl.load(chunk_end_ptr + chunk).to(tl.int64) - start
-    i = tl.arange(0, C)
-    return start, n_rows, i, start + i, i < n_rows
-
-
-@triton.jit
-def l2norm_qk_kernel(
-    q_ptr, k_ptr, qn_ptr, kn_ptr, T, H_K, D_K, stride_qt, stride_qh, stride_kt, stride_kh, scale,
-    ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    tok = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
-    head = tl.program_id(1)
-    kk = tl.arange(0, BLOCK_K)
-    ok = (tok < T)[:, None] & (kk < D_K)[None, :]
-    tok64 = tok.to(tl.int64)[:, None]
-    out = (tok64 * H_K + head) * D_K + kk[None, :]  # normalised tensors are contiguous [T, H_k, d_k]
-    q = tl.load(q_ptr + tok64 * stride_qt + head * stride_qh + kk[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(qn_ptr + out, (l2_normalise_rows(q) * scale).to(qn_ptr.dtype.element_ty), mask=ok)
-    k = tl.load(k_ptr + tok64 * stride_kt + head * stride_kh + kk[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(kn_ptr + out, l2_normalise_rows(k).to(kn_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _load_rows(base, rows, ok, row_stride, cols, col_ok):
-    """Tile [rows, cols] at base + row·row_stride + col, masked-out entries 0. int32 offsets on a
-    scalar int64 base: int64 offset tiles would double the registers of every address tile."""
-    return tl.load(base + rows[:, None] * row_stride + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _store_rows(base, rows, ok, row_stride, cols, col_ok, tile):
-    tl.store(base + rows[:, None] * row_stride + cols[None, :], tile.to(base.dtype.element_ty),
-             mask=ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, rows, ok, G_before):
-    """Gates of one 16-row sub-block: (G, beta, G_before + Σg). G is the log-decay cumulated from
-    the chunk start: the cumsum within the block plus G_before, the earlier blocks' sum. Missing
-    rows get g = 0 and beta = 0 (no decay, no write), so G stays finite and flat there."""
-    g, beta = gdn_gate_terms(
-        tl.load(a_base + rows * stride_at, mask=ok, other=0.0).to(tl.float32),
-        tl.load(b_base + rows * stride_bt, mask=ok, other=0.0).to(tl.float32),
-        A_log, dt_bias,
-    )
-    g, beta = tl.where(ok, g, 0.0), tl.where(ok, beta, 0.0)
-    return tl.cumsum(g, axis=0) + G_before, beta, G_before + tl.sum(g, axis=0)  # [SUB], [SUB], scalar
-
-
-@triton.jit
-def _system_block(gram, beta_i, G_i, G_j):
-    """Block (i, j), i > j, of the system from its Gram block k_i k_jᵀ: beta_i ⊙ gram ⊙ exp(G_i − G_j).
-    Rows of block i come after all of block j, so G_i ≤ G_j and the exponent never overflows."""
-    return beta_i[:, None] * gram * tl.exp(G_i[:, None] - G_j[None, :])  # [SUB, SUB]
-
-
-@triton.jit
-def _inverse_diagonal_block(gram, beta, G, SUB: tl.constexpr):
-    """X = (I + A)⁻¹ for the strictly lower diagonal block A = strict_lower(beta_i·k_i·k_j·exp(G_i − G_j))
-    given its Gram block k kᵀ [SUB, SUB].
-
-    Forward substitution on one register tile: row i of X is e_i − Σ_{j<i} A[i, j]·(row j of X).
-    Substitution (not a Neumann/power product) stays backward stable in fp32 when keys are
-    strongly correlated. A is built transposed (a_t[j, i] = A[i, j]; free, as k kᵀ is symmetric):
-    then row i of A is a column of a_t, whose extraction reduces along the columns and lands laid
-    out along the rows of X, as the update needs it (no layout shuffle per step).
-    """
-    r = tl.arange(0, SUB)[:, None]
-    c = tl.arange(0, SUB)[None, :]
-    # Masked before the exp, which could overflow above the diagonal.
-    a_t = gram * beta[None, :] * tl.exp(tl.where(r < c, G[None, :] - G[:, None], float("-inf")))
-    inv = tl.where(r == c, 1.0, 0.0)  # [SUB, SUB]
-    for i in tl.static_range(1, SUB):
-        coeffs = tl.sum(tl.where(c == i, a_t, 0.0), axis=1)  # [SUB] over j: A[i, j]
-        correction = tl.sum(coeffs[:, None] * inv, axis=0)  # [SUB]: Σ_j A[i, j]·X[j, :]
-        inv = tl.where(r == i, inv - correction[None, :], inv)
-    return inv
-
-
-@triton.jit
-def _apply_inverse(x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, y0, y1, y2, y3, PRECISION: tl.constexpr):
-    """M⁻¹·Y by blocks, Y given as its 4 sub-block tiles [SUB, n] in the dtype of the blocks of
-    M⁻¹: row block i is Σ_{j≤i} Inv_ij·y_j, accumulated in fp32."""
-    z0 = tl.dot(x00, y0, input_precision=PRECISION)
-    z1 = tl.dot(x11, y1, tl.dot(i10, y0, input_precision=PRECISION), input_precision=PRECISION)
-    z2 = tl.dot(i20, y0, input_precision=PRECISION)
-    z2 = tl.dot(x22, y2, tl.dot(i21, y1, z2, input_precision=PRECISION), input_precision=PRECISION)
-    z3 = tl.dot(i31, y1, tl.dot(i30, y0, input_precision=PRECISION), input_precision=PRECISION)
-    z3 = tl.dot(x33, y3, tl.dot(i32, y2, z3, input_precision=PRECISION), input_precision=PRECISION)
-    return z0, z1, z2, z3
-
-
-@triton.jit
-def chunk_wy_kernel(
-    kn_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_end_ptr,
-    G_ptr, w_ptr, u_ptr,
-    stride_vt, stride_vh, stride_at, stride_bt, H_V, H_K, D_K,
-    D_V: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
-    BLOCK_K: tl.constexpr, K_STEP: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """One (chunk, value head): G, then W and U, all in registers, by 16-row sub-blocks.
-
-    A register tile cannot be sliced, so the C = 4·SUB rows are four named sub-blocks (suffix
-    0..3, local rows r0..r3) from the start. Every product sweeps its long dimension in steps
-    (d_k by K_STEP, d_v by BLOCK_V): every warp holds the whole left operand of a 16-row product,
-    so whole [16, d_k] key tiles would cost far more registers than the maths needs.
-
-    DOT_DTYPE is the input dtype: keys, values and the rounded M⁻¹ enter the tensor cores in it.
-    PRECISION is for products of fp32 operands: "ieee" for fp32 inputs (exact path throughout),
-    "tf32" for 16-bit inputs, where only M⁻¹'s off-diagonal blocks take fp32 operands (and are
-    rounded to 16 bits right after, as fla does); 16-bit operands ignore it.
-    """
-    tl.static_assert(C == 4 * SUB)
-    # Grid (value head, chunk): the GROUP value heads sharing a key head read its keys together.
-    head, chunk = tl.program_id(0), tl.program_id(1)
-    start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
-    n_rows = tl.load(chunk_end_ptr + chunk) - start.to(tl.int32)
-    if n_rows <= 0:  # an unused tail chunk of the table
-        return
-    r0 = tl.arange(0, SUB)
-    r1, r2, r3 = r0 + SUB, r0 + 2 * SUB, r0 + 3 * SUB
-    ok0, ok1, ok2, ok3 = r0 < n_rows, r1 < n_rows, r2 < n_rows, r3 < n_rows
-
-    # Gates and G, which is stored: the later kernels read it.
-    A_log = tl.load(A_log_ptr + head).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
-    a_base, b_base = a_ptr + start * stride_at + head, b_ptr + start * stride_bt + head
-    G0, beta0, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r0, ok0, 0.0)
-    G1, beta1, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r1, ok1, G_so_far)
-    G2, beta2, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r2, ok2, G_so_far)
-    G3, beta3, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r3, ok3, G_so_far)
-    G_base = G_ptr + start * H_V + head
-    tl.store(G_base + r0 * H_V, G0, mask=ok0)
-    tl.store(G_base + r1 * H_V, G1, mask=ok1)
-    tl.store(G_base + r2 * H_V, G2, mask=ok2)
-    tl.store(G_base + r3 * H_V, G3, mask=ok3)
-
-    # The 10 Gram blocks k_i k_jᵀ (j ≤ i) of the chunk's normalised keys (input dtype), over d_k
-    # in K_STEP slices; missing rows and columns load as 0.
-    k_base = kn_ptr + start * (H_K * D_K) + (head // GROUP) * D_K
-    k_row = H_K * D_K
-    kk00 = tl.zeros((SUB, SUB), dtype=tl.float32)
-    kk10, kk11, kk20, kk21, kk22 = kk00, kk00, kk00, kk00, kk00
-    kk30, kk31, kk32, kk33 = kk00, kk00, kk00, kk00
-    for k_step in range(0, BLOCK_K, K_STEP):
-        cols = k_step + tl.arange(0, K_STEP)
-        col_ok = cols < D_K
-        k0 = _load_rows(k_base, r0, ok0, k_row, cols, col_ok)  # [SUB, K_STEP]
-        k1 = _load_rows(k_base, r1, ok1, k_row, cols, col_ok)
-        k2 = _load_rows(k_base, r2, ok2, k_row, cols, col_ok)
-        k3 = _load_rows(k_base, r3, ok3, k_row, cols, col_ok)
-        kk00 = tl.dot(k0, tl.trans(k0), kk00, input_precision=PRECISION)
-        kk10 = tl.dot(k1, tl.trans(k0), kk10, input_precision=PRECISION)
-        kk11 = tl.dot(k1, tl.trans(k1), kk11, input_precision=PRECISION)
-        kk20 = tl.dot(k2, tl.trans(k0), kk20, input_precision=PRECISION)
-        kk21 = tl.dot(k2, tl.trans(k1), kk21, input_precision=PRECISION)
-        kk22 = tl.dot(k2, tl.trans(k2), kk22, input_precision=PRECISION)
-        kk30 = tl.dot(k3, tl.trans(k0), kk30, input_precision=PRECISION)
-        kk31 = tl.dot(k3, tl.trans(k1), kk31, input_precision=PRECISION)
-        kk32 = tl.dot(k3, tl.trans(k2), kk32, input_precision=PRECISION)
-        kk33 = tl.dot(k3, tl.trans(k3), kk33, input_precision=PRECISION)
-
-    # M⁻¹ of the block lower-triangular M = I + A: diagonal blocks X_ii by substitution, then
-    # block row i as Inv_ij = −X_ii · Σ_{j≤m<i} A_im · Inv_mj, one block diagonal after the other.
-    x00 = _inverse_diagonal_block(kk00, beta0, G0, SUB)
-    x11 = _inverse_diagonal_block(kk11, beta1, G1, SUB)
-    x22 = _inverse_diagonal_block(kk22, beta2, G2, SUB)
-    x33 = _inverse_diagonal_block(kk33, beta3, G3, SUB)
-    a10 = _system_block(kk10, beta1, G1, G0)
-    a21 = _system_block(kk21, beta2, G2, G1)
-    a32 = _system_block(kk32, beta3, G3, G2)
-    i10 = -tl.dot(x11, tl.dot(a10, x00, input_precision=PRECISION), input_precision=PRECISION)
-    i21 = -tl.dot(x22, tl.dot(a21, x11, input_precision=PRECISION), input_precision=PRECISION)
-    i32 = -tl.dot(x33, tl.dot(a32, x22, input_precision=PRECISION), input_precision=PRECISION)
-    a20 = _system_block(kk20, beta2, G2, G0)
-    a31 = _system_block(kk31, beta3, G3, G1)
-    sum20 = tl.dot(a21, i10, tl.dot(a20, x00, input_precision=PRECISION), input_precision=PRECISION)
-    i20 = -tl.dot(x22, sum20, input_precision=PRECISION)
-    sum31 = tl.dot(a32, i21, tl.dot(a31, x11, input_precision=PRECISION), input_precision=PRECISION)
-    i31 = -tl.dot(x33, sum31, input_precision=PRECISION)
-    a30 = _system_block(kk30, beta3, G3, G0)
-    sum30 = tl.dot(a31, i10, tl.dot(a30, x00, input_precision=PRECISION), input_precision=PRECISION)
-    i30 = -tl.dot(x33, tl.dot(a32, i20, sum30, input_precision=PRECISION), input_precision=PRECISION)
-    # M⁻¹ in the input dtype from here on: the operands of W's and U's products.
-    x00, x11, x22, x33 = x00.to(DOT_DTYPE), x11.to(DOT_DTYPE), x22.to(DOT_DTYPE), x33.to(DOT_DTYPE)
-    i10, i20, i30 = i10.to(DOT_DTYPE), i20.to(DOT_DTYPE), i30.to(DOT_DTYPE)
-    i21, i31, i32 = i21.to(DOT_DTYPE), i31.to(DOT_DTYPE), i32.to(DOT_DTYPE)
-
-    # W = M⁻¹ (k ⊙ beta·exp(G)), K_STEP columns at a time (the key slices come again, from L1/L2).
-    w_base = w_ptr + (start * H_V + head) * D_K
-    scale0, scale1 = beta0 * tl.exp(G0), beta1 * tl.exp(G1)
-    scale2, scale3 = beta2 * tl.exp(G2), beta3 * tl.exp(G3)
-    for k_step in range(0, BLOCK_K, K_STEP):
-        cols = k_step + tl.arange(0, K_STEP)
-        col_ok = cols < D_K
-        w0, w1, w2, w3 = _apply_inverse(
-            x00, i10, x11, i20, i21, x22, i30, i31, i32, x33,
-            (_load_rows(k_base, r0, ok0, k_row, cols, col_ok).to(tl.float32) * scale0[:, None]).to(DOT_DTYPE),
-            (_load_rows(k_base, r1, ok1, k_row, cols, col_ok).to(tl.float32) * scale1[:, None]).to(DOT_DTYPE),
-            (_load_rows(k_base, r2, ok2, k_row, cols, col_ok).to(tl.float32) * scale2[:, None]).to(DOT_DTYPE),
-            (_load_rows(k_base, r3, ok3, k_row, cols, col_ok).to(tl.float32) * scale3[:, None]).to(DOT_DTYPE),
-            PRECISION)
-        _store_rows(w_base, r0, ok0, H_V * D_K, cols, col_ok, w0)
-        _store_rows(w_base, r1, ok1, H_V * D_K, cols, col_ok, w1)
-        _store_rows(w_base, r2, ok2, H_V * D_K, cols, col_ok, w2)
-        _store_rows(w_base, r3, ok3, H_V * D_K, cols, col_ok, w3)
-
-    # U = M⁻¹ (v ⊙ beta), BLOCK_V columns at a time.
-    v_base = v_ptr + start * stride_vt + head * stride_vh
-    u_base = u_ptr + (start * H_V + head) * D_V
-    for v_step in range(0, D_V, BLOCK_V):
-        cols = v_step + tl.arange(0, BLOCK_V)
-        col_ok = cols < D_V
-        u0, u1, u2, u3 = _apply_inverse(
-            x00, i10, x11, i20, i21, x22, i30, i31, i32, x33,
-            (_load_rows(v_base, r0, ok0, stride_vt, cols, col_ok).to(tl.float32) * beta0[:, None]).to(DOT_DTYPE),
-            (_load_rows(v_base, r1, ok1, stride_vt, cols, col_ok).to(tl.float32) * beta1[:, None]).to(DOT_DTYPE),
-            (_load_rows(v_base, r2, ok2, stride_vt, cols, col_ok).to(tl.float32) * beta2[:, None]).to(DOT_DTYPE),
-            (_load_rows(v_base, r3, ok3, stride_vt, cols, col_ok).to(tl.float32) * beta3[:, None]).to(DOT_DTYPE),
-            PRECISION)
-        _store_rows(u_base, r0, ok0, H_V * D_V, cols, col_ok, u0)
-        _store_rows(u_base, r1, ok1, H_V * D_V, cols, col_ok, u1)
-        _store_rows(u_base, r2, ok2, H_V * D_V, cols, col_ok, u2)
-        _store_rows(u_base, r3, ok3, H_V * D_V, cols, col_ok, u3)
-
-
-@triton.jit
-def _state_chunk_step(
-    S, chunk, chunk_start, kn_ptr, w_ptr, u_ptr, G_ptr, h_ptr, vnew_ptr, seq_end, head, kk, k_ok, vv, v_ok,
-    H_V, H_K, D_K, D_V, GROUP: tl.constexpr, C: tl.constexpr, DOT_DTYPE: tl.constexpr,
-):
-    """One chunk of the state pass: save S0, u = U − W·S0, S ← S0·exp(G_C) + kᵀ·(u·exp(G_C − G)).
-
-    Addresses are a scalar int64 base plus int32 tile offsets: int64 offset tiles would double
-    the registers of every [C, d] address tile (the pass ran at 255 registers with spills)."""
-    i = tl.arange(0, C)
-    row_ok = chunk_start + i < seq_end
-    kd_mask = row_ok[:, None] & k_ok[None, :]
-    w = tl.load(w_ptr + (chunk_start * H_V + head) * D_K + i[:, None] * (H_V * D_K) + kk[None, :],
-                mask=kd_mask, other=0.0)  # [C, BK]
-    k = tl.load(kn_ptr + (chunk_start * H_K + head // GROUP) * D_K + i[:, None] * (H_K * D_K) + kk[None, :],
-                mask=kd_mask, other=0.0)  # [C, BK] normalised
-    vd_mask = row_ok[:, None] & v_ok[None, :]
-    vd_base = (chunk_start * H_V + head) * D_V
-    vd_offsets = i[:, None] * (H_V * D_V) + vv[None, :]
-    u = tl.load(u_ptr + vd_base + vd_offsets, mask=vd_mask, other=0.0).to(tl.float32)  # [C, BV]
-    G = tl.load(G_ptr + (chunk_start + i) * H_V + head, mask=row_ok, other=0.0)  # [C]
-    G_end = tl.load(G_ptr + (tl.minimum(chunk_start + C, seq_end) - 1) * H_V + head)
-
-    h_base = h_ptr + (chunk.to(tl.int64) * H_V + head) * D_K * D_V
-    tl.store(h_base + kk[:, None] * D_V + vv[None, :], S.to(h_ptr.dtype.element_ty), mask=k_ok[:, None] & v_ok[None, :])
-    v_new = u - _mm(w, S, DOT_DTYPE)  # [C, BV]
-    tl.store(vnew_ptr + vd_base + vd_offsets, v_new.to(vnew_ptr.dtype.element_ty), mask=vd_mask)
-    # Decay folded into the [C, BV] values rather than the [C, BK] keys (fewer multiplies on the
-    # sequential path); missing rows have k = 0.
-    v_to_end = v_new * tl.exp(G_end - G)[:, None]
-    return S * tl.exp(G_end) + _mm(tl.trans(k), v_to_end, DOT_DTYPE)
-
-
-@triton.jit
-def state_pass_kernel(
-    kn_ptr, w_ptr, u_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr, h_ptr, vnew_ptr,
-    stride_s0, stride_s1, stride_s2, H_V, H_K, D_K: tl.constexpr, D_V: tl.constexpr,
-    GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
-):
-    # Grid (d_v block, value head, sequence): the sibling programs that read the same w / k tiles
-    # every chunk are launched together, so those reads hit L2 (sequence-first, they did not).
-    seq, head = tl.program_id(2), tl.program_id(1)
-    kk = tl.arange(0, BLOCK_K)
-    vv = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok, v_ok = kk < D_K, vv < D_V
-    tile_ok = k_ok[:, None] & v_ok[None, :]
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    state_tile = state_ptr + slot * stride_s0 + head * stride_s1 + kk[:, None] * stride_s2 + vv[None, :]
-    S = tl.load(state_tile, mask=tile_ok, other=0.0).to(tl.float32)  # [BK, BV]
-
-    seq_start = tl.load(cu_ptr + seq).to(tl.int64)
-    seq_end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    first_chunk = tl.load(seq_offsets_ptr + seq)
-    n_chunks = tl.load(seq_offsets_ptr + seq + 1) - first_chunk
-    # A sequence's chunks are consecutive in the table and in the tokens: row addresses are
-    # arithmetic in the loop index (no table load on the sequential path).
-    if LOOP_AS_WHILE:
-        j = 0
-        while j < n_chunks:
-            S = _state_chunk_step(S, first_chunk + j, seq_start + j * C, kn_ptr, w_ptr, u_ptr, G_ptr, h_ptr,
-                                  vnew_ptr, seq_end, head, kk, k_ok, vv, v_ok, H_V, H_K, D_K, D_V, GROUP, C, DOT_DTYPE)
-            j += 1
-    else:
-        for j in range(0, n_chunks):
-            S = _state_chunk_step(S, first_chunk + j, seq_start + j * C, kn_ptr, w_ptr, u_ptr, G_ptr, h_ptr,
-                                  vnew_ptr, seq_end, head, kk, k_ok, vv, v_ok, H_V, H_K, D_K, D_V, GROUP, C, DOT_DTYPE)
-    tl.store(state_tile, S.to(state_ptr.dtype.element_ty), mask=tile_ok)
+from kernels._common import L2NORM_EPS
+from kernels.gdn_prefill_state import state_pass_kernel  # noqa: F401 - listed here with the others
+from kernels.gdn_prefill_tiles import _chunk_rows, _mm
+from kernels.gdn_prefill_wy import chunk_wy_kernel  # noqa: F401 - listed here with the others
 
 
 @triton.jit
 def chunk_output_kernel(
-    qn_ptr, kn_ptr, G_ptr, h_ptr, vnew_ptr, out_ptr, chunk_start_ptr, chunk_end_ptr,
-    stride_ot, stride_oh, H_V, H_K, D_K, D_V,
+    q_ptr, k_ptr, k_inv_norm_ptr, G_ptr, h_ptr, vnew_ptr, out_ptr, chunk_start_ptr, chunk_end_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, H_V, H_K, D_K, D_V, scale,
     GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
+    """o = (q̂·exp(G))·S0 + causal(q̂·k̂ᵀ · exp(G_i − G_j))·u for one (chunk, value head, d_v block).
+
+    q and k are raw: the products run on them (exact 16-bit operands) and the normalisation is
+    folded into their rows afterwards: q's inverse norm (times d_k^-½) from the whole q rows this
+    program loads anyway, k's from the WY kernel (k_inv_norm)."""
     # Grid (d_v block, value head, chunk): programs sharing q / k (same chunk, same key head) run
     # together.
     chunk, head = tl.program_id(2), tl.program_id(1)
@@ -354,19 +55,27 @@ def chunk_output_kernel(
     kk = tl.arange(0, BLOCK_K)
     vv = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok, v_ok = kk < D_K, vv < D_V
-    qk_tile = (rows * H_K + head // GROUP)[:, None] * D_K + kk[None, :]
     qk_mask = row_ok[:, None] & k_ok[None, :]
-    q = tl.load(qn_ptr + qk_tile, mask=qk_mask, other=0.0)  # [C, BK] normalised and scaled
-    k = tl.load(kn_ptr + qk_tile, mask=qk_mask, other=0.0)  # [C, BK]
+    key_head = head // GROUP
+    q = tl.load(q_ptr + start * stride_qt + key_head * stride_qh + i[:, None] * stride_qt + kk[None, :],
+                mask=qk_mask, other=0.0)  # [C, BK] raw
+    k = tl.load(k_ptr + start * stride_kt + key_head * stride_kh + i[:, None] * stride_kt + kk[None, :],
+                mask=qk_mask, other=0.0)  # [C, BK] raw
+    k_inv_norm = tl.load(k_inv_norm_ptr + start * H_K + key_head + i * H_K, mask=row_ok, other=0.0)  # [C]
     G = tl.load(G_ptr + rows * H_V + head, mask=row_ok, other=0.0)  # [C]
     h_tile = h_ptr + ((chunk.to(tl.int64) * H_V + head) * D_K + kk[:, None]) * D_V + vv[None, :]
     S0 = tl.load(h_tile, mask=k_ok[:, None] & v_ok[None, :], other=0.0)  # [BK, BV]
-    vnew_tile = vnew_ptr + (rows * H_V + head)[:, None] * D_V + vv[None, :]
+    vnew_tile = vnew_ptr + (start * H_V + head) * D_V + i[:, None] * (H_V * D_V) + vv[None, :]
     v_new = tl.load(vnew_tile, mask=row_ok[:, None] & v_ok[None, :], other=0.0)  # [C, BV]
 
+    q32 = q.to(tl.float32)
+    q_scale = tl.rsqrt(tl.sum(q32 * q32, axis=1) + L2NORM_EPS) * scale  # [C]: 1/‖q‖ · d_k^-½
     causal = (i[:, None] >= i[None, :]) & row_ok[:, None]  # missing rows have G = 0: keep exp finite
     decay = tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
-    scores = _mm(q, tl.trans(k), DOT_DTYPE) * decay  # [C, C]
-    o = _mm(q.to(tl.float32) * tl.exp(G)[:, None], S0, DOT_DTYPE) + _mm(scores, v_new, DOT_DTYPE)  # [C, BV]
+    scores = _mm(q, tl.trans(k), DOT_DTYPE) * (q_scale[:, None] * k_inv_norm[None, :]) * decay  # [C, C]
+    # Row scales after the product (diag(s)·(q·S0) = (diag(s)·q)·S0): q enters the tensor cores as
+    # loaded, with no scaled fp32 copy of it held in registers.
+    inter = _mm(q, S0, DOT_DTYPE) * (q_scale * tl.exp(G))[:, None]  # [C, BV]
+    o = inter + _mm(scores, v_new, DOT_DTYPE)  # [C, BV]
     out = out_ptr + rows[:, None] * stride_ot + head * stride_oh + vv[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])

@@ -7,6 +7,7 @@ in bf16 against an fp32 reference on the same bf16-rounded inputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -227,6 +228,15 @@ GOOD_ON_H200 = [
 FORMERLY_CRASHING_ON_H200 = tri_prefill.PrefillLaunch(wy=KernelLaunch(32, 4, 1), state_pass=KernelLaunch(64, 4, 2),
                                                       output=KernelLaunch(128, 4, 3))
 MIXED_LAUNCHES = GOOD_ON_H200 + [FORMERLY_CRASHING_ON_H200]
+# Every state-pass variant at the model's shapes, at the block_v / warps / stages the sweep tries.
+STATE_VARIANTS_ON_CUDA = [
+    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, state_pass=tri_prefill.StatePassLaunch(*knobs, **variant))
+    for knobs, variant in [
+        ((64, 4, 2), dict(key_parts=2)), ((64, 8, 2), dict(key_parts=2)), ((32, 4, 2), dict(transposed=True)),
+        ((32, 8, 2), dict(transposed=True)), ((64, 8, 1), dict(prefetch=True)),
+        ((64, 8, 1), dict(key_parts=2, prefetch=True)), ((32, 4, 3), dict(transposed=True, key_parts=2)),
+    ]
+]
 
 
 def _launch_id(launch) -> str:
@@ -244,6 +254,67 @@ def test_triton_prefill_mixed_launches(launch):
     torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
     assert torch.equal(state[_untouched(slots)], original[_untouched(slots)])
+
+
+# State-pass code variants (kernels/gdn_prefill_state.py): every combination, at block_v 32 (d_v =
+# 48 leaves a masked tail). key_parts=2 needs d_k ≥ 32, so these run at d_k = 32.
+STATE_VARIANTS = [
+    tri_prefill.StatePassLaunch(32, 4, 2, transposed=transposed, key_parts=parts, prefetch=prefetch)
+    for transposed in (False, True) for parts in (1, 2) for prefetch in (False, True)
+]
+PLAN_INPUTS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "slots", "cu", "chunks")
+
+
+def _poisoned(work: tri_prefill.PrefillWork) -> tri_prefill.PrefillWork:
+    """The plan with every buffer the kernels write (scratch and output) NaN-filled, so that an
+    element a kernel fails to write shows up as NaN downstream."""
+    scratch = {f.name: torch.full_like(getattr(work, f.name), float("nan"))
+               for f in dataclasses.fields(work) if f.name not in PLAN_INPUTS}
+    return dataclasses.replace(work, **scratch)
+
+
+@pytest.fixture(scope="module")
+def planned_through_wy():
+    """Packed sequences with an empty one, planned and run up to the state pass (once per module:
+    the interpreter is slow); each variant test then runs its own state pass and outputs."""
+    lengths = [65, 1, 0, 64, 3]
+    x, state, cu = make_inputs(lengths, d_k=32, d_v=48, device=DEVICE, seed=17)
+    slots = _slots(len(lengths), DEVICE)
+    expect_state = state.clone()
+    expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
+    work = _poisoned(tri_prefill.plan_prefill(**x, state=state.clone(), slots=slots, cu_seqlens=cu))
+    tri_prefill.run_wy(work, tri_prefill.DEFAULT_LAUNCH.wy)
+    return work, state, expect, expect_state
+
+
+def _variant_id(launch) -> str:
+    return f"transposed{int(launch.transposed)}-parts{launch.key_parts}-prefetch{int(launch.prefetch)}"
+
+
+@pytest.mark.parametrize("variant", STATE_VARIANTS, ids=_variant_id)
+def test_triton_state_pass_variants(planned_through_wy, variant):
+    work, state0, expect, expect_state = planned_through_wy
+    fresh = _poisoned(work)
+    work = dataclasses.replace(work, state=state0.clone(), v_new=fresh.v_new, chunk_states=fresh.chunk_states,
+                               out=fresh.out)
+    tri_prefill.run_state_pass(work, variant)
+    tri_prefill.run_output(work, tri_prefill.DEFAULT_LAUNCH.output)
+    torch.testing.assert_close(work.out, expect, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(work.state, expect_state, rtol=2e-5, atol=2e-5)
+    untouched = _untouched(work.slots)
+    assert torch.equal(work.state[untouched], state0[untouched])
+
+
+def test_triton_prefill_writes_every_output_element():
+    """The whole op on NaN-poisoned buffers: any output element or intermediate the kernels leave
+    unwritten (and a later stage reads) turns into NaN."""
+    x, state, cu = make_inputs([63, 64, 1, 65], device=DEVICE, seed=19)
+    slots = _slots(4, DEVICE)
+    expect_state = state.clone()
+    expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
+    got = tri_prefill.run_prefill(_poisoned(tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu)))
+    torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
 
 
 def _check_launches_at_model_shapes(launches, repeats: int = 3) -> None:
@@ -277,6 +348,11 @@ def _run_launches_in_child(which: str, expected: int) -> None:
 @requires_cuda
 def test_triton_prefill_launches_at_model_shapes_cuda():
     _run_launches_in_child("good-launches", len(GOOD_ON_H200))
+
+
+@requires_cuda
+def test_triton_prefill_state_variants_at_model_shapes_cuda():
+    _run_launches_in_child("state-variants", len(STATE_VARIANTS_ON_CUDA))
 
 
 @requires_cuda
@@ -339,5 +415,7 @@ def test_triton_decode_model_shapes_bf16():
 
 if __name__ == "__main__" and sys.argv[1:] == ["good-launches"]:
     _check_launches_at_model_shapes(GOOD_ON_H200)
+elif __name__ == "__main__" and sys.argv[1:] == ["state-variants"]:
+    _check_launches_at_model_shapes(STATE_VARIANTS_ON_CUDA)
 elif __name__ == "__main__" and sys.argv[1:] == ["formerly-crashing-launch"]:
     _check_launches_at_model_shapes([FORMERLY_CRASHING_ON_H200])
