@@ -86,6 +86,20 @@ def _free(device: str) -> None:
 
 
 COPY_BANDWIDTH = 4.28e12  # B/s, device-to-device copy measured on the H200 (shared/device/README.md)
+MATMUL_RATE = 686e12  # FLOP/s, bf16 matrix product at 8192³ measured on the H200 (shared/device/README.md)
+
+
+def decode_flops(model, batch: float, context: float) -> float:
+    """Fewest FLOPs of one decode step: every matrix weight once per sequence (2-D parameters
+    but the gathered input embedding; MoE expert stacks are not counted), attention over the
+    `context` tokens (summed over the batch), and the GDN state update and read-out."""
+    c = model.config
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2 and min(p.shape) > 16)
+    if model.lm_head is not None:
+        matrices -= model.embed.numel()
+    attention = len(c.attn_layer_ids) * 4 * c.num_attention_heads * c.head_dim * context
+    heads = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    return 2 * batch * matrices + attention + len(c.gdn_layer_ids) * 6 * heads * batch
 
 
 def decode_bytes(model, replay: bool, batch: float, context: float, ring_len: int = 16) -> float:
@@ -144,7 +158,8 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
         batch = (stats.decode_seq_steps - before.decode_seq_steps) / steps
         context = (stats.decode_context_tokens - before.decode_context_tokens) / steps
         result.update(decode_ms=1e3 * (stats.decode_seconds - before.decode_seconds) / steps, decode_batch=batch,
-                      roofline_ms=1e3 * decode_bytes(model, ARMS[arm]["replayssm"], batch, context) / COPY_BANDWIDTH)
+                      roofline_ms=1e3 * decode_bytes(model, ARMS[arm]["replayssm"], batch, context) / COPY_BANDWIDTH,
+                      flop_floor_ms=1e3 * decode_flops(model, batch, context) / MATMUL_RATE)
     del engine
     _free(args.device)
     return result
@@ -186,14 +201,15 @@ def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch
 def print_table(rows: list[dict]) -> None:
     header = (f"{'workload':<9} {'arm':<24} {'hit%':>6} {'ideal%':>7} {'prompt tok/s':>13} {'out tok/s':>10} "
               f"{'wall s':>8} {'peak GiB':>9} {'running':>8} {'preempt':>8} {'dec ms/step':>11} {'roofline ms':>11} "
-              f"{'dec batch':>9}")
+              f"{'flop ms':>8} {'dec batch':>9}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['workload']:<9} {r['arm']:<24} {100 * r['hit']:6.1f} {100 * r['ideal_hit']:7.1f} "
               f"{r['prompt_tps']:13,.0f} {r['output_tps']:10,.0f} {r['wall_s']:8.1f} {r['peak_gib']:9.1f} "
               f"{r['max_running']:8d} {r['preemptions']:8d} {r.get('decode_ms', float('nan')):11.2f} "
-              f"{r.get('roofline_ms', float('nan')):11.2f} {r.get('decode_batch', float('nan')):9.1f}")
+              f"{r.get('roofline_ms', float('nan')):11.2f} {r.get('flop_floor_ms', float('nan')):8.2f} "
+              f"{r.get('decode_batch', float('nan')):9.1f}")
 
 
 def main() -> None:
