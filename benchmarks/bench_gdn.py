@@ -266,7 +266,7 @@ def bench_decode(batch: int, fla, quick: bool):
     row = Row("gdn_decode", f"B={batch}", ours_ms, None, fla_ms, check=check, **rates(ours_ms))
 
     def sweep() -> Row:
-        print(f"sweep gdn_decode B={batch} (default {ours.DEFAULT_LAUNCH})")
+        print(f"sweep gdn_decode B={batch} (default {ours.launch_for_batch(batch)})")
         configs = [ours.DecodeLaunch(*c) for c in (DECODE_SWEEP[:4] if quick else DECODE_SWEEP)]
         _, tuned_ms = _sweep("decode", configs, lambda c: ours.gdn_decode(**x, state=pool, slots=slots, launch=c),
                              quick)

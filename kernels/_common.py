@@ -47,6 +47,13 @@ def l2_normalise_vector(x):
     return x * tl.rsqrt(tl.sum(x * x, axis=0) + L2NORM_EPS)
 
 
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 elsewhere (the interpreter: a small grid, so its programs loop)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def next_pow2_at_least_16(n: int) -> int:
     """Tile width for a head dim: a power of two, ≥ 16 so that tl.dot accepts it."""
     return max(16, triton.next_power_of_2(n))

@@ -36,7 +36,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels._common import LOOP_AS_WHILE, KernelLaunch, gdn_gate_terms, l2_normalise_vector, next_pow2_at_least_16
+from kernels._common import (
+    LOOP_AS_WHILE, KernelLaunch, gdn_gate_terms, l2_normalise_vector, multiprocessor_count, next_pow2_at_least_16,
+)
 
 VARIANTS = ("tile", "persistent")
 
@@ -67,15 +69,27 @@ class DecodeLaunch:
             raise ValueError(f"DecodeLaunch.variant must be one of {VARIANTS}, got {self.variant!r}")
 
 
-# The H200 sweep's best at B = 32 / 128 / 512 (docs/BENCHMARKS.md, 2026-11-29, session 2):
-# persistent programs, 6 per SM, 2 warps, next tiles prefetched 2 deep — 81% of copy bandwidth,
-# 1.17–1.23× fla, against 65% for the one-shot tile at 8 warps. benchmarks/bench_gdn.py
+# The H200 sweep's best at B = 32 (docs/BENCHMARKS.md, 2026-11-29, session 2): persistent
+# programs, 6 per SM, 2 warps, next tiles prefetched 2 deep — 1.22× fla. benchmarks/bench_gdn.py
 # (DECODE_SWEEP) sweeps the alternatives.
 DEFAULT_LAUNCH = DecodeLaunch(block_v=32, num_warps=2, num_stages=3, variant="persistent", programs_per_sm=6)
 # Below 32 sequences the persistent loop has ~one tile per program and nothing to pipeline; the
 # one-shot tile launch is faster there (H200, B = 1: 0.010 ms vs 0.071 ms; fla 0.056 ms).
 SMALL_BATCH_LAUNCH = DecodeLaunch(block_v=32, num_warps=8, num_stages=1, variant="tile")
 SMALL_BATCH = 32
+# From 128 sequences, 256-byte row pieces over 4 warps, 3 programs per SM, state streamed through
+# L2 (session 3 sweep: B = 128 / 256 / 512 at 0.221 / 0.431 / 0.874 ms, 85-87% of copy bandwidth,
+# against 0.231 / 0.464 / 0.933 ms for DEFAULT_LAUNCH; at B = 32 it is slower, 0.101 vs 0.062 ms).
+LARGE_BATCH_LAUNCH = DecodeLaunch(block_v=64, num_warps=4, num_stages=3, variant="persistent", programs_per_sm=3,
+                                  stream_state=True)
+LARGE_BATCH = 128
+
+
+def launch_for_batch(batch: int) -> DecodeLaunch:
+    """The measured-best launch for `batch` sequences (what `gdn_decode` runs when given none)."""
+    if batch < SMALL_BATCH:
+        return SMALL_BATCH_LAUNCH
+    return LARGE_BATCH_LAUNCH if batch >= LARGE_BATCH else DEFAULT_LAUNCH
 
 
 @triton.jit
@@ -202,13 +216,6 @@ def _gdn_decode_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device: torch.device) -> int:
-    """SMs of a CUDA device; 1 elsewhere (the interpreter: a small grid, so its programs loop)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _tma_can_load(state: torch.Tensor) -> bool:
     """A TMA descriptor needs sm_90+ and 16-byte aligned base and strides (d_v a multiple of 4
     for fp32, 8 for bf16); elsewhere a `tma` launch falls back to pointer loads."""
@@ -238,15 +245,14 @@ def _unit_inner(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, launch: DecodeLaunch | KernelLaunch = DEFAULT_LAUNCH,
+def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, launch: DecodeLaunch | KernelLaunch | None = None,
                *, out: torch.Tensor | None = None) -> torch.Tensor:
     """One step per sequence: q, k [B, H_k, d_k]; v [B, H_v, d_v]; a, b [B, H_v]; state [S, H_v, d_k, d_v].
 
-    Returns o [B, H_v, d_v] in q.dtype, written into `out` when given (contiguous in d_v).
+    `launch` None: `launch_for_batch(B)`. Returns o [B, H_v, d_v] in q.dtype, written into `out`
+    when given (contiguous in d_v).
     """
-    if launch is DEFAULT_LAUNCH and k.shape[0] < SMALL_BATCH:
-        launch = SMALL_BATCH_LAUNCH
-    launch = as_decode_launch(launch)
+    launch = launch_for_batch(k.shape[0]) if launch is None else as_decode_launch(launch)
     q, k, v, a, b = (_unit_inner(t) for t in (q, k, v, a, b))
     assert state.stride(3) == 1, "state must be contiguous in d_v"
     B, H_k, d_k = k.shape
@@ -262,7 +268,7 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, launch: DecodeLaunch
     num_tiles = B * H_v * n_vblocks
     persistent = launch.variant == "persistent"
     if persistent:
-        grid = (min(num_tiles, launch.programs_per_sm * _multiprocessor_count(q.device)),)
+        grid = (min(num_tiles, launch.programs_per_sm * multiprocessor_count(q.device)),)
     else:
         grid = (B, H_v, n_vblocks)
     use_tma = launch.tma and _tma_can_load(state)

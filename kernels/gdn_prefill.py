@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    LOOP_AS_WHILE, TRITON_DTYPES, ChunkTable, KernelLaunch, chunk_table, next_pow2_at_least_16,
+    LOOP_AS_WHILE, TRITON_DTYPES, ChunkTable, KernelLaunch, chunk_table, multiprocessor_count,
+    next_pow2_at_least_16,
 )
 from kernels.gdn_prefill_kernels import chunk_output_kernel
 from kernels.gdn_prefill_state import state_pass_kernel
@@ -36,7 +37,7 @@ class StatePassLaunch(KernelLaunch):
     says what each changes). A plain KernelLaunch means all three off."""
 
     transposed: bool = False  # carry Sᵀ [block_v, d_k]: the state is the products' register operand
-    key_parts: int = 1  # 1, or 2: the state as two d_k halves (needs d_k ≥ 32)
+    key_parts: int = 1  # 1, or 2: the state as two d_k halves (d_k < 32 runs in one part)
     prefetch: bool = False  # next chunk's tiles loaded into registers a whole chunk ahead (use num_stages=1)
 
     def __post_init__(self):
@@ -57,14 +58,29 @@ class PrefillLaunch:
     Stages share no block_v-dependent buffer or grid: every intermediate is allocated at full d_v
     (plan_prefill) and each launch sizes its own grid, so any mix of per-stage knobs is valid
     (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the H200 sweep's fastest end-to-end
-    combination at 8×2048 (docs/BENCHMARKS.md, 2026-11-29, session 2: 1.38 ms, was 2.14 ms with
-    the compile-table guesses). The register-resident WY kernel wins with ONE warp: at ~240
-    registers per thread a 16-row tile is replicated in every warp, so more warps add work.
+    combination (docs/BENCHMARKS.md, 2026-11-29, session 3: the state pass as two d_k halves,
+    0.37 / 0.82 ms at 8×2048 / 64×512 against 0.38 / 0.83 in one; WY block_v 64). The
+    register-resident WY kernel wins with ONE warp: at ~240 registers per thread a 16-row tile is
+    replicated in every warp, so more warps add work.
+    `state_pass_few_programs` replaces `state_pass` when its grid would have fewer programs than
+    the GPU has SMs (a few long sequences): each program then walks a long chain of chunks and
+    the pass is latency-bound, so narrower d_v blocks (more programs) win — 1×32768: 1.20 ms at
+    block_v 32 against 1.36 ms at 64. None: always `state_pass`.
     """
 
-    wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=32, num_warps=1, num_stages=1))
-    state_pass: KernelLaunch = field(default_factory=lambda: StatePassLaunch(block_v=64, num_warps=4, num_stages=2))
+    wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=1, num_stages=1))
+    state_pass: KernelLaunch = field(
+        default_factory=lambda: StatePassLaunch(block_v=64, num_warps=4, num_stages=2, key_parts=2))
     output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=128, num_warps=4, num_stages=3))
+    state_pass_few_programs: KernelLaunch | None = field(
+        default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=2))
+
+    def state_pass_for(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int) -> KernelLaunch:
+        """The state-pass launch for this many sequences × value heads on `sm_count` SMs."""
+        programs = num_seqs * num_heads * triton.cdiv(d_v, self.state_pass.block_v)
+        if self.state_pass_few_programs is not None and programs < sm_count:
+            return self.state_pass_few_programs
+        return self.state_pass
 
 
 DEFAULT_LAUNCH = PrefillLaunch()
@@ -151,14 +167,15 @@ def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
     launch = as_state_pass_launch(launch)
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
     block_k = next_pow2_at_least_16(d_k)
-    assert block_k // launch.key_parts >= 16, "key_parts=2 needs d_k > 16 (tl.dot takes ≥ 16 columns)"
+    # Halves narrower than 16 columns cannot be tl.dot operands: small heads run in one part.
+    key_parts = launch.key_parts if block_k // launch.key_parts >= 16 else 1
     state = work.state
     state_pass_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
         work.k, work.k_inv_norm, work.w, work.u, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
         work.chunk_states, work.v_new,
         work.k.stride(0), work.k.stride(1), state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
         D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v,
-        KEY_PARTS=launch.key_parts, TRANSPOSED=launch.transposed, PREFETCH=launch.prefetch,
+        KEY_PARTS=key_parts, TRANSPOSED=launch.transposed, PREFETCH=launch.prefetch,
         DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
@@ -183,7 +200,8 @@ def run_prefill(work: PrefillWork, launch: PrefillLaunch = DEFAULT_LAUNCH) -> to
     has_tokens = work.chunks.capacity > 0 and work.q.shape[0] > 0
     if has_tokens:
         run_wy(work, launch.wy)
-    run_state_pass(work, launch.state_pass)
+    T, H_k, d_k, H_v, d_v = work.dims
+    run_state_pass(work, launch.state_pass_for(work.slots.numel(), H_v, d_v, multiprocessor_count(work.q.device)))
     if has_tokens:
         run_output(work, launch.output)
     return work.out

@@ -215,6 +215,8 @@ def test_triton_prefill_half_precision_path(correlated_keys):
 # every block_v mix; CUDA (test_triton_prefill_launches_at_model_shapes_cuda) also compiles each knob set.
 GOOD_ON_H200 = [
     tri_prefill.DEFAULT_LAUNCH,
+    # What the default runs for a few long sequences (fewer state-pass programs than SMs).
+    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, state_pass=tri_prefill.DEFAULT_LAUNCH.state_pass_few_programs),
     # The previous defaults, and block_v both wider and narrower than d_v.
     tri_prefill.PrefillLaunch(wy=KernelLaunch(32, 8, 1), state_pass=KernelLaunch(32, 8, 2),
                               output=KernelLaunch(64, 8, 2)),
@@ -237,6 +239,17 @@ STATE_VARIANTS_ON_CUDA = [
         ((64, 8, 1), dict(key_parts=2, prefetch=True)), ((32, 4, 3), dict(transposed=True, key_parts=2)),
     ]
 ]
+
+
+def test_state_pass_launch_by_program_count():
+    """Fewer state-pass programs than SMs at the default block_v: the narrower launch."""
+    launch = tri_prefill.DEFAULT_LAUNCH
+    programs = 48 * (128 // launch.state_pass.block_v)  # per sequence, Qwen3.5-27B's 48 heads × d_v 128
+    assert launch.state_pass_for(1, 48, 128, sm_count=programs + 1) is launch.state_pass_few_programs
+    assert launch.state_pass_for(1, 48, 128, sm_count=programs) is launch.state_pass
+    assert launch.state_pass_for(8, 48, 128, sm_count=132) is launch.state_pass
+    never = dataclasses.replace(launch, state_pass_few_programs=None)
+    assert never.state_pass_for(1, 1, 16, sm_count=132) is launch.state_pass
 
 
 def _launch_id(launch) -> str:

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from kernels import gdn_decode as tri
-from kernels._common import KernelLaunch
+from kernels._common import KernelLaunch, multiprocessor_count
 from kernels.ref import gdn as ref
 from tests.conftest import requires_cuda
 
@@ -29,6 +29,8 @@ SLOTS = [5, 2, 7, 0]  # out of order; slots 1, 3, 4, 6, 8 must stay untouched
 
 LAUNCHES = {
     "default": tri.DEFAULT_LAUNCH,
+    "small-batch": tri.SMALL_BATCH_LAUNCH,
+    "large-batch": tri.LARGE_BATCH_LAUNCH,
     "kernel-launch": KernelLaunch(block_v=16, num_warps=2, num_stages=1),  # the older knob type
     "one-warp": tri.DecodeLaunch(block_v=32, num_warps=1),  # d_k reductions inside one warp
     "persistent": tri.DecodeLaunch(block_v=16, num_warps=4, num_stages=3, variant="persistent", programs_per_sm=3),
@@ -159,7 +161,13 @@ def test_persistent_programs_loop():
         pytest.skip("grid size depends on the GPU's SM count")
     launch = LAUNCHES["persistent"]
     tiles = len(SLOTS) * 4 * 2  # sequences × value heads × d_v blocks of 16 (d_v 32)
-    assert launch.programs_per_sm * tri._multiprocessor_count(torch.device(DEVICE)) < tiles
+    assert launch.programs_per_sm * multiprocessor_count(torch.device(DEVICE)) < tiles
+
+
+def test_launch_for_batch_follows_the_measured_ladder():
+    assert tri.launch_for_batch(1) is tri.launch_for_batch(31) is tri.SMALL_BATCH_LAUNCH
+    assert tri.launch_for_batch(32) is tri.launch_for_batch(127) is tri.DEFAULT_LAUNCH
+    assert tri.launch_for_batch(128) is tri.launch_for_batch(4096) is tri.LARGE_BATCH_LAUNCH
 
 
 def test_launch_validation():
