@@ -30,6 +30,7 @@ for part in "$@"; do
     engine_tests) step engine_tests 150 python3 -m pytest -q --tb=short tests/test_engine_gpu.py tests/test_model_gpu.py ;;
     model)   step model_gpu 240 python3 -m benchmarks.model_gpu ;;
     engine)  step engine_arms 330 python3 -m benchmarks.engine_arms --quick ;;
+    decode_profile) step decode_profile 200 python3 -m benchmarks.decode_profile ;;
     engine_full) step engine_full 560 python3 -m benchmarks.engine_arms --hf --json "$out/engine_full.json" ;;
   esac
 done
