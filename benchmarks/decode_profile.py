@@ -35,7 +35,7 @@ from benchmarks.engine_arms import COPY_BANDWIDTH, MATMUL_RATE, build_model, dec
 
 # Kernel-name fragments → family, first match wins (Triton kernels keep their Python names).
 FAMILIES = [
-    ("replay_ssm", ("_replay_",)),
+    ("replay_ssm", ("replay_step", "replay_fold")),
     ("gdn_decode", ("gdn_decode", "_decode_tile")),
     ("attention", ("attn",)),
     ("conv1d", ("conv",)),

@@ -13,7 +13,7 @@ ncu_one() {  # ncu_one NAME KERNEL_REGEX SKIP COUNT TARGET
   grep -E '^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit (Reg|Shared)|Warp Cycles Per Issued|L2 Hit|L1/TEX Hit|Grid Size|Block Size|Stall|stall' \
       "$out/ncu_$1.txt" | grep -v '^==PROF==' | head -60
 }
-ncu_one replay_step _replay_step 20 1 replay
-ncu_one replay_flush _replay_fold 20 1 replay
+ncu_one replay_step replay_step_kernel 20 1 replay
+ncu_one replay_flush replay_fold_kernel 20 1 replay
 ncu_one decode _gdn_decode 2 1 decode
 ncu_one prefill 'chunk_wy|state_pass|chunk_output' 3 3 prefill

@@ -1,7 +1,7 @@
 """Run one kernel family a few times at its benchmark shape, for a profiler to attach to (H200).
 
     python -m benchmarks.profile_targets replay|decode|prefill|fla_prefill [--reps N]
-    ncu --clock-control none -k regex:_replay_step --launch-skip 4 --launch-count 1 \
+    ncu --clock-control none -k regex:replay_step_kernel --launch-skip 4 --launch-count 1 \
         python -m benchmarks.profile_targets replay
 
 Also `python -m benchmarks.profile_targets breakdown`: torch.profiler's per-kernel CUDA time of
