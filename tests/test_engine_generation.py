@@ -217,3 +217,22 @@ def test_branch_states_outlive_state_pool_pressure(model, max_running):
     assert stats.states_evicted > 0 and stats.discarded_kv_tokens == 0
     reference = make_engine(model, prefix_cache=False, replayssm=False)
     assert tokens_of(outputs) == tokens_of(run(reference, requests))
+
+
+def test_branch_gating_never_stalls_nested_plans(model, workload, reference):
+    """Room for one open branch state only, 3 running: nested branches (a prompt extending a
+    whole earlier prompt, one sharing half a prefix) must still run to the end with the
+    from-scratch tokens — followers, nested leaders among them, are never held back."""
+    prompts, requests = workload
+    engine = make_engine(model, max_running=3)
+    engine.scheduler.branch_state_capacity = 1
+    steps, step = [0], engine._step
+
+    def counted_step():
+        steps[0] += 1
+        assert steps[0] < 5000, "the scheduler stopped making progress"
+        return step()
+
+    engine._step = counted_step
+    assert tokens_of(run(engine, requests)) == reference
+    assert engine.stats.cached_tokens > 0

@@ -50,7 +50,8 @@ class Scheduler:
         # Cached state slots beside the running requests' own: how many branch states may wait
         # for their followers at once (plan_pools' cache_state_slots).
         self.branch_state_capacity = branch_state_capacity
-        self._open_branches: set[tuple[int, int]] = set()  # (id(leader), depth) with followers to come
+        # (id(leader), depth) → (leader, depth): branch states with followers still to come.
+        self._open_branches: dict[tuple[int, int], tuple[Sequence, int]] = {}
         self.waiting: list[Sequence] = []     # sorted by priority
         self.running: list[Sequence] = []     # in admission order (youngest last)
 
@@ -123,18 +124,28 @@ class Scheduler:
             free_places -= 1
 
     def _branches_fit(self, seq: Sequence) -> bool:
-        """A leader's first admission opens a branch state per checkpoint; admit it only while
-        they fit beside the open ones (or when none is open: the plan needs it anyway)."""
-        if seq.cached_tokens is not None or not seq.followers or not self._open_branches:
+        """A top-level leader's first admission opens a branch state per checkpoint; admit it only
+        while they fit beside the open ones. Never held back: followers (nested leaders too —
+        their admissions close branches), and anyone when nothing runs or nothing is open
+        (waiting could not change the open set then)."""
+        if seq.leader is not None or seq.cached_tokens is not None or not seq.followers \
+                or not self._open_branches or not self.running:
             return True
-        return len(self._open_branches) + len(seq.followers) <= self.branch_state_capacity
+        if len(self._open_branches) + len(seq.followers) <= self.branch_state_capacity:
+            return True
+        # About to hold a leader back: first drop branches whose remaining followers will never
+        # be admitted (finished with an error before admission), so they cannot block for good.
+        self._open_branches = {key: (leader, depth) for key, (leader, depth) in self._open_branches.items()
+                               if leader.followers_to_come(depth) > 0}
+        return not self._open_branches or \
+            len(self._open_branches) + len(seq.followers) <= self.branch_state_capacity
 
     def _note_first_admission(self, seq: Sequence) -> None:
         for depth in seq.followers:
-            self._open_branches.add((id(seq), depth))
+            self._open_branches[(id(seq), depth)] = (seq, depth)
         leader = seq.leader
         if leader is not None and leader.followers_to_come(seq.planned_reuse) == 0:
-            self._open_branches.discard((id(leader), seq.planned_reuse))
+            self._open_branches.pop((id(leader), seq.planned_reuse), None)
 
     def followers_to_come(self, seq: Sequence, position: int) -> int:
         """Planned followers that will resume from `seq`'s state at `position` (0: none)."""
@@ -211,3 +222,4 @@ class Scheduler:
         for seq in list(self.running):
             self._drop(seq)
         self.waiting.clear()
+        self._open_branches.clear()
