@@ -206,8 +206,10 @@ class StateCache:
         (`admit(..., planned_resume=position)`) unless nothing else is left to evict. Returns
         False (nothing done) when the tree holds no state there."""
         self._check_live(seq)
+        if count <= 0:
+            return False
         node = self.tree.node_at(seq.tokens, position)
-        if count <= 0 or node is None or node.state_slot is None:
+        if node is None or node.state_slot is None:
             return False
         self.tree.expect_followers(node, count)
         return True

@@ -341,3 +341,29 @@ def test_pack_kv_concatenates_every_context():
         order = [seqs[2], seqs[0], seqs[1]]
         assert torch.equal(pack_kv(order), torch.cat([s.kv_indices for s in order]))
     assert pack_kv([]).numel() == 0
+
+
+def test_expected_followers_keep_a_branch_state_until_admitted():
+    """3 state slots: a leader's working slot, its donated branch state (2 followers expected),
+    and one spare. Interval tracks may only churn the spare; the followers' admissions release
+    the branch state, which is then as evictable as any other."""
+    cache = _cache(state_slots=3)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    leader = cache.admit("lead", prompt)
+    assert cache.track(leader, 4) and cache.donate(leader) == 1
+    assert not cache.expect_followers(leader, 4, 0)  # nobody to wait for: nothing to keep
+    assert cache.expect_followers(leader, 4, 2) and not cache.expect_followers(leader, 3, 1)  # no state at 3
+    branch = cache.tree.node_at(prompt, 4)
+    for position in (5, 6, 7):  # each takes the spare slot, evicting the previous interval state
+        assert cache.track(leader, position) and cache.donate(leader) == 1
+        assert branch.state_slot is not None
+    assert cache.stats().states_evicted == 2
+    cache.finish(leader)
+    first = cache.admit("f1", prompt[:4] + [1, 2], planned_resume=4)
+    assert first.resume_len == 4 and branch.followers == 1
+    cache.finish(first)
+    second = cache.admit("f2", prompt[:4] + [3], planned_resume=4)
+    assert second.resume_len == 4 and branch.followers == 0
+    cache.finish(second)
+    cache.audit()
+    assert branch.state_slot is not None and cache.tree.evictable(spare_expected=True)[1] == cache.tree.num_states
