@@ -5,8 +5,9 @@
     python -m benchmarks.decode_profile --preset tiny --device cpu --batch 8   # smoke run of the script
 
 1. The real Engine runs `--batch` prompts of `--prompt-len` random tokens to `--output-tokens`
-   each. Every decode-only step at the full batch is split, with a device sync between phases,
-   into scheduling, the forward (a CUDA-graph replay), sampling + stop checks, and the rest.
+   each. Every decode-only step at the full batch is split (host_overhead.PhaseTimer, with a
+   device sync between phases) into scheduling, the forward (the runner's decode: a CUDA-graph
+   replay), sampling + stop checks, and the rest.
 2. Then, on exactly the inputs of the last step (the bucket graph's static batch): the graph
    replayed alone (with the SM clock, power and throttle reasons while it runs), the same
    forward run eagerly, and torch.profiler over graph replays — kernels by family, the top
@@ -23,7 +24,6 @@ import json
 import random
 import statistics
 import subprocess
-import time
 from collections import defaultdict
 
 import torch
@@ -32,6 +32,7 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
 from benchmarks.engine_arms import COPY_BANDWIDTH, MATMUL_RATE, build_model, decode_bytes, decode_flops
+from benchmarks.host_overhead import PhaseTimer
 
 # Kernel-name fragments → family, first match wins (Triton kernels keep their Python names).
 FAMILIES = [
@@ -50,58 +51,15 @@ def family(name: str) -> str:
     return next((fam for fam, fragments in FAMILIES if any(f in low for f in fragments)), "other")
 
 
-class StepPhases:
-    """Wraps the engine's step pieces with synced timers; keeps each step's phase times."""
-
-    def __init__(self, engine: Engine, sync) -> None:
-        self.sync = sync
-        self.current: dict[str, float] = defaultdict(float)
-        self.steps: list[dict[str, float]] = []
-        self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.runner, "decode", "forward")
-        self._wrap(engine, "_sample_and_stop", "sample_stop")
-        inner_step, inner_schedule = engine._step, engine.scheduler.schedule
-
-        def schedule():
-            plan = inner_schedule()
-            self.current["batch"], self.current["prefill"] = len(plan.decode), len(plan.prefill)
-            return plan
-
-        def step():
-            self.current = defaultdict(float)
-            self.sync()
-            start = time.perf_counter()
-            done = inner_step()
-            self.sync()
-            self.current["total"] = time.perf_counter() - start
-            self.steps.append(dict(self.current))
-            return done
-
-        engine.scheduler.schedule, engine._step = schedule, step
-
-    def _wrap(self, owner, name: str, phase: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            self.sync()
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.sync()
-                self.current[phase] += time.perf_counter() - start
-
-        setattr(owner, name, timed)
-
-    def decode_report(self, batch: int) -> dict[str, float]:
-        """Median ms per decode-only step at exactly `batch` sequences."""
-        steps = [s for s in self.steps if not s.get("prefill") and s.get("batch") == batch]
-        if not steps:
-            return {}
-        med = lambda key: 1e3 * statistics.median(s.get(key, 0.0) for s in steps)  # noqa: E731
-        report = {key: med(key) for key in ("total", "schedule", "forward", "sample_stop")}
-        report["other_host"] = report["total"] - report["schedule"] - report["forward"] - report["sample_stop"]
-        return {"steps": len(steps), **report}
+def decode_report(timer: PhaseTimer, batch: int) -> dict[str, float]:
+    """Median ms per decode-only step at exactly `batch` sequences."""
+    steps = [s for s in timer.steps if not s.get("prefill_seqs") and s.get("decode_batch") == batch]
+    if not steps:
+        return {}
+    med = lambda key: 1e3 * statistics.median(s.get(key, 0.0) for s in steps)  # noqa: E731
+    report = {key: med(key) for key in ("total", "schedule", "forward", "sample_stop")}
+    report["other_host"] = report["total"] - report["schedule"] - report["forward"] - report["sample_stop"]
+    return {"steps": len(steps), **report}
 
 
 def timed_ms(fn, reps: int, warmup: int = 2) -> float:
@@ -209,10 +167,10 @@ def main() -> None:
     vocab = model.config.vocab_size
     for _ in engine.generate(make_requests(4, 64, 4, vocab, 1, "warm")):  # compile, capture
         pass
-    phases = StepPhases(engine, sync)
+    timer = PhaseTimer(engine, engine.runner, "decode", sync)
     for _ in engine.generate(make_requests(args.batch, args.prompt_len, args.output_tokens, vocab, 2, "run")):
         pass
-    report = phases.decode_report(args.batch)
+    report = decode_report(timer, args.batch)
     bucket = profile_bucket(engine, args.batch, args.trace) if cuda else {}
 
     context = args.batch * (args.prompt_len + args.output_tokens / 2)  # KV tokens read per step, on average

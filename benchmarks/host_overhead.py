@@ -18,6 +18,7 @@ import pstats
 import random
 import time
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -41,21 +42,28 @@ class StubModel(torch.nn.Module):
 
 
 class PhaseTimer:
-    """Wraps engine methods to bill wall time to phases, per decode-only step."""
+    """Wraps engine methods to bill wall time to phases, per step: "schedule", "sample_stop",
+    "forward" (`forward_owner.forward_name`: the model here, the runner's decode in
+    benchmarks/decode_profile.py) and "total", plus the step's "decode_batch" / "prefill_seqs".
+    `sync` runs before and after each timed piece (a device sync on CUDA: GPU work is async)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, forward_owner=None, forward_name: str = "forward",
+                 sync: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
+        self.sync = sync
         self.current: dict[str, float] = {}
         self.steps: list[dict[str, float]] = []
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine, "_sample_and_stop", "sample_stop")
-        self._wrap(engine.model, "forward", "forward")
+        self._wrap(engine.model if forward_owner is None else forward_owner, forward_name, "forward")
         step = engine._step
 
         def timed_step():
             self.current = defaultdict(float)
+            self.sync()
             start = time.perf_counter()
             done = step()
+            self.sync()
             self.current["total"] = time.perf_counter() - start
             self.steps.append(dict(self.current))
             return done
@@ -75,10 +83,12 @@ class PhaseTimer:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
+            self.sync()
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
+                self.sync()
                 self.current[phase] += time.perf_counter() - start
 
         setattr(owner, name, timed)

@@ -6,6 +6,7 @@ the Triton path and the reference differ only by rounding.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -48,10 +49,16 @@ def l2_normalise_vector(x):
 
 
 def multiprocessor_count(device: torch.device) -> int:
-    """SMs of a CUDA device; 1 elsewhere (the interpreter: a small grid, so its programs loop)."""
+    """SMs of a CUDA device; 1 elsewhere (the interpreter: a small grid, so its programs loop).
+    Asked at every decode / prefill launch: the device query is cached per device index."""
     if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_multiprocessor_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_multiprocessor_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def next_pow2_at_least_16(n: int) -> int:

@@ -235,8 +235,7 @@ class Engine:
         if self.scheduler.should_track(seq) and self.cache.track(seq.handle, seq.computed):
             self.cache.donate(seq.handle)  # at once: planned followers may be admitted next step
             # Keep it until they are: eviction takes states nobody is waiting for first.
-            self.cache.expect_followers(seq.handle, seq.computed,
-                                        self.scheduler.followers_to_come(seq, seq.computed))
+            self.cache.expect_followers(seq.handle, seq.computed, seq.followers_to_come(seq.computed))
 
     def _sample_and_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
         """Draw each sequence's next token (one device → host copy per step), append it, and

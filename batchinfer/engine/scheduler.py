@@ -50,8 +50,8 @@ class Scheduler:
         # Cached state slots beside the running requests' own: how many branch states may wait
         # for their followers at once (plan_pools' cache_state_slots).
         self.branch_state_capacity = branch_state_capacity
-        # (id(leader), depth) → (leader, depth): branch states with followers still to come.
-        self._open_branches: dict[tuple[int, int], tuple[Sequence, int]] = {}
+        # (leader, depth) of branch states with followers still to come (sequences hash by identity).
+        self._open_branches: set[tuple[Sequence, int]] = set()
         self.waiting: list[Sequence] = []     # sorted by priority
         self.running: list[Sequence] = []     # in admission order (youngest last)
 
@@ -135,21 +135,17 @@ class Scheduler:
             return True
         # About to hold a leader back: first drop branches whose remaining followers will never
         # be admitted (finished with an error before admission), so they cannot block for good.
-        self._open_branches = {key: (leader, depth) for key, (leader, depth) in self._open_branches.items()
+        self._open_branches = {(leader, depth) for leader, depth in self._open_branches
                                if leader.followers_to_come(depth) > 0}
         return not self._open_branches or \
             len(self._open_branches) + len(seq.followers) <= self.branch_state_capacity
 
     def _note_first_admission(self, seq: Sequence) -> None:
         for depth in seq.followers:
-            self._open_branches[(id(seq), depth)] = (seq, depth)
+            self._open_branches.add((seq, depth))
         leader = seq.leader
         if leader is not None and leader.followers_to_come(seq.planned_reuse) == 0:
-            self._open_branches.pop((id(leader), seq.planned_reuse), None)
-
-    def followers_to_come(self, seq: Sequence, position: int) -> int:
-        """Planned followers that will resume from `seq`'s state at `position` (0: none)."""
-        return seq.followers_to_come(position) if self.wait_for_leaders else 0
+            self._open_branches.discard((leader, seq.planned_reuse))
 
     def _start(self, seq: Sequence, handle) -> None:
         seq.handle = handle
