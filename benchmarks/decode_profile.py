@@ -138,10 +138,16 @@ def profile_bucket(engine: Engine, batch: int, trace_path: str, reps: int = 10) 
     return result
 
 
-def make_requests(count: int, prompt_len: int, output_tokens: int, vocab: int, seed: int, tag: str) -> list[Request]:
+def make_requests(count: int, prompt_len: int, output_tokens: int, vocab: int, seed: int, tag: str,
+                  shared_len: int = 0, groups: int = 1) -> list[Request]:
+    """`count` prompts of `prompt_len` random tokens; with `shared_len`, each first gets one of
+    `groups` random shared prefixes of that length (consecutive prompts share one, as in rag)."""
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
-    return [Request(f"{tag}{i}", tuple(rng.randrange(vocab) for _ in range(prompt_len)), params, seed_key=i)
+    prefixes = [tuple(rng.randrange(vocab) for _ in range(shared_len)) for _ in range(groups)]
+    per_group = -(-count // groups)
+    return [Request(f"{tag}{i}", prefixes[i // per_group] + tuple(rng.randrange(vocab) for _ in range(prompt_len)),
+                    params, seed_key=i)
             for i in range(count)]
 
 
@@ -152,6 +158,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=24)
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens of a shared prefix before each prompt (rag: 2048 with --groups 8)")
+    parser.add_argument("--groups", type=int, default=1, help="distinct shared prefixes")
     parser.add_argument("--replayssm", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--trace", default="/tmp/decode_graph_trace.json", help="the profiler's chrome trace")
@@ -168,19 +177,25 @@ def main() -> None:
     for _ in engine.generate(make_requests(4, 64, 4, vocab, 1, "warm")):  # compile, capture
         pass
     timer = PhaseTimer(engine, engine.runner, "decode", sync)
-    for _ in engine.generate(make_requests(args.batch, args.prompt_len, args.output_tokens, vocab, 2, "run")):
+    for _ in engine.generate(make_requests(args.batch, args.prompt_len, args.output_tokens, vocab, 2, "run",
+                                                args.shared_prefix, args.groups)):
         pass
     report = decode_report(timer, args.batch)
     bucket = profile_bucket(engine, args.batch, args.trace) if cuda else {}
 
-    context = args.batch * (args.prompt_len + args.output_tokens / 2)  # KV tokens read per step, on average
+    own = args.batch * (args.prompt_len + args.output_tokens / 2)
+    context = own + args.batch * args.shared_prefix  # KV tokens read per step (per sequence), on average
     byte_ms = 1e3 * decode_bytes(model, args.replayssm, args.batch, context) / COPY_BANDWIDTH
+    # The same with each shared prefix's KV counted once: what a step must read at the least.
+    unique_ms = 1e3 * decode_bytes(model, args.replayssm, args.batch, own + args.groups * args.shared_prefix) \
+        / COPY_BANDWIDTH
     flop_ms = 1e3 * decode_flops(model, args.batch, context) / MATMUL_RATE
     layers = len(model.config.attn_layer_ids) + len(model.config.gdn_layer_ids)
     print(f"\n{args.preset}, {layers} layers, batch {args.batch}, context ~{context / args.batch:.0f} per sequence, "
           f"replayssm={args.replayssm}")
     print(f"floors: bytes {byte_ms:.2f} ms at {COPY_BANDWIDTH / 1e12:.2f} TB/s; FLOPs {flop_ms:.2f} ms at "
-          f"{MATMUL_RATE / 1e12:.0f} TFLOP/s")
+          f"{MATMUL_RATE / 1e12:.0f} TFLOP/s" + (f"; bytes with shared KV counted once {unique_ms:.2f} ms"
+                                                 if args.shared_prefix else ""))
     if report:
         print(f"engine decode-only steps at batch {args.batch}: {report['steps']}; median ms per step: " + ", ".join(
             f"{key} {report[key]:.2f}" for key in ("total", "schedule", "forward", "sample_stop", "other_host")))
