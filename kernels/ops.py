@@ -17,6 +17,8 @@ import torch
 _REF_MODULES = {
     "rms_norm": "kernels.ref.norm",
     "gated_rms_norm": "kernels.ref.norm",
+    "add_rms_norm": "kernels.ref.norm",
+    "silu_mul": "kernels.ref.activation",
     "causal_conv1d_prefill": "kernels.ref.conv1d",
     "causal_conv1d_decode": "kernels.ref.conv1d",
     "gdn_prefill": "kernels.ref.gdn",
@@ -30,6 +32,8 @@ _REF_MODULES = {
 _TRITON_MODULES = {
     "rms_norm": "kernels.rmsnorm",
     "gated_rms_norm": "kernels.rmsnorm",
+    "add_rms_norm": "kernels.rmsnorm",
+    "silu_mul": "kernels.activation",
     "causal_conv1d_prefill": "kernels.conv1d",
     "causal_conv1d_decode": "kernels.conv1d",
     "gdn_prefill": "kernels.gdn_prefill",
@@ -67,6 +71,8 @@ def _dispatch(name: str) -> Callable:
 
 rms_norm = _dispatch("rms_norm")
 gated_rms_norm = _dispatch("gated_rms_norm")
+add_rms_norm = _dispatch("add_rms_norm")
+silu_mul = _dispatch("silu_mul")
 causal_conv1d_prefill = _dispatch("causal_conv1d_prefill")
 causal_conv1d_decode = _dispatch("causal_conv1d_decode")
 gdn_prefill = _dispatch("gdn_prefill")

@@ -3,7 +3,10 @@
 `HybridModel.forward(batch, caches)` runs one engine step: the new tokens of B sequences
 packed into T rows, every GDN and attention state passed in through `ModelCaches` and
 updated in place. Each layer is pre-norm: x + mixer(norm(x)), then x + mlp(norm(x)), with
-the family's (1 + weight) RMSNorm. Parameters are allocated empty on the target device;
+the family's (1 + weight) RMSNorm. Every residual add is fused with the norm that reads its
+result (`ops.add_rms_norm`): the mixer's with the layer's post-mixer norm, the MLP's with the
+next layer's input norm, so a layer hands its MLP output on un-added, and the last one's is
+added by the final norm. Parameters are allocated empty on the target device;
 `loader.load_weights` or a preset's random init fills them.
 """
 from __future__ import annotations
@@ -38,14 +41,21 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype, device)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches,
-                rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = ops.rms_norm(x, self.input_norm, self.eps)
-        if self.is_gdn:
-            x = x + self.mixer(h, batch, caches)
+    def forward(self, x: torch.Tensor, pending_mlp_out: torch.Tensor | None, batch: ForwardBatch,
+                caches: ModelCaches, rotary: RotaryEmbedding, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream x [T, hidden] plus the previous layer's MLP output not yet added to
+        it (None for the first layer) -> (x, this layer's MLP output, likewise not yet added)."""
+        if pending_mlp_out is None:
+            h = ops.rms_norm(x, self.input_norm, self.eps)  # [T, hidden]
         else:
-            x = x + self.mixer(h, batch, caches, rotary, cos, sin)
-        return x + self.mlp(ops.rms_norm(x, self.post_norm, self.eps))  # [T, hidden]
+            x, h = ops.add_rms_norm(x, pending_mlp_out, self.input_norm, self.eps)
+        if self.is_gdn:
+            mixer_out = self.mixer(h, batch, caches)  # [T, hidden]
+        else:
+            mixer_out = self.mixer(h, batch, caches, rotary, cos, sin)
+        x, h = ops.add_rms_norm(x, mixer_out, self.post_norm, self.eps)
+        return x, self.mlp(h)  # [T, hidden] each
 
 
 class HybridModel(nn.Module):
@@ -76,14 +86,17 @@ class HybridModel(nn.Module):
             _fold_pending_ring_entries(self.config, batch.state_slots, caches)
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions)  # [T, rot/2] each
+        mlp_out = None
         for layer in self.layers:
-            x = layer(x, batch, caches, self.rotary, cos, sin)
+            x, mlp_out = layer(x, mlp_out, batch, caches, self.rotary, cos, sin)
         if batch.is_decode and batch.replay:
             # Every GDN layer appended one ring entry at index cursor % L (a full ring was
             # folded first), so the shared cursor advances once, after all layers.
             slots = batch.state_slots
             caches.cursor[slots] = caches.cursor[slots] % caches.ring_len + 1
-        x = ops.rms_norm(x[batch.logits_indices], self.final_norm, self.config.rms_norm_eps)  # [N, hidden]
+        # The last residual add is needed only where logits are read: gather those rows first.
+        rows = batch.logits_indices
+        _, x = ops.add_rms_norm(x[rows], mlp_out[rows], self.final_norm, self.config.rms_norm_eps)  # [N, hidden]
         return F.linear(x, self.output_embedding).float()  # [N, vocab]
 
 

@@ -2,7 +2,8 @@
 
 Two flavours, because the family uses both: the residual-stream norm scales by `(1 + weight)`
 (its weights are stored zero-centred), while the GDN output norm scales by the plain weight and
-multiplies by `silu(z)`, the per-token output gate.
+multiplies by `silu(z)`, the per-token output gate. `add_rms_norm` is the residual-stream norm
+preceded by the residual add it always follows in a pre-norm decoder.
 """
 from __future__ import annotations
 
@@ -24,3 +25,14 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     """`x / rms(x) · weight · silu(z)` over the last dim; output in x.dtype."""
     gate = F.silu(z.float())
     return (_normalise(x, eps) * weight.float() * gate).to(x.dtype)  # [..., N]
+
+
+def add_rms_norm(x: torch.Tensor, residual_delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, normed): `sum = x + residual_delta` rounded to x.dtype, `normed = rms_norm(sum)`.
+
+    The norm reads the rounded sum, exactly as an unfused `x = x + delta; rms_norm(x)` does,
+    so the residual stream and its normed copy stay consistent with each other.
+    """
+    summed = (x + residual_delta).to(x.dtype)  # [..., N]
+    return summed, rms_norm(summed, weight, eps)

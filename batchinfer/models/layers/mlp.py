@@ -9,6 +9,9 @@ The combine (routing weights x expert outputs, summed over the k experts, plus t
 shared expert) runs in fp32 and rounds once: in bf16 every weight, product and each of the
 k additions rounds separately, which measurably raised the block's error above a dense
 MLP's (transformers combines in the activation dtype; fp32 parity is unaffected).
+
+Every `silu(gate) · up` (dense MLP, shared expert, routed experts) is one `ops.silu_mul` over
+the fused gate|up projection: fp32 inside, one rounding (exactly torch's result in fp32).
 """
 from __future__ import annotations
 
@@ -20,12 +23,12 @@ from torch import nn
 
 from batchinfer.models.config import ModelConfig
 from batchinfer.models.layers.params import empty_param
+from kernels import ops
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) · up(x)) with gate|up stacked row-wise in `gate_up` [2I, hidden]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
-    return F.linear(F.silu(gate) * up, down)
+    return F.linear(ops.silu_mul(F.linear(x, gate_up)), down)  # [T, 2I] -> [T, I] -> [T, hidden]
 
 
 class DenseMLP(nn.Module):
@@ -95,9 +98,9 @@ class SparseMoE(nn.Module):
         counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))  # [E]
         if _grouped_mm_supported(x):
             offsets = counts.cumsum(0).to(torch.int32)  # end of each expert's group
-            gate_up = torch._grouped_mm(x_sorted, self.experts_gate_up.transpose(1, 2), offs=offsets)
-            gate, up = gate_up.chunk(2, dim=-1)
-            y = torch._grouped_mm((F.silu(gate) * up).contiguous(), self.experts_down.transpose(1, 2), offs=offsets)
+            gate_up = torch._grouped_mm(x_sorted, self.experts_gate_up.transpose(1, 2), offs=offsets)  # [T·k, 2I]
+            # silu_mul's output is contiguous, as the grouped GEMM wants its operand.
+            y = torch._grouped_mm(ops.silu_mul(gate_up), self.experts_down.transpose(1, 2), offs=offsets)
         else:
             y = torch.empty_like(x_sorted)
             start = 0
