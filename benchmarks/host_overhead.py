@@ -45,7 +45,9 @@ class PhaseTimer:
     """Wraps engine methods to bill wall time to phases, per step: "schedule", "sample_stop",
     "forward" (`forward_owner.forward_name`: the model here, the runner's decode in
     benchmarks/decode_profile.py) and "total", plus the step's "decode_batch" / "prefill_seqs".
-    `sync` runs before and after each timed piece (a device sync on CUDA: GPU work is async)."""
+    `sync` runs before and after each timed piece (a device sync on CUDA: GPU work is async) —
+    which also stops decode overlap from hiding host work: use it for a breakdown, and a plain
+    `sync` (no-op) timer for the time per step."""
 
     def __init__(self, engine: Engine, forward_owner=None, forward_name: str = "forward",
                  sync: Callable[[], None] = lambda: None) -> None:
@@ -54,7 +56,8 @@ class PhaseTimer:
         self.current: dict[str, float] = {}
         self.steps: list[dict[str, float]] = []
         self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine, "_sample_and_stop", "sample_stop")
+        self._wrap(engine, "_draw", "sample_stop")
+        self._wrap(engine, "_accept", "sample_stop")
         self._wrap(engine.model if forward_owner is None else forward_owner, forward_name, "forward")
         step = engine._step
 

@@ -9,6 +9,12 @@ import torch
 from .radix_tree import RadixNode
 
 
+# The id of a token that is fed to the model before the host knows it (it was drawn on the
+# device by a decode step still in flight): its KV slot is allocated under this id, and the
+# engine writes the real id with `StateCache.resolve_token` before anything reads it.
+AWAITED_TOKEN = -1
+
+
 class SeqHandle:
     """The cache's record of one running sequence (created by `StateCache.admit`).
 

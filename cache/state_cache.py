@@ -11,7 +11,7 @@ from .audit import audit_state_cache
 from .cache_config import CacheConfig, CacheStats
 from .kv_pool import KVPool
 from .radix_tree import MatchResult, RadixNode, RadixTree
-from .seq_handle import SeqHandle
+from .seq_handle import AWAITED_TOKEN, SeqHandle
 from .state_pool import GdnStatePool
 
 _MAX_UNDONATED = 2  # tracked snapshots a sequence may hold before the oldest is donated for it
@@ -161,6 +161,12 @@ class StateCache:
         self._note_peaks()
         return True
 
+    def resolve_token(self, seq: SeqHandle, index: int, token_id: int) -> None:
+        """The real id of a token appended as `AWAITED_TOKEN` (fed while still on the device)."""
+        if seq.tokens[index] != AWAITED_TOKEN:
+            raise ValueError(f"token {index} is {seq.tokens[index]}, not awaited")
+        seq.tokens[index] = int(token_id)
+
     def track(self, seq: SeqHandle, position: int) -> bool:
         """Snapshot the working state, which must be at exactly `position` tokens, into a state
         slot allocated now (evicting the least recently used cached state if the pool is empty).
@@ -226,6 +232,8 @@ class StateCache:
         n = seq.num_tokens if computed_len is None else computed_len
         if not 0 <= n <= seq.num_tokens:
             raise ValueError(f"computed_len {n} outside 0..{seq.num_tokens}")
+        if AWAITED_TOKEN in seq.tokens[:n]:  # the tree would key cached KV by a made-up id
+            raise ValueError("finish before every awaited token was resolved")
         self.kv_pool.free(seq._truncate(max(n, seq.tree_len)))
         if not self.config.prefix_cache:
             self.abort(seq)

@@ -33,8 +33,8 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference(model, workload):
-    """No prefix cache, recurrent decode: every token computed from scratch."""
-    engine = make_engine(model, prefix_cache=False, replayssm=False)
+    """No prefix cache, recurrent decode, one step at a time: every token computed from scratch."""
+    engine = make_engine(model, prefix_cache=False, replayssm=False, overlap_decode=False)
     outputs = run(engine, workload[1])
     assert all(out.cached_tokens == 0 for out in outputs.values())
     return tokens_of(outputs)
@@ -104,8 +104,10 @@ def test_memory_pressure_forces_eviction_and_preemption():
     # Request 0 is greedy, the rest sample: a preempted sample must redraw the same tokens.
     requests = [replace(r, sampling=sampled) if r.request_id else r
                 for r in requests_for(shared_prefix_prompts(seed=5), greedy)]
-    reference = tokens_of(run(make_engine(model, prefix_cache=False, replayssm=False), requests))
+    reference = tokens_of(run(make_engine(model, prefix_cache=False, replayssm=False, overlap_decode=False), requests))
     engine = make_engine(model, memory_budget_bytes=540_000, max_running=64)
+    drains, drain = [], engine.scheduler.drain
+    engine.scheduler.drain = lambda: drains.append(engine._inflight is not None) or drain()
     assert engine.pool_plan.kv_slots < 300
     preempted, preempt = [], engine.scheduler.preempt
     engine.scheduler.preempt = lambda seq: preempted.append(seq.request.sampling.temperature) or preempt(seq)
@@ -113,6 +115,7 @@ def test_memory_pressure_forces_eviction_and_preemption():
     stats = engine.stats
     assert stats.preemptions > 0 and stats.recomputed_tokens > 0
     assert 1.0 in preempted  # a sampled request was recomputed
+    assert any(drains)  # decode steps were in flight when memory ran out: read first, then preempt
     assert engine.cache.stats().kv_evicted_tokens > 0 and stats.states_evicted > 0
     assert stats.cached_tokens <= stats.theoretical_max_cached_tokens
 
@@ -141,8 +144,8 @@ def test_padded_static_decode_buffers_give_the_same_tokens(model, workload, refe
     fits = []
     static_run = graphs.run
 
-    def counting_run(*args):
-        logits = static_run(*args)
+    def counting_run(*args, **kwargs):
+        logits = static_run(*args, **kwargs)
         fits.append(logits is not None)
         return logits
 
@@ -215,7 +218,7 @@ def test_branch_states_outlive_state_pool_pressure(model, max_running):
     stats = engine.stats
     assert stats.cached_tokens == stats.theoretical_max_cached_tokens > 3000
     assert stats.states_evicted > 0 and stats.discarded_kv_tokens == 0
-    reference = make_engine(model, prefix_cache=False, replayssm=False)
+    reference = make_engine(model, prefix_cache=False, replayssm=False, overlap_decode=False)
     assert tokens_of(outputs) == tokens_of(run(reference, requests))
 
 

@@ -28,6 +28,7 @@ class EngineConfig:
     memory_budget_bytes: Optional[int] = None  # explicit pool budget (tests force eviction with it)
     plan_window: Optional[int] = None    # rows planned together; None → the whole input
     cuda_graphs: bool = True             # capture decode steps (CUDA only)
+    overlap_decode: bool = True          # launch the next decode step before reading this one's tokens
 
     def __post_init__(self) -> None:
         if self.state_cache not in ("extra_buffer", "no_buffer"):

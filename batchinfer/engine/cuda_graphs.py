@@ -17,10 +17,19 @@ from typing import Optional, Sequence
 
 import torch
 
+from batchinfer.engine.host_copy import upload_packed
 from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
 
 _LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 log = logging.getLogger(__name__)
+
+
+def select_tokens(host_ids: torch.Tensor, token_from: torch.Tensor, prior: torch.Tensor,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each row's input token: `prior[token_from[i]]` where `token_from[i] >= 0` (a token the
+    previous step drew on the device, never seen by the host), else `host_ids[i]`. No sync."""
+    drawn = prior.index_select(0, token_from.clamp(min=0))  # [B]
+    return torch.where(token_from >= 0, drawn, host_ids, out=out)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -44,6 +53,7 @@ class DecodeGraphs:
         self.state_slots = buffer(b_max)                    # [B_max]
         self.out_kv_slots = buffer(b_max)                   # [B_max]
         self.kv_indptr = buffer(b_max + 1, torch.int32)     # [B_max + 1]
+        self.shared_with_prev = buffer(b_max, torch.int32)  # [B_max] 0: share nothing (pad rows too)
         self.kv_indices = buffer(b_max * ctx_cap)           # [B_max · ctx_cap]
         self.cu_seqlens = torch.arange(b_max + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(b_max, dtype=torch.int64, device=device)
@@ -56,7 +66,7 @@ class DecodeGraphs:
             input_ids=self.input_ids[:b], positions=self.positions[:b], cu_seqlens=self.cu_seqlens[:b + 1],
             is_decode=True, state_slots=self.state_slots[:b], out_kv_slots=self.out_kv_slots[:b],
             kv_indices=self.kv_indices[:b * self.ctx_cap], kv_indptr=self.kv_indptr[:b + 1],
-            logits_indices=self.logits_indices[:b], replay=self.replay)
+            logits_indices=self.logits_indices[:b], replay=self.replay, shared_with_prev=self.shared_with_prev[:b])
 
     def _point_at_scratch(self) -> None:
         """Every row a padding row: warm-up and capture runs then touch scratch slots only."""
@@ -66,6 +76,7 @@ class DecodeGraphs:
         self.out_kv_slots.fill_(self.pad_kv_slot)
         self.kv_indices.fill_(self.pad_kv_slot)
         self.kv_indptr.copy_(torch.arange(self.kv_indptr.numel(), dtype=torch.int32))
+        self.shared_with_prev.zero_()
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -91,9 +102,13 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], positions: Sequence[int], state_slots: Sequence[int],
-            kv_indices: torch.Tensor) -> Optional[torch.Tensor]:
+            kv_indices: torch.Tensor, token_from: Optional[Sequence[int]] = None,
+            prior_tokens: Optional[torch.Tensor] = None,
+            shared_with_prev: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
         """Logits [B, V] of one decode step, or None when it does not fit (run it eagerly).
-        `kv_indices` [Σ(positions + 1)]: each sequence's whole context in turn, new token last."""
+        `kv_indices` [Σ(positions + 1)]: each sequence's whole context in turn, new token last;
+        `token_from` / `prior_tokens`: rows whose token is still on the device; `shared_with_prev`:
+        KV positions each row shares with the one before (DecodeRows)."""
         B = len(token_ids)
         b = next((s for s in self.sizes if s >= B), None)
         total = kv_indices.numel() + (0 if b is None else b - B)
@@ -101,18 +116,25 @@ class DecodeGraphs:
             return None
         pad = b - B
         ctx = torch.cat([kv_indices, torch.full((pad,), self.pad_kv_slot, dtype=torch.int64)])  # [total]
+        from_device = prior_tokens is not None
         rows = torch.tensor([list(token_ids) + [0] * pad, list(positions) + [0] * pad,
-                             list(state_slots) + [self.pad_state_slot] * pad], dtype=torch.int64)   # [3, b]
+                             list(state_slots) + [self.pad_state_slot] * pad,
+                             list(token_from) + [-1] * pad if from_device else [-1] * b,
+                             list(shared_with_prev or [0] * B) + [0] * pad], dtype=torch.int64)  # [5, b]
         indptr = torch.zeros(b + 1, dtype=torch.int64)
         torch.cumsum(rows[1] + 1, 0, out=indptr[1:])  # padded rows: position 0, one (pad) slot   # [b+1]
         new_kv = ctx[indptr[1:] - 1]  # [b] each new token's slot ends its context (pad rows: pad slot)
-        indptr = indptr.to(torch.int32)
-        self.input_ids[:b].copy_(rows[0], non_blocking=True)
-        self.positions[:b].copy_(rows[1], non_blocking=True)
-        self.state_slots[:b].copy_(rows[2], non_blocking=True)
-        self.out_kv_slots[:b].copy_(new_kv, non_blocking=True)
-        self.kv_indptr[:b + 1].copy_(indptr, non_blocking=True)
-        self.kv_indices[:total].copy_(ctx, non_blocking=True)
+        # One pinned upload, then device-side copies into the static buffers (no host wait).
+        ids, pos, slots, source, shared, out_kv, ptr, ctx = upload_packed([*rows, new_kv, indptr, ctx], self.device)
+        self.input_ids[:b].copy_(ids)
+        self.positions[:b].copy_(pos)
+        self.state_slots[:b].copy_(slots)
+        self.out_kv_slots[:b].copy_(out_kv)
+        self.kv_indptr[:b + 1].copy_(ptr)  # int64 → int32 on the device
+        self.kv_indices[:total].copy_(ctx)
+        self.shared_with_prev[:b].copy_(shared)  # int64 → int32 on the device
+        if from_device:
+            select_tokens(self.input_ids[:b], source, prior_tokens, out=self.input_ids[:b])
         if not self.capture:
             return self.model.forward(self._batch(b), self.caches)[:B]
         self._graphs[b].replay()

@@ -11,12 +11,14 @@ import contextlib
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Sequence as Seq
 
 import torch
 
 from batchinfer.engine.config import EngineConfig, dtype_name
 from batchinfer.engine.cuda_graphs import DecodeGraphs
+from batchinfer.engine.host_copy import Download
 from batchinfer.engine.model_runner import DecodeRows, ModelRunner, SequenceChunk
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
 from batchinfer.engine.sampler import SamplingTensors, identity_key, sample
@@ -32,6 +34,32 @@ from cache.state_cache import CacheConfig, StateCache
 log = logging.getLogger(__name__)
 _CPU_DEFAULT_BUDGET_BYTES = 256 << 20  # no free-memory query on the CPU: a modest fixed pool
 _GRAPH_CTX_CAP = 32768  # context slots per row in the decode graphs' buffer; longer steps run eagerly
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A decode step launched with its tokens drawn on the device, not yet read by the host."""
+    seqs: list[Sequence]   # its rows, in order
+    tokens: torch.Tensor   # [B] int64 on the device: what the next step feeds those still going
+    download: Download     # the same tokens on their way to the host
+
+
+def shared_with_prev(seqs: list[Sequence]) -> list[int]:
+    """For each decode row, how many leading context positions hold the same KV slots as the
+    row before it (0 for the first). Only tree-owned slots are ever shared, so the comparison
+    stops at the shorter tree part; a row's value is recomputed only when its or its
+    predecessor's handle or tree part changes (donation re-points slots), i.e. rarely."""
+    out = [0] * len(seqs)
+    for i in range(1, len(seqs)):
+        prev, cur = seqs[i - 1].handle, seqs[i].handle
+        memo = seqs[i].shared_memo
+        if memo is None or memo[0] is not prev or memo[1] is not cur or memo[2] != (prev.tree_len, cur.tree_len):
+            n = min(prev.tree_len, cur.tree_len)
+            differ = (prev.kv_indices[:n] != cur.kv_indices[:n]).nonzero()
+            memo = seqs[i].shared_memo = (prev, cur, (prev.tree_len, cur.tree_len),
+                                          int(differ[0]) if differ.numel() else n)
+        out[i] = memo[3]
+    return out
 
 
 class Engine:
@@ -69,8 +97,13 @@ class Engine:
         self.scheduler = Scheduler(
             self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.max_batch_tokens,
             track_interval=config.track_interval, wait_for_leaders=cache_config.tracks, tally=self.tally,
-            branch_state_capacity=self.pool_plan.cache_state_slots)
+            branch_state_capacity=self.pool_plan.cache_state_slots, max_model_len=self.max_model_len,
+            drain=self._drain)
         self._windows = itertools.count()
+        # Overlap (config.overlap_decode): the decode step whose tokens the host has not read yet,
+        # and the sequences a drain finished in the middle of scheduling (reported by _step).
+        self._inflight: Optional[_InFlight] = None
+        self._drained: list[Sequence] = []
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig(), seed: int = 0,
@@ -131,6 +164,7 @@ class Engine:
                     yield self._complete(seq)
         finally:
             if not completed:  # closed early or failed: the next generate() must start clean
+                self._inflight, self._drained = None, []
                 self.scheduler.abandon()
             self.tally.add(wall_seconds=time.perf_counter() - started)
 
@@ -181,17 +215,25 @@ class Engine:
 
     # ---- one step --------------------------------------------------------------------------
     def _step(self) -> list[Sequence]:
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
-        done = []
+        done, self._drained = self._drained, []
         for seq in plan.failed:
             seq.finish_reason = "error"
             done.append(seq)
+        prefill_seconds = 0.0
         if plan.prefill:
-            with self._timed("prefill_seconds"):
+            with self._timed("prefill_seconds") as timing:  # syncs: a decode step in flight finishes too
                 done += self._run_prefill(plan.prefill)
+            prefill_seconds = timing["seconds"]
         if plan.decode:
-            with self._timed("decode_seconds"):
-                done += self._run_decode(plan.decode)
+            done += self._run_decode(plan.decode)
+            # With steps in flight the host waits on the previous step here, so wall time per
+            # step is the GPU's time per step (a device sync would stop the overlap).
+            self.tally.add(decode_seconds=time.perf_counter() - started - prefill_seconds)
+        else:
+            self._drain()
+            done, self._drained = done + self._drained, []
         return done
 
     def _run_prefill(self, items: list[tuple[Sequence, int]]) -> list[Sequence]:
@@ -203,14 +245,29 @@ class Engine:
         logits = self.runner.prefill(chunks)  # [N, V] for the chunks that end their tokens
         for seq, n in items:
             self._advance(seq, n)
-        return self._sample_and_stop([seq for (seq, _), c in zip(items, chunks) if c.wants_logits], logits)
+        sampled = [seq for (seq, _), c in zip(items, chunks) if c.wants_logits]
+        if not sampled:
+            return []
+        return self._accept(sampled, self._draw(sampled, logits).tolist())
 
     def _run_decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Launch one decode step. Its tokens are drawn on the device; with overlap the host reads
+        them only after launching the next step (`_InFlight`), so the GPU never waits for the
+        host's bookkeeping. A sequence whose token is still in flight feeds it from the device."""
+        prior = self._inflight
+        seqs = sorted(seqs, key=lambda seq: seq.priority)  # plan (DFS) order: sharers adjacent
         # Each handle holds exactly the context of this step (the scheduler appended the token).
         positions = [seq.computed for seq in seqs]
         handles = [seq.handle for seq in seqs]
-        rows = DecodeRows(token_ids=[seq.tokens[p] for seq, p in zip(seqs, positions)], positions=positions,
-                          state_slots=[h.working_slot for h in handles], kv_indices=pack_kv(handles))
+        token_from = None
+        if prior is not None:
+            row_of = {id(seq): i for i, seq in enumerate(prior.seqs)}
+            token_from = [row_of[id(seq)] if seq.awaiting else -1 for seq in seqs]
+        rows = DecodeRows(token_ids=[0 if seq.awaiting else seq.tokens[p] for seq, p in zip(seqs, positions)],
+                          positions=positions, state_slots=[h.working_slot for h in handles],
+                          kv_indices=pack_kv(handles), token_from=token_from,
+                          prior_tokens=None if prior is None else prior.tokens,
+                          shared_with_prev=shared_with_prev(seqs))
         logits = self.runner.decode(rows)  # [B, V]
         self.tally.add(decode_steps=1, decode_seq_steps=len(seqs), decode_context_tokens=sum(positions) + len(seqs))
         if self.config.replayssm:
@@ -226,7 +283,28 @@ class Engine:
             else:
                 seq.computed += 1
                 seq.high_water = max(seq.high_water, seq.computed)
-        return self._sample_and_stop(seqs, logits)
+        tokens = self._draw(seqs, logits)  # [B] on the device
+        # Repetition penalties need every earlier token on the host: such steps are read at once.
+        deferred = self.config.overlap_decode and not any(s.request.sampling.repetition_penalty != 1.0 for s in seqs)
+        self._inflight = None
+        done = [] if prior is None else self._resolve(prior)
+        if not deferred:
+            return done + self._accept(seqs, tokens.tolist())
+        for seq in seqs:
+            seq.awaiting += 1
+        self._inflight = _InFlight(seqs, tokens, Download(tokens))
+        return done
+
+    def _drain(self) -> None:
+        """Read the step in flight, if any (the scheduler calls this before preempting)."""
+        if self._inflight is not None:
+            prior, self._inflight = self._inflight, None
+            self._drained += self._resolve(prior)
+
+    def _resolve(self, step: _InFlight) -> list[Sequence]:
+        for seq in step.seqs:
+            seq.awaiting -= 1
+        return self._accept(step.seqs, step.download.tolist())
 
     def _advance(self, seq: Sequence, n: int) -> None:
         """`n` more tokens computed; snapshot and donate the state if that position is tracked."""
@@ -237,16 +315,14 @@ class Engine:
             # Keep it until they are: eviction takes states nobody is waiting for first.
             self.cache.expect_followers(seq.handle, seq.computed, seq.followers_to_come(seq.computed))
 
-    def _sample_and_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
-        """Draw each sequence's next token (one device → host copy per step), append it, and
-        finish the sequences that stop."""
-        if not seqs:
-            return []
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Each sequence's next token, drawn on the device: [N] int64 (no host sync)."""
         params = [seq.request.sampling for seq in seqs]
         for seq in seqs:
             if seq.sample_key is None:
                 seq.sample_key = identity_key(seq.request.sampling, seq.request.seed_key, seq.sample_index)
-        num_outputs = [len(seq.tokens) - seq.prompt_len for seq in seqs]  # index of the token drawn now
+        # Index of the token drawn now among the outputs (tokens still in flight count).
+        num_outputs = [len(seq.tokens) + seq.awaiting - seq.prompt_len for seq in seqs]
         penalised = any(p.repetition_penalty != 1.0 for p in params)
         banned = [(i, t) for i, (seq, p, n) in enumerate(zip(seqs, params, num_outputs)) if n < p.min_tokens
                   for t in sorted(self.stop_rules.stop_ids(seq))]
@@ -254,11 +330,20 @@ class Engine:
             params, [seq.sample_key for seq in seqs], num_outputs,
             seen_token_ids=[seq.tokens if p.repetition_penalty != 1.0 else () for seq, p in zip(seqs, params)]
             if penalised else None, banned=banned, device=logits.device)
-        tokens = sample(logits, tensors).tolist()
+        return sample(logits, tensors)
+
+    def _accept(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Append each sequence's drawn token and finish those that stop. A row whose sequence
+        already finished (it was fed once more while its stop token was in flight) is dropped."""
         done = []
-        stop_rules, max_len = self.stop_rules, self.max_model_len
-        for seq, token, p in zip(seqs, tokens, params):
+        stop_rules, max_len, cache = self.stop_rules, self.max_model_len, self.cache
+        for seq, token in zip(seqs, tokens):
+            if seq.finished:
+                continue
             seq.tokens.append(token)
+            if len(seq.tokens) <= seq.handle.num_tokens:  # already fed, its KV slot taken before it was known
+                cache.resolve_token(seq.handle, len(seq.tokens) - 1, token)
+            p = seq.request.sampling
             outputs = len(seq.tokens) - seq.prompt_len
             # The common case decided here: a plain token, no stop strings, far from any limit.
             if (outputs <= p.min_tokens or token not in stop_rules.stop_ids(seq)) and not p.stop \
@@ -267,17 +352,18 @@ class Engine:
             reason = stop_rules.finish_reason(seq)
             if reason is not None:
                 seq.finish_reason = reason
-                self.scheduler.finish(seq)
+                self.scheduler.finish(seq)  # KV and state of every token fed, a token in flight too
                 done.append(seq)
         return done
 
     @contextlib.contextmanager
     def _timed(self, stat: str):
-        start = time.perf_counter()
-        yield
+        start, timing = time.perf_counter(), {}
+        yield timing
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # GPU work is asynchronous: bill it to its phase
-        self.tally.add(**{stat: time.perf_counter() - start})
+        timing["seconds"] = time.perf_counter() - start
+        self.tally.add(**{stat: timing["seconds"]})
 
     # ---- reporting -------------------------------------------------------------------------
     @property

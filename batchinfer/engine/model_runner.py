@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from batchinfer.engine.cuda_graphs import DecodeGraphs
+from batchinfer.engine.cuda_graphs import DecodeGraphs, select_tokens
+from batchinfer.engine.host_copy import upload_packed
 from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
 
 
@@ -27,31 +28,35 @@ class SequenceChunk:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """One decode step, one entry per sequence, as plain lists (no per-sequence objects)."""
-    token_ids: list[int]              # [B] the token each sequence feeds
+    """One decode step, one entry per sequence, as plain lists (no per-sequence objects).
+
+    A token the host does not know yet (drawn by the previous decode step, still in flight)
+    comes from the device: row i feeds `prior_tokens[token_from[i]]` where `token_from[i] >= 0`."""
+    token_ids: list[int]              # [B] the token each sequence feeds (any value where taken from the device)
     positions: list[int]              # [B] its absolute position
     state_slots: list[int]            # [B] GDN working slots
     kv_indices: torch.Tensor          # [Σ(positions + 1)] int64 CPU: each whole context in turn, new token last
-
-
-def _to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """1-D int64 host tensors → device views, in one transfer (each small copy costs a launch)."""
-    packed = torch.cat(parts)
-    if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = packed.to(device)
-    return list(packed.split([p.numel() for p in parts]))
+    token_from: Optional[list[int]] = None     # [B] row of prior_tokens, or -1: token_ids[i]
+    prior_tokens: Optional[torch.Tensor] = None  # [B'] int64 on the device: the previous step's draws
+    shared_with_prev: Optional[list[int]] = None  # [B] ForwardBatch.shared_with_prev (attention reads shared KV once)
 
 
 def _forward_batch(input_ids, positions, cu_seqlens, state_slots, out_kv, kv_indices, kv_indptr, logits_indices,
-                   *, is_decode: bool, replay: bool, device: torch.device) -> ForwardBatch:
-    (input_ids, positions, cu_seqlens, state_slots, out_kv, kv_indices, kv_indptr, logits_indices) = _to_device(
-        [input_ids, positions, cu_seqlens, state_slots, out_kv, kv_indices, kv_indptr, logits_indices], device)
+                   *, is_decode: bool, replay: bool, device: torch.device, token_from=None,
+                   prior_tokens: Optional[torch.Tensor] = None, shared_with_prev=None) -> ForwardBatch:
+    optional = {name: t for name, t in (("token_from", token_from), ("shared", shared_with_prev)) if t is not None}
+    parts = [input_ids, positions, cu_seqlens, state_slots, out_kv, kv_indices, kv_indptr, logits_indices,
+             *optional.values()]  # all in one transfer
+    (input_ids, positions, cu_seqlens, state_slots, out_kv, kv_indices, kv_indptr, logits_indices,
+     *rest) = upload_packed(parts, device)
+    extra = dict(zip(optional, rest))
+    if prior_tokens is not None:
+        input_ids = select_tokens(input_ids, extra["token_from"], prior_tokens)
     return ForwardBatch(
         input_ids=input_ids, positions=positions, cu_seqlens=cu_seqlens.to(torch.int32), is_decode=is_decode,
         state_slots=state_slots, out_kv_slots=out_kv, kv_indices=kv_indices,
-        kv_indptr=kv_indptr.to(torch.int32), logits_indices=logits_indices, replay=replay and is_decode)
+        kv_indptr=kv_indptr.to(torch.int32), logits_indices=logits_indices, replay=replay and is_decode,
+        shared_with_prev=extra["shared"].to(torch.int32) if "shared" in extra else None)
 
 
 def build_forward_batch(chunks: Sequence[SequenceChunk], *, is_decode: bool, replay: bool,
@@ -85,8 +90,11 @@ def build_decode_batch(rows: DecodeRows, *, replay: bool, device: torch.device) 
     torch.cumsum(host[1] + 1, 0, out=kv_indptr[1:])                                             # [B+1]
     out_kv = kv_indices[kv_indptr[1:] - 1]                   # [B] the new token ends its context
     steps = torch.arange(B + 1, dtype=torch.int64)           # one token per sequence
+    token_from = None if rows.prior_tokens is None else torch.tensor(rows.token_from, dtype=torch.int64)  # [B]
+    shared = None if rows.shared_with_prev is None else torch.tensor(rows.shared_with_prev, dtype=torch.int64)  # [B]
     return _forward_batch(host[0], host[1], steps, host[2], out_kv, kv_indices, kv_indptr, steps[:B],
-                          is_decode=True, replay=replay, device=device)
+                          is_decode=True, replay=replay, device=device, token_from=token_from,
+                          prior_tokens=rows.prior_tokens, shared_with_prev=shared)
 
 
 class ModelRunner:
@@ -112,7 +120,9 @@ class ModelRunner:
 
         Under ReplaySSM the model advances each slot's ring cursor (docs/MODULES.md)."""
         if self.decode_graphs is not None:
-            logits = self.decode_graphs.run(rows.token_ids, rows.positions, rows.state_slots, rows.kv_indices)
+            logits = self.decode_graphs.run(rows.token_ids, rows.positions, rows.state_slots, rows.kv_indices,
+                                            token_from=rows.token_from, prior_tokens=rows.prior_tokens,
+                                            shared_with_prev=rows.shared_with_prev)
             if logits is not None:
                 return logits  # a view of the graph's output: consume before the next step
         return self.model.forward(build_decode_batch(rows, replay=self.replay, device=self.device), self.caches)

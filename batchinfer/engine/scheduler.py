@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Callable
 
 from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.stats import StatsTally
+from cache.seq_handle import AWAITED_TOKEN
 
 _ADMISSION_SCAN_FACTOR = 4  # waiting entries inspected per free running place, per step
 
@@ -40,7 +42,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache, *, max_running: int, max_batch_tokens: int, track_interval: int,
-                 wait_for_leaders: bool, tally: StatsTally, branch_state_capacity: int = 1 << 30) -> None:
+                 wait_for_leaders: bool, tally: StatsTally, branch_state_capacity: int = 1 << 30,
+                 max_model_len: int = 1 << 62, drain: Callable[[], None] = lambda: None) -> None:
         self.cache = cache                    # cache.StateCache
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
@@ -50,6 +53,9 @@ class Scheduler:
         # Cached state slots beside the running requests' own: how many branch states may wait
         # for their followers at once (plan_pools' cache_state_slots).
         self.branch_state_capacity = branch_state_capacity
+        self.max_model_len = max_model_len
+        # Resolves every decode step still in flight (the engine's): called before preempting.
+        self.drain = drain
         # (leader, depth) of branch states with followers still to come (sequences hash by identity).
         self._open_branches: set[tuple[Sequence, int]] = set()
         self.waiting: list[Sequence] = []     # sorted by priority
@@ -167,14 +173,20 @@ class Scheduler:
         """KV slots for every decode token; preempt the youngest sequences when there are none.
 
         Usually every token fits: one allocation for the whole batch (`append_many`). Only when
-        it does not are the sequences served one by one, preempting as they go."""
-        decoding = [seq for seq in self.running if seq.handle is not None and len(seq.tokens) - seq.computed == 1]
-        # A decoding sequence's handle lacks its last sampled token (or nothing, just admitted).
-        needing = [seq for seq in decoding if seq.handle.num_tokens < len(seq.tokens)]
-        if all(seq.handle.num_tokens == len(seq.tokens) - 1 for seq in needing) and \
-                self.cache.append_many([seq.handle for seq in needing], [seq.tokens[-1] for seq in needing]):
+        it does not are the sequences served one by one, preempting as they go — after the
+        steps in flight are drained (`drain`), since a preempted sequence must know its tokens."""
+        decoding = [seq for seq in self.running if seq.handle is not None and seq.pending == 1
+                    and not seq.awaits_last_token(self.max_model_len)]
+        # The token fed now sits at index `computed`; the handle lacks its KV slot unless it is a
+        # prompt token (allocated at admission). A token still on the device goes in as
+        # AWAITED_TOKEN until the engine resolves it (StateCache.resolve_token).
+        needing = [seq for seq in decoding if seq.handle.num_tokens == seq.computed]
+        ids = [seq.tokens[seq.computed] if seq.computed < len(seq.tokens) else AWAITED_TOKEN for seq in needing]
+        if self.cache.append_many([seq.handle for seq in needing], ids):
             plan.decode.extend(decoding)
             return
+        if any(seq.awaiting for seq in self.running):
+            self.drain()
         self._reserve_one_by_one(plan)
 
     def _reserve_one_by_one(self, plan: StepPlan) -> None:

@@ -24,6 +24,12 @@ class Sequence:
     high_water: int = 0                  # most tokens ever computed; survives preemption
     cached_tokens: Optional[int] = None  # prompt tokens reused at the first admission
     ring_cursor: int = 0                 # host mirror of the slot's ReplaySSM cursor
+    # Tokens drawn on the device by decode steps still in flight, not yet in `tokens` (engine
+    # overlap: the next step is launched before the host reads this one's tokens).
+    awaiting: int = 0
+    # (previous row's handle, this handle, their tree_lens, shared KV positions): the decode
+    # batch's `shared_with_prev` for this row, kept while neither side changes (engine).
+    shared_memo: Optional[tuple] = field(default=None, repr=False)
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     # Per-sample constants the decode hot path reads every step (see engine._sample_and_stop).
@@ -46,8 +52,15 @@ class Sequence:
 
     @property
     def pending(self) -> int:
-        """Tokens still to feed to the model (the last sampled token counts)."""
-        return len(self.tokens) - self.computed
+        """Tokens still to feed to the model (the last sampled token counts, on the host or not)."""
+        return len(self.tokens) + self.awaiting - self.computed
+
+    def awaits_last_token(self, max_model_len: int) -> bool:
+        """A token in flight will end this sequence by length: there is nothing more to feed."""
+        if not self.awaiting:
+            return False
+        total = len(self.tokens) + self.awaiting
+        return total - self.prompt_len >= self.request.sampling.max_tokens or total >= max_model_len
 
     @property
     def finished(self) -> bool:

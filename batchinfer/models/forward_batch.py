@@ -27,6 +27,9 @@ class ForwardBatch:
     kv_indptr: torch.Tensor        # [B+1] int32
     logits_indices: torch.Tensor   # [N] int64 which of the T tokens get logits
     replay: bool = False           # decode through ReplaySSM (checkpoint + ring)
+    # Decode only, optional: [B] int32, leading context positions whose KV slots row r shares
+    # with row r-1 (a promise; may understate): attention reads a shared prefix's KV once.
+    shared_with_prev: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
