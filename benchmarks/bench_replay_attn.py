@@ -1,6 +1,7 @@
 """ReplaySSM decode vs fla's fused recurrent decode, and attention decode bandwidth (H200).
 
     python -m benchmarks.bench_replay_attn [--quick]
+    python -m benchmarks.bench_replay_attn --shared    # only case 5 (< 1 min)
 
 1. Correctness at the benchmark shapes (small batch) against kernels/ref, for every ReplaySSM
    launch config that will be timed; aborts on mismatch.
@@ -16,6 +17,11 @@
 3. Attention decode (24 heads / 4 KV heads × 256, bf16) at batch 128 with 2k and 8k contexts
    over a shuffled token pool: KV bytes / time as % of 4.28 TB/s. Target: >= 80%.
 4. Attention prefill: the Triton flash kernel vs gather + torch SDPA (is_causal), for the record.
+5. "attention_decode shared": a RAG-shaped decode step (B=256 in 8 groups of 32 rows sharing a
+   2048-token prefix, 136 own tokens each, bf16) plain vs with the `shared_with_prev` hint (the
+   prefix streamed once per row block), as bytes-once bandwidth (KV bytes with each group's
+   prefix counted once / time) and the speedup; the shared stage's launch knobs are swept, every
+   config checked against the reference first.
 
 Without --quick, attention decode is also swept over a few launch configs (default and best shown).
 """
@@ -31,6 +37,7 @@ import triton
 
 from kernels import attention as triton_attention
 from kernels import replay_ssm as triton_replay
+from kernels.attention_shared import SharedPrefixLaunch
 from kernels.ref import attention as ref_attention
 from kernels.ref import replay as ref_replay
 
@@ -287,6 +294,93 @@ def bench_attention_prefill(shape: AttnShape, n_seqs: int, seq_len: int) -> list
     return rows
 
 
+# ---------------------------------------------------------------- attention, shared prefixes
+
+@dataclass(frozen=True)
+class SharedDecodeShape:
+    """A RAG-shaped decode step: `groups` × `group_rows` rows, each group sharing `prefix` slots."""
+    groups: int = 8
+    group_rows: int = 32
+    prefix: int = 2048
+    own: int = 136
+
+
+# The shared stage's knobs: rows per block (× GQA group padded to 8 = tile rows), KV tile, warps, stages.
+SHARED_SWEEP = [SharedPrefixLaunch()] + [
+    SharedPrefixLaunch(rows=r, block_n=bn, num_warps=w, num_stages=st)
+    for r, bn, w, st in [(8, 32, 8, 3), (8, 64, 8, 2), (8, 64, 8, 3), (8, 32, 4, 3), (4, 64, 8, 3),
+                         (4, 32, 4, 3), (16, 32, 8, 2), (16, 64, 8, 1)]
+]
+
+
+def make_shared_decode_batch(shape: AttnShape, step: SharedDecodeShape, seed=0):
+    """Pools over a shuffled token pool; rows of a group hold the group's prefix slots, then own
+    ones. Returns (q, k_cache, v_cache, kv_indices, kv_indptr, shared_with_prev)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    batch = step.groups * step.group_rows
+    total = step.groups * step.prefix + batch * step.own
+    k_cache = torch.randn(total, shape.kv_heads, shape.d, generator=gen, device="cuda").to(torch.bfloat16)
+    v_cache = torch.randn(total, shape.kv_heads, shape.d, generator=gen, device="cuda").to(torch.bfloat16)
+    slots = torch.randperm(total, generator=gen, device="cuda").to(torch.int32)
+    prefixes = slots[:step.groups * step.prefix].view(step.groups, 1, step.prefix)
+    owns = slots[step.groups * step.prefix:].view(step.groups, step.group_rows, step.own)
+    kv_indices = torch.cat([prefixes.expand(-1, step.group_rows, -1), owns], 2).reshape(-1)
+    ctx = step.prefix + step.own
+    kv_indptr = torch.arange(0, batch * ctx + 1, ctx, device="cuda", dtype=torch.int32)
+    shared = torch.full((step.groups, step.group_rows), step.prefix, dtype=torch.int32, device="cuda")
+    shared[:, 0] = 0
+    q = torch.randn(batch, shape.heads, shape.d, generator=gen, device="cuda").to(torch.bfloat16)
+    return q, k_cache, v_cache, kv_indices, kv_indptr, shared.reshape(-1)
+
+
+def bench_attention_decode_shared(shape: AttnShape, step: SharedDecodeShape, sweep: bool) -> list[Row]:
+    q, k_cache, v_cache, kv_indices, kv_indptr, shared = make_shared_decode_batch(shape, step)
+    scale = shape.d ** -0.5
+    batch = step.groups * step.group_rows
+    row_bytes = 2 * shape.kv_heads * shape.d * 2  # K and V of one token, bf16
+    bytes_once = (step.groups * step.prefix + batch * step.own) * row_bytes
+    bytes_per_row = batch * (step.prefix + step.own) * row_bytes
+    expected = ref_attention.attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale).float()
+
+    def checked(**knobs):
+        out = triton_attention.attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, **knobs)
+        err = ((out.float() - expected).norm() / expected.norm()).item()
+        if not err < 1e-2:
+            sys.exit(f"attention_decode shared mismatch ({knobs}): relative error {err:.3g}")
+
+    checked()
+    plain_ms = bench(lambda: triton_attention.attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale))
+    timings = []
+    for launch in SHARED_SWEEP if sweep else SHARED_SWEEP[:1]:
+        try:
+            checked(shared_with_prev=shared, shared_launch=launch)
+        except triton.runtime.errors.OutOfResources as exc:
+            if launch == SHARED_SWEEP[0]:
+                raise  # the default must run
+            print(f"  shared {launch}: skipped ({exc})")
+            continue
+        ms = bench(lambda: triton_attention.attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale,
+                                                             shared_with_prev=shared, shared_launch=launch))
+        timings.append((ms, launch))
+
+    def bandwidth(ms: float) -> str:
+        rate = bytes_once / (ms * 1e-3)
+        return f"{rate / 1e12:.2f} TB/s bytes-once ({rate / PEAK_BYTES_PER_S:.0%} of 4.28 TB/s)"
+
+    name = f"attn decode shared B={batch} ({step.groups}x{step.group_rows}, prefix {step.prefix}, own {step.own})"
+    default_ms = timings[0][0]
+    rows = [Row(f"{name} plain", plain_ms * 1e3,
+                f"{bandwidth(plain_ms)}; per-row bytes {bytes_per_row / (plain_ms * 1e-3) / 1e12:.2f} TB/s"),
+            Row(f"{name} hint (default)", default_ms * 1e3,
+                f"{bandwidth(default_ms)}; speedup {plain_ms / default_ms:.2f}x")]
+    if sweep:
+        best_ms, best = min(timings, key=lambda t: t[0])
+        rows.append(Row(f"{name} hint (best {best})", best_ms * 1e3,
+                        f"{bandwidth(best_ms)}; speedup {plain_ms / best_ms:.2f}x"))
+        rows += [Row(f"  sweep {launch}", ms * 1e3, bandwidth(ms)) for ms, launch in timings[1:]]
+    return rows
+
+
 # ---------------------------------------------------------------- correctness, main
 
 def check_correctness() -> None:
@@ -317,24 +411,34 @@ def check_correctness() -> None:
     print("correctness vs kernels/ref: ok")
 
 
+def print_rows(rows: list[Row]) -> None:
+    width = max(len(r.name) for r in rows)
+    print(f"{'case':<{width}}  {'time/step µs':>12}  notes")
+    for r in rows:
+        print(f"{r.name:<{width}}  {r.time_us:>12.1f}  {r.detail}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="no attention sweep, fewer prefill sequences")
+    parser.add_argument("--shared", action="store_true",
+                        help="only the shared-prefix decode case (5), with its launch sweep unless --quick")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
-    check_correctness()
     sweep = not args.quick
+    if args.shared:
+        print_rows(bench_attention_decode_shared(AttnShape(), SharedDecodeShape(), sweep))
+        return
+    check_correctness()
     rows: list[Row] = []
     for batch in (128, 512):
         rows += bench_replay(GdnShape(), batch)
     for ctx in (2048, 8192):
         rows += bench_attention_decode(AttnShape(), 128, ctx, sweep)
+    rows += bench_attention_decode_shared(AttnShape(), SharedDecodeShape(), sweep)
     rows += bench_attention_prefill(AttnShape(), n_seqs=4 if args.quick else 8, seq_len=2048)
-    width = max(len(r.name) for r in rows)
-    print(f"{'case':<{width}}  {'time/step µs':>12}  notes")
-    for r in rows:
-        print(f"{r.name:<{width}}  {r.time_us:>12.1f}  {r.detail}")
+    print_rows(rows)
 
 
 if __name__ == "__main__":

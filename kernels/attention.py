@@ -7,55 +7,22 @@ kernels/ref/attention.py).
   (they are the rows of one tl.dot), then a small kernel merges the splits by their
   log-sum-exp. Decode is bound by KV bytes, so the split count only has to give enough
   programs to keep every SM streaming; it is chosen from shapes alone (no device sync, so
-  the launch can be captured in a CUDA graph).
+  the launch can be captured in a CUDA graph). With the `shared_with_prev` hint, blocks of
+  consecutive rows stream their common prefix once (kernels/attention_shared.py) and the
+  split kernel covers only each row's own tail; the merge folds both.
 - `attention_prefill`: a causal varlen flash kernel over the slot table (Triton, not
   gather + SDPA: the gather would copy every cached prefix once per step and SDPA cannot
   take a per-sequence offset causal mask without materialising it).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-# The Triton interpreter (CPU tests) keeps scalars as 1-element arrays, which Python's
-# range() rejects as a bound; the tile loops fall back to `while` there. Compiled kernels keep
-# `for`, which Triton software-pipelines (it does not pipeline `while`).
-_LOOP_AS_WHILE = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _attend_tile(q, m, l, acc, n0, hi, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr, ctx_start, kv_head,
-                 stride_kc, stride_kh, stride_vc, stride_vh, scale, offs_d, mask_d,
-                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step over context positions [n0, n0 + BLOCK_N) ∩ [0, hi).
-
-    q [R, BD]; m, l [R]; acc [R, BD] fp32; q_pos [R] (context position of each row; with
-    CAUSAL a row sees keys at positions <= its own). Returns the updated (m, l, acc).
-    """
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hi
-    slot = tl.load(kv_indices_ptr + ctx_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    keys = tl.load(k_cache_ptr + slot[:, None] * stride_kc + kv_head * stride_kh + offs_d[None, :],
-                   mask=kv_mask, other=0.0)  # [BN, BD]
-    values = tl.load(v_cache_ptr + slot[:, None] * stride_vc + kv_head * stride_vh + offs_d[None, :],
-                     mask=kv_mask, other=0.0)  # [BN, BD]
-    scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * scale  # [R, BN]
-    visible = mask_n[None, :]
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= q_pos[:, None])
-    scores = tl.where(visible, scores, float("-inf"))
-    # Every row sees at least one key in its first tile, so m is finite from then on (no inf - inf).
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    p = tl.exp(scores - m_new[:, None])
-    alpha = tl.exp(m - m_new)
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=DOT_PRECISION)
-    return m_new, l, acc
+from kernels._common import LOOP_AS_WHILE
+from kernels.attention_shared import (SharedPrefixLaunch, attend_tile, block_shared_len, num_shared_splits,
+                                      run_shared_prefix_stage)
 
 
 @triton.jit
@@ -93,22 +60,27 @@ def store_kv(k, v, k_cache, v_cache, out_slots) -> None:
 
 @triton.jit
 def _attn_decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_indptr_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_indptr_ptr, shared_ptr, part_o_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    scale, num_splits,
+    scale, batch, num_splits,
     GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LOOP_AS_WHILE: tl.constexpr,
+    SHARED_ROWS: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx_start = tl.load(kv_indptr_ptr + seq).to(tl.int64)
     ctx_len = (tl.load(kv_indptr_ptr + seq + 1) - ctx_start).to(tl.int32)
+    # SHARED_ROWS > 0: the row block's shared prefix is the shared-prefix stage's; this kernel
+    # takes the row's own tail only. 0 (no hint): the whole context, shared_ptr unused.
+    own_start = 0
+    if SHARED_ROWS > 0:
+        own_start = block_shared_len(shared_ptr, kv_indptr_ptr, seq // SHARED_ROWS, batch, SHARED_ROWS)
     # Each split takes a whole number of BLOCK_N tiles; trailing splits may be empty.
-    per_split = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * per_split
+    per_split = tl.cdiv(tl.cdiv(ctx_len - own_start, num_splits), BLOCK_N) * BLOCK_N
+    lo = own_start + split * per_split
     hi = tl.minimum(lo + per_split, ctx_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -125,15 +97,15 @@ def _attn_decode_split_kernel(
     if LOOP_AS_WHILE:
         n0 = lo
         while n0 < hi:
-            m, l, acc = _attend_tile(q, m, l, acc, n0, hi, offs_h, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
-                                     ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
-                                     offs_d, mask_d, False, BLOCK_N, DOT_PRECISION)
+            m, l, acc = attend_tile(q, m, l, acc, n0, hi, offs_h, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
+                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
+                                    offs_d, mask_d, False, BLOCK_N, DOT_PRECISION)
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
-            m, l, acc = _attend_tile(q, m, l, acc, n0, hi, offs_h, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
-                                     ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
-                                     offs_d, mask_d, False, BLOCK_N, DOT_PRECISION)
+            m, l, acc = attend_tile(q, m, l, acc, n0, hi, offs_h, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
+                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
+                                    offs_d, mask_d, False, BLOCK_N, DOT_PRECISION)
 
     # An empty split leaves l = 0: its lse is -inf and it carries no weight in the merge.
     lse = tl.where(l > 0, m + tl.log(tl.maximum(l, 1e-30)), float("-inf"))
@@ -177,13 +149,18 @@ def _num_decode_splits(batch: int, kv_heads: int, total_ctx: int, device: torch.
     return max(1, min(want, triton.cdiv(avg_ctx, 256), 64))
 
 
-def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, out=None,
-                     num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
+def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, shared_with_prev=None, out=None,
+                     num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                     shared_launch: SharedPrefixLaunch = SharedPrefixLaunch()):
     """One query per sequence over its whole context. q [B, H, d] → o [B, H, d] in q.dtype.
 
-    Keyword knobs (`num_splits`, `block_n`, `num_warps`, `num_stages`) are for benchmarks/tests.
-    Defaults: the H200 sweep's best at batch 128 (91% of copy bandwidth at 2k context, ~100% at
-    8k, against 82% / 85% for block_n 32 / 2 stages; docs/BENCHMARKS.md, 2026-11-29).
+    `shared_with_prev` (int32 [B] or None): the caller's promise that row r's first
+    `shared_with_prev[r]` context slots equal row r-1's; the result is the same, but rows
+    sharing a prefix within a block of `shared_launch.rows` read it once. Keyword knobs
+    (`num_splits`, `block_n`, `num_warps`, `num_stages`, `shared_launch`) are for
+    benchmarks/tests. Defaults: the H200 sweep's best at batch 128 (91% of copy bandwidth at 2k
+    context, ~100% at 8k, against 82% / 85% for block_n 32 / 2 stages; docs/BENCHMARKS.md,
+    2026-11-29).
     """
     B, H, d = q.shape
     H_kv = k_cache.shape[1]
@@ -192,24 +169,34 @@ def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, out=N
         return o
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
     splits = num_splits or _num_decode_splits(B, H_kv, kv_indices.numel(), q.device)
-    part_o = torch.empty((B, H, splits, d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    shared_splits = 0
+    if shared_with_prev is not None:
+        shared_splits = shared_launch.num_splits or num_shared_splits(
+            B, H_kv, kv_indices.numel(), shared_launch.rows, q.device)
+    # Partials: the split kernel's at [0, splits), the shared-prefix stage's after them.
+    part_o = torch.empty((B, H, splits + shared_splits, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, H, splits + shared_splits), dtype=torch.float32, device=q.device)
     group = H // H_kv
     block_d = triton.next_power_of_2(d)
     _attn_decode_split_kernel[(B, H_kv, splits)](
-        q, k_cache, v_cache, kv_indices, kv_indptr, part_o, part_lse,
+        q, k_cache, v_cache, kv_indices, kv_indptr, kv_indptr if shared_with_prev is None else shared_with_prev,
+        part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        scale, splits,
+        scale, B, splits,
         GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), LOOP_AS_WHILE=_LOOP_AS_WHILE,
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), SHARED_ROWS=0 if shared_with_prev is None else shared_launch.rows,
+        LOOP_AS_WHILE=LOOP_AS_WHILE, num_warps=num_warps, num_stages=num_stages,
     )
+    if shared_with_prev is not None:
+        assert shared_with_prev.numel() == B and shared_with_prev.device == q.device
+        run_shared_prefix_stage(q, k_cache, v_cache, kv_indices, kv_indptr, shared_with_prev, scale,
+                                part_o, part_lse, splits, shared_splits, shared_launch, _dot_precision(q.dtype))
     _attn_decode_merge_kernel[(B, H)](
         part_o, part_lse, o,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         o.stride(0), o.stride(1),
-        splits, D=d, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        splits + shared_splits, D=d, BLOCK_S=triton.next_power_of_2(splits + shared_splits), BLOCK_D=block_d,
     )
     return o
 
@@ -250,15 +237,15 @@ def _attn_prefill_kernel(
     if LOOP_AS_WHILE:
         n0 = 0
         while n0 < kv_end:
-            m, l, acc = _attend_tile(q, m, l, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
-                                     ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
-                                     offs_d, mask_d, True, BLOCK_N, DOT_PRECISION)
+            m, l, acc = attend_tile(q, m, l, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
+                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
+                                    offs_d, mask_d, True, BLOCK_N, DOT_PRECISION)
             n0 += BLOCK_N
     else:
         for n0 in range(0, kv_end, BLOCK_N):
-            m, l, acc = _attend_tile(q, m, l, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
-                                     ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
-                                     offs_d, mask_d, True, BLOCK_N, DOT_PRECISION)
+            m, l, acc = attend_tile(q, m, l, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
+                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
+                                    offs_d, mask_d, True, BLOCK_N, DOT_PRECISION)
 
     out = acc / l[:, None]
     tl.store(o_ptr + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
@@ -289,6 +276,6 @@ def attention_prefill(q, k_cache, v_cache, kv_indices, kv_indptr, cu_seqlens, sc
         o.stride(0), o.stride(1),
         scale,
         GROUP=H // H_kv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), LOOP_AS_WHILE=_LOOP_AS_WHILE, num_warps=num_warps,
+        DOT_PRECISION=_dot_precision(q.dtype), LOOP_AS_WHILE=LOOP_AS_WHILE, num_warps=num_warps,
     )
     return o

@@ -148,3 +148,173 @@ def test_triton_matches_reference_on_cuda(dtype):
     expected = ref_attention.attention_decode(batch.q[last], *args, batch.scale)
     out = triton_attention.attention_decode(batch.q[last], *args, batch.scale)
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- shared-prefix decode hint
+
+@dataclass(frozen=True)
+class SharedBatch:
+    """A decode step whose consecutive rows share context prefixes (the same pool slots)."""
+    q: torch.Tensor  # [B, H, d]
+    k_cache: torch.Tensor  # [S_kv, H_kv, d]
+    v_cache: torch.Tensor
+    kv_indices: torch.Tensor  # [Σ ctx]
+    kv_indptr: torch.Tensor  # [B+1]
+    common_prefix: torch.Tensor  # [B] int32: true leading slots shared with the previous row (0 for row 0)
+    scale: float
+
+    def args(self):
+        return self.k_cache, self.v_cache, self.kv_indices, self.kv_indptr, self.scale
+
+
+def make_shared_batch(groups, heads=6, kv_heads=2, d=16, dtype=torch.float32, device="cpu", seed=0):
+    """groups: [(prefix_len, [own_len, ...]), ...]. Every member of a group holds the group's
+    prefix slots, then own slots; all slots distinct otherwise, scattered out of order over a
+    pool whose unused rows are NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(prefix + sum(owns) for prefix, owns in groups)
+    pool_size = 2 * total + 5
+    free = torch.randperm(pool_size, generator=gen).tolist()
+    contexts = []
+    for prefix, owns in groups:
+        shared, free = free[:prefix], free[prefix:]
+        for own in owns:
+            contexts.append(shared + free[:own])
+            free = free[own:]
+    k_cache = torch.full((pool_size, kv_heads, d), float("nan"))
+    v_cache = torch.full((pool_size, kv_heads, d), float("nan"))
+    used = torch.tensor(sorted({s for ctx in contexts for s in ctx}))
+    k_cache[used] = torch.randn(len(used), kv_heads, d, generator=gen)
+    v_cache[used] = torch.randn(len(used), kv_heads, d, generator=gen)
+    common = [0] + [_common_prefix_len(a, b) for a, b in zip(contexts, contexts[1:])]
+    q = torch.randn(len(contexts), heads, d, generator=gen)
+    return SharedBatch(q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
+                       torch.tensor(sum(contexts, [])).to(device),
+                       torch.tensor([0] + [len(c) for c in contexts]).cumsum(0).to(device),
+                       torch.tensor(common, dtype=torch.int32, device=device), d ** -0.5 * 1.7)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# Row blocks of 4 at these tests' sizes. Groups of R, R+1, R-1 and 1 rows that straddle blocks;
+# shared lengths around the 16-token tiles (63/64/65), 1, a row's whole context minus 1, and a
+# whole context (own 0: two rows with identical contexts).
+SHARED_ROWS = 4
+SHARED_CASES = {
+    "straddling": [(65, [3, 1, 7, 2]), (64, [9, 2, 1, 5, 3]), (63, [4, 1, 2]), (33, [2])],
+    "edges": [(1, [5, 3, 64]), (40, [1, 1, 1, 1]), (20, [0, 6, 0]), (0, [17, 2])],
+}
+
+
+def _hints(batch: SharedBatch, mode: str, seed: int) -> torch.Tensor:
+    """The promise a caller may make: the true common prefix, anything smaller, or nothing."""
+    if mode == "exact":
+        return batch.common_prefix
+    if mode == "zero":
+        return torch.zeros_like(batch.common_prefix)
+    gen = torch.Generator().manual_seed(seed)
+    fraction = torch.rand(batch.common_prefix.shape, generator=gen).to(batch.common_prefix.device)
+    return (batch.common_prefix * fraction).to(torch.int32)  # "smaller": in [0, true]
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("case, mode, dtype_name, stage_splits", [
+    ("straddling", "exact", "fp32", 3),
+    ("straddling", "smaller", "fp32", 2),
+    ("straddling", "zero", "fp32", 2),
+    ("edges", "exact", "fp32", 3),
+    ("edges", "smaller", "fp32", None),
+    ("straddling", "exact", "bf16", 3),
+    ("edges", "exact", "bf16", 2),
+])
+def test_shared_prefix_decode_matches_reference(case, mode, dtype_name, stage_splits):
+    """Stage splits None: from shapes (one on the CPU); 2 and 3 cut the prefixes unevenly."""
+    dtype = DTYPES[dtype_name]
+    batch = make_shared_batch(SHARED_CASES[case], dtype=dtype, device=DEVICE, seed=len(case))
+    hints = _hints(batch, mode, seed=7)
+    expected = ref_attention.attention_decode(batch.q, *batch.args(), shared_with_prev=hints)
+    launch = triton_attention.SharedPrefixLaunch(rows=SHARED_ROWS, block_n=16, num_splits=stage_splits)
+    out = triton_attention.attention_decode(batch.q, *batch.args(), shared_with_prev=hints, num_splits=2,
+                                            block_n=16, shared_launch=launch,
+                                            out=torch.full_like(batch.q, float("nan")))
+    tol = TOL if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
+
+
+def _two_rows_diverging_at(diverge: int, ctx: int = 80, seed: int = 3) -> SharedBatch:
+    """Two rows of `ctx` tokens whose slots agree on [0, diverge) and differ after."""
+    return make_shared_batch([(diverge, [ctx - diverge, ctx - diverge])], device=DEVICE, seed=seed)
+
+
+@pytest.mark.parametrize("hint", [50, 17])
+def test_shared_hint_is_honoured_only_where_promised(hint):
+    """Rows agree on 50 slots, then differ (same lengths, so reading row 0's tail for row 1
+    would go unnoticed by shape): the shared stage must stop at the hint."""
+    batch = _two_rows_diverging_at(50)
+    hints = torch.tensor([0, hint], dtype=torch.int32, device=DEVICE)
+    expected = ref_attention.attention_decode(batch.q, *batch.args(), shared_with_prev=hints)
+    out = triton_attention.attention_decode(
+        batch.q, *batch.args(), shared_with_prev=hints, block_n=16,
+        shared_launch=triton_attention.SharedPrefixLaunch(rows=2, block_n=16, num_splits=2),
+        out=torch.full_like(batch.q, float("nan")))
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+def test_shared_stage_reads_the_first_rows_slots():
+    """A broken promise (rows really diverge at 30, hint 50) must change row 1's answer — proof
+    that the hint takes the fast path — and leave row 0's alone."""
+    batch = _two_rows_diverging_at(30)
+    lying = torch.tensor([0, 50], dtype=torch.int32, device=DEVICE)
+    expected = ref_attention.attention_decode(batch.q, *batch.args())
+    out = triton_attention.attention_decode(
+        batch.q, *batch.args(), shared_with_prev=lying, block_n=16,
+        shared_launch=triton_attention.SharedPrefixLaunch(rows=2, block_n=16))
+    torch.testing.assert_close(out[0], expected[0], **TOL)
+    assert (out[1] - expected[1]).abs().max() > 1e-2
+
+
+def test_reference_rejects_a_broken_hint():
+    batch = _two_rows_diverging_at(30)
+    ref_attention.attention_decode(batch.q, *batch.args(), shared_with_prev=batch.common_prefix)
+    with pytest.raises(ValueError, match="differ"):
+        ref_attention.attention_decode(batch.q, *batch.args(),
+                                       shared_with_prev=torch.tensor([0, 31], dtype=torch.int32))
+    with pytest.raises(ValueError, match="exceeds"):
+        ref_attention.attention_decode(batch.q, *batch.args(),
+                                       shared_with_prev=torch.tensor([0, 81], dtype=torch.int32))
+
+
+@requires_cuda
+def test_shared_prefix_decode_on_cuda_real_shapes_and_graph_replay():
+    """24 / 4 heads × 256, bf16, B=64 in 4 groups of 16 sharing 1000 tokens, own 37..90; then a
+    CUDA graph captured with one hint buffer replays with other contents (zero, then exact)."""
+    gen = torch.Generator().manual_seed(11)
+    groups = [(1000, torch.randint(37, 91, (16,), generator=gen).tolist()) for _ in range(4)]
+    batch = make_shared_batch(groups, heads=24, kv_heads=4, d=256, dtype=torch.bfloat16, device="cuda")
+    expected = ref_attention.attention_decode(batch.q, *batch.args()).float()
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    out = triton_attention.attention_decode(batch.q, *batch.args(), shared_with_prev=batch.common_prefix)
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+    hints = torch.zeros_like(batch.common_prefix)
+    out = torch.full_like(batch.q, float("nan"))
+
+    def run():
+        triton_attention.attention_decode(batch.q, *batch.args(), shared_with_prev=hints, out=out)
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for contents in (torch.zeros_like(hints), batch.common_prefix):
+        hints.copy_(contents)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(out.float(), expected, **tol)

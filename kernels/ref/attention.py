@@ -52,10 +52,17 @@ def attention_prefill(q, k_cache, v_cache, kv_indices, kv_indptr, cu_seqlens, sc
     return out
 
 
-def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale):
-    """One query per sequence over its whole context. q [B, H, d] → o [B, H, d] in q.dtype."""
+def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, shared_with_prev=None):
+    """One query per sequence over its whole context. q [B, H, d] → o [B, H, d] in q.dtype.
+
+    `shared_with_prev` [B] (optional) is only a speed hint for the Triton kernel (row r's first
+    `shared_with_prev[r]` slots equal row r-1's): the maths ignores it, but a broken promise
+    raises here, so that CPU runs catch a caller's wrong hint.
+    """
     out = torch.full_like(q, float("nan"))
     indptr = kv_indptr.tolist()
+    if shared_with_prev is not None:
+        _check_shared_hint(kv_indices, indptr, shared_with_prev.tolist())
     n_heads = q.shape[1]
     for i in range(q.shape[0]):
         idx = kv_indices[indptr[i]:indptr[i + 1]].long()
@@ -64,3 +71,14 @@ def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale):
         o = F.scaled_dot_product_attention(queries, keys, values, scale=scale)
         out[i] = o[:, 0].to(q.dtype)
     return out
+
+
+def _check_shared_hint(kv_indices, indptr: list[int], shared: list[int]) -> None:
+    for r in range(1, len(shared)):
+        n = shared[r]
+        if n <= 0:
+            continue
+        if n > indptr[r + 1] - indptr[r] or n > indptr[r] - indptr[r - 1]:
+            raise ValueError(f"shared_with_prev[{r}] = {n} exceeds a context length")
+        if not torch.equal(kv_indices[indptr[r]:indptr[r] + n], kv_indices[indptr[r - 1]:indptr[r - 1] + n]):
+            raise ValueError(f"shared_with_prev[{r}] = {n}: rows {r - 1} and {r} differ in their first {n} slots")
