@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from batchinfer.engine.host_copy import upload, upload_packed
 from batchinfer.engine.types import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -146,26 +147,28 @@ class SamplingTensors:
         table_params = list({id(p): p for p in params}.values())  # in first-seen order, as `distinct`
         table = torch.tensor([(p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.top_k)
                               for p in table_params], dtype=torch.float64)               # [U, 5]
-        columns = table[torch.tensor(which, dtype=torch.int64)].to(device)             # [N, 5]
+        columns = upload(table[torch.tensor(which, dtype=torch.int64)], device)        # [N, 5]
         floats = columns[:, :4].to(torch.float32)
 
         sampled = [i for i, p in enumerate(params) if p.temperature > 0]
         keys = None
         if sampled:  # greedy rows draw no noise: their keys are never needed
-            words = torch.tensor([identity_keys[i][0] for i in sampled] + [identity_keys[i][1] for i in sampled]
-                                 + [positions[i] for i in sampled], dtype=torch.int64).view(3, -1).to(device)
+            words, sampled_rows = upload_packed(
+                [torch.tensor([identity_keys[i][0] for i in sampled] + [identity_keys[i][1] for i in sampled]
+                              + [positions[i] for i in sampled], dtype=torch.int64),
+                 torch.tensor(sampled, dtype=torch.int64)], device)
+            words = words.view(3, -1)
             keys = torch.zeros(n, 2, dtype=torch.int64, device=device)
-            sampled_rows = torch.tensor(sampled, dtype=torch.int64, device=device)
             keys[sampled_rows] = finish_row_keys(words[:2].T, words[2])   # [N, 2]; greedy rows 0
 
         seen = None
         if any(p.repetition_penalty != 1.0 for p in table_params):
             width = max(1, max(len(ids) for ids in seen_token_ids))
             padded = [list(ids) + [ids[0] if ids else 0] * (width - len(ids)) for ids in seen_token_ids]
-            seen = torch.tensor(padded, dtype=torch.int64, device=device)
+            seen = upload(torch.tensor(padded, dtype=torch.int64), device)
         banned_rows = banned_ids = None
         if banned:
-            pairs = torch.tensor(banned, dtype=torch.int64, device=device)
+            pairs = upload(torch.tensor(banned, dtype=torch.int64), device)
             banned_rows, banned_ids = pairs[:, 0], pairs[:, 1]
         sampled_params = [p for p in table_params if p.temperature > 0]
         return SamplingTensors(

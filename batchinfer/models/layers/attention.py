@@ -46,7 +46,9 @@ class GatedAttention(nn.Module):
         k_cache, v_cache = caches.kv_k[self.cache_index], caches.kv_v[self.cache_index]
         ops.store_kv(k, v, k_cache, v_cache, batch.out_kv_slots)
         if batch.is_decode:
-            o = ops.attention_decode(q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr, self.scale)
+            # Rows that share a prefix's KV (batch.shared_with_prev) read it once between them.
+            o = ops.attention_decode(q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr, self.scale,
+                                     shared_with_prev=batch.shared_with_prev)
         else:
             o = ops.attention_prefill(q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr,
                                       batch.cu_seqlens, self.scale)  # [T, H, d]
