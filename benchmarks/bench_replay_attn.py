@@ -308,8 +308,8 @@ class SharedDecodeShape:
 # The shared stage's knobs: rows per block (× GQA group padded to 8 = tile rows), KV tile, warps, stages.
 SHARED_SWEEP = [SharedPrefixLaunch()] + [
     SharedPrefixLaunch(rows=r, block_n=bn, num_warps=w, num_stages=st)
-    for r, bn, w, st in [(8, 32, 8, 3), (8, 64, 8, 2), (8, 64, 8, 3), (8, 32, 4, 3), (4, 64, 8, 3),
-                         (4, 32, 4, 3), (16, 32, 8, 2), (16, 64, 8, 1)]
+    for r, bn, w, st in [(8, 32, 8, 2), (8, 32, 4, 2), (8, 32, 4, 4), (8, 16, 4, 3), (8, 64, 4, 3),
+                         (8, 64, 8, 3), (4, 32, 4, 3), (16, 32, 8, 2)]
 ]
 
 

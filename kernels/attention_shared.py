@@ -41,14 +41,15 @@ _DOTS_IN_FP32 = tl.constexpr(LOOP_AS_WHILE)
 class SharedPrefixLaunch:
     """Knobs of the shared-prefix stage. `rows` (a power of two ≥ 2) rows form a block; at head
     dim 256 keep rows · next_pow2(GQA group) ≤ 64: the accumulator is that many fp32 rows of d.
-    `num_splits` None: from shapes (`num_shared_splits`). Defaults not yet measured; chosen by an
-    offline sm_90a compile at 24/4 heads × 256, bf16 (wgmma at 64 tile rows): block_n 32 with 8
-    warps is the one without spills (208 registers; block_n 64 spills at 255)."""
+    `num_splits` None: from shapes (`num_shared_splits`). Defaults: the H200 sweep's best at the
+    rag shape (B = 256 in 8 groups of 32, prefix 2048, 24/4 heads × 256, bf16; docs/BENCHMARKS.md,
+    2026-11-29 session 4): 172 µs per layer with the hint against 417 µs without; 8 warps / 2
+    stages (the spill-free offline pick) 265 µs, 16-row blocks 415–514 µs."""
 
     rows: int = 8
     block_n: int = 32
-    num_warps: int = 8
-    num_stages: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
     num_splits: int | None = None
 
 
