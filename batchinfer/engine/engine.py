@@ -269,7 +269,8 @@ class Engine:
                           prior_tokens=None if prior is None else prior.tokens,
                           shared_with_prev=shared_with_prev(seqs))
         logits = self.runner.decode(rows)  # [B, V]
-        self.tally.add(decode_steps=1, decode_seq_steps=len(seqs), decode_context_tokens=sum(positions) + len(seqs))
+        self.tally.add(decode_steps=1, decode_seq_steps=len(seqs), decode_context_tokens=sum(positions) + len(seqs),
+                       decode_shared_kv_tokens=sum(rows.shared_with_prev))
         if self.config.replayssm:
             ring_len = self.config.ring_len
             flushes = 0

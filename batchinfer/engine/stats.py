@@ -22,6 +22,7 @@ class EngineStats:
     decode_steps: int = 0                 # decode forwards run
     decode_seq_steps: int = 0             # Σ batch size over decode forwards
     decode_context_tokens: int = 0        # Σ context length (KV read) over decoded sequences
+    decode_shared_kv_tokens: int = 0      # of those, KV positions shared with the row before (read once)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     wall_seconds: float = 0.0
