@@ -123,6 +123,9 @@ class RadixTree:
         self._locked_kv_tokens = 0
         self._pinned_states = 0
         self._spared_states = 0  # states pinned or with expected followers
+        # The nodes holding a state, by id: state eviction looks only at these (a few dozen)
+        # instead of walking every node (thousands on a big job, at every tracked chunk).
+        self._state_nodes: dict[int, RadixNode] = {}
 
     # ---- lookup ----------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> MatchResult:
@@ -189,6 +192,7 @@ class RadixTree:
         unused = state_slot_at_end
         if state_slot_at_end is not None and node is not self.root and node.state_slot is None:
             node.state_slot, unused = state_slot_at_end, None
+            self._state_nodes[id(node)] = node
             self.num_states += 1
         return InsertResult(node=node, kv_indices=torch.cat(path_kv) if path_kv else _EMPTY,
                             dup_kv=torch.cat(dups) if dups else _EMPTY, unused_state=unused)
@@ -264,6 +268,7 @@ class RadixTree:
         """Take `node`'s (unpinned) state away from it; returns the slot."""
         self._spared_states -= self._is_spared(node)
         slot, node.state_slot, node.followers = node.state_slot, None, 0
+        del self._state_nodes[id(node)]
         return slot
 
     # ---- eviction --------------------------------------------------------------------------
@@ -282,7 +287,7 @@ class RadixTree:
             # States nobody is planned to resume from first; then unlocked ones: a locked node
             # lies on a running sequence's path, so the next admissions in plan (DFS) order are
             # the likeliest to resume from it.
-            candidates = (n for n in self.nodes() if n.state_slot is not None and n.state_pins == 0
+            candidates = (n for n in self._state_nodes.values() if n.state_pins == 0
                           and not (spare_expected and n.followers > 0))
             victims = heapq.nsmallest(num_states, candidates,
                                       key=lambda n: (n.followers > 0, n.lock_ref > 0, n.last_access))
@@ -338,7 +343,7 @@ class RadixTree:
         return torch.cat(pieces) if pieces else _EMPTY
 
     def owned_states(self) -> list[int]:
-        return [n.state_slot for n in self.nodes() if n.state_slot is not None]
+        return [n.state_slot for n in self._state_nodes.values()]
 
     def audit(self) -> None:
         """Structural invariants: edges, depths, children keys, lock counts, totals."""
@@ -357,5 +362,7 @@ class RadixTree:
             spared_states += self._is_spared(node)
         assert self.root.lock_ref == 0 and self.root.state_slot is None
         assert kv_total == self.num_kv_tokens and states == self.num_states, "tree totals drifted"
+        assert {id(n) for n in self.nodes() if n.state_slot is not None} == set(self._state_nodes), \
+            "state index drifted"
         assert (locked_kv, pinned_states) == (self._locked_kv_tokens, self._pinned_states), "locked totals drifted"
         assert spared_states == self._spared_states, "spared-state total drifted"
