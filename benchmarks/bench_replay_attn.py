@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,15 @@ PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
 # stages do not matter. Small blocks with few warps = many small programs in flight per SM
 # (what fla's fused recurrent kernel does); large ones = more bytes per program.
 _Launch = triton_replay.StepLaunch
-REPLAY_SWEEP = [triton_replay.DEFAULT_STEP_LAUNCH] + [
+_DEFAULT = triton_replay.DEFAULT_STEP_LAUNCH
+REPLAY_SWEEP = [_DEFAULT] + [
+    # The flush launch's shape around the default: one program per (sequence, value head, d_v
+    # block) — the session-3 default — or per (sequence, key head) with bigger tiles / more warps.
+    replace(_DEFAULT, flush_per_key_head=False),
+    replace(_DEFAULT, flush_warps=2),
+    replace(_DEFAULT, flush_block_v=64, flush_warps=2),
+    replace(_DEFAULT, flush_block_v=128, flush_block_k=32, flush_warps=4),
+] + [
     # Step: mma d_k dots (default) vs CUDA-core ones, ring-key dots in the step or once per key
     # head in the flush launch, d_k chunk / stages / d_v block / warps around the default.
     _Launch(tensor_cores=False),
@@ -195,15 +203,16 @@ def bench_fla(shape: GdnShape, batch: int, step, params) -> float | None:
 def describe(launch) -> str:
     return (f"bv={launch.block_v} bk={launch.block_k} w={launch.num_warps} s={launch.num_stages} "
             f"tc={int(launch.tensor_cores)} kd={int(launch.key_dots_in_flush)} "
-            f"fl={launch.flush_block_v}/{launch.flush_block_k}/{launch.flush_warps}")
+            f"fl={launch.flush_block_v}/{launch.flush_block_k}/{launch.flush_warps}"
+            f"{'/kh' if launch.flush_per_key_head else ''}")
 
 
-def bench_replay(shape: GdnShape, batch: int) -> list[Row]:
+def bench_replay(shape: GdnShape, batch: int, sweep: list = REPLAY_SWEEP) -> list[Row]:
     pools, step, params, slots = make_replay_state(shape, batch)
     cursors = cursor_cycle(pools[4], shape.ring)
     assert all(int((c == shape.ring).sum()) == 1 for c in torch.stack(cursors).T), "one flush per slot"
     timings = []
-    for launch in REPLAY_SWEEP:
+    for launch in sweep:
         ms = bench_graph(lambda: replay_steps(pools, cursors, step, params, slots, launch)) / shape.ring
         timings.append((ms, launch))
     # The flush launch alone on one step's cursors (1/L of the slots full): its share of a step.
@@ -212,7 +221,7 @@ def bench_replay(shape: GdnShape, batch: int) -> list[Row]:
     best_ms, best_launch = min(timings, key=lambda t: t[0])
     est_bytes = replay_bytes_per_step(shape, batch)
     fla_ms = bench_fla(shape, batch, step, params)
-    rows = [Row(f"replay step B={batch} (default {describe(REPLAY_SWEEP[0])})", default_ms * 1e3,
+    rows = [Row(f"replay step B={batch} (default {describe(sweep[0])})", default_ms * 1e3,
                 f"~{est_bytes / (default_ms * 1e-3) / PEAK_BYTES_PER_S:.0%} of peak on est. bytes"),
             Row(f"replay step B={batch} (best {describe(best_launch)})", best_ms * 1e3,
                 f"~{est_bytes / (best_ms * 1e-3) / PEAK_BYTES_PER_S:.0%} of peak on est. bytes")]
@@ -383,10 +392,10 @@ def bench_attention_decode_shared(shape: AttnShape, step: SharedDecodeShape, swe
 
 # ---------------------------------------------------------------- correctness, main
 
-def check_correctness() -> None:
+def check_correctness(launches: list = REPLAY_SWEEP) -> None:
     """Triton vs reference at the benchmark shapes, bf16, small batch; exits on mismatch."""
     shape = GdnShape()
-    for launch in REPLAY_SWEEP:
+    for launch in launches:
         pools, step, params, slots = make_replay_state(shape, batch=8, seed=1)
         ref_pools = [p.clone() for p in pools]
         for _ in range(shape.ring + 2):  # every slot folds at least once
@@ -423,10 +432,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="no attention sweep, fewer prefill sequences")
     parser.add_argument("--shared", action="store_true",
                         help="only the shared-prefix decode case (5), with its launch sweep unless --quick")
+    parser.add_argument("--replay", action="store_true",
+                        help="only the ReplaySSM step at batch 128, 256 and 512: the default and the "
+                             "flush-launch variants (all checked first)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     sweep = not args.quick
+    if args.replay:
+        flush_sweep = REPLAY_SWEEP[:5]  # the default and the flush-launch variants around it
+        check_correctness(flush_sweep)
+        print_rows([row for batch in (128, 256, 512) for row in bench_replay(GdnShape(), batch, flush_sweep)])
+        return
     if args.shared:
         print_rows(bench_attention_decode_shared(AttnShape(), SharedDecodeShape(), sweep))
         return

@@ -57,12 +57,16 @@ class StepLaunch:
     flush_block_v: int = 32  # the flush folds one [d_k, flush_block_v] tile per program,
     flush_block_k: int = 16  # in chunks of this many d_k rows
     flush_warps: int = 1
+    # One flush program per (sequence, key head), folding its GROUP value heads × d_v blocks in
+    # turn (and writing the key dots), instead of one per (sequence, value head, d_v block).
+    flush_per_key_head: bool = False
 
 
 # The H200 sweep's best at B = 512 (CUDA-graph timing, docs/BENCHMARKS.md, 2026-11-29, session
 # 2: 315 µs per step = 3.5× fla): 64-column tiles over 2 warps, d_k in 64-row chunks 3 deep, and
 # the ring-key dot products done once per key head in the flush launch.
-DEFAULT_STEP_LAUNCH = StepLaunch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True)
+DEFAULT_STEP_LAUNCH = StepLaunch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True,
+                                 flush_per_key_head=True)
 
 
 def _check_pools(ckpt, ring_k, ring_u, ring_g, cursor) -> None:
@@ -81,15 +85,19 @@ def _ring_block(L: int) -> int:
 
 
 def _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots, *, full_only: bool,
-                 block_v: int, block_k: int, num_warps: int, q=None, k=None, key_dots=None) -> None:
-    """Grid (pair, value head, d_v block). With key_dots, q / k are the step's inputs."""
+                 block_v: int, block_k: int, num_warps: int, q=None, k=None, key_dots=None,
+                 per_key_head: bool = False) -> None:
+    """Grid (pair, value head, d_v block), or (pair, key head) with `per_key_head`. With
+    key_dots, q / k are the step's inputs."""
     H_v, d_k, d_v = ckpt.shape[1], ckpt.shape[2], ckpt.shape[3]
     block_v = min(max(16, block_v), max(16, triton.next_power_of_2(d_v)))
     block_dk = max(16, triton.next_power_of_2(d_k))
     fold_k = min(max(16, block_k), block_dk)
     with_dots = key_dots is not None
     q_, k_ = (q, k) if with_dots else (ring_k, ring_k)  # placeholders: never read
-    replay_fold_kernel[(src_slots.numel(), H_v, triton.cdiv(d_v, block_v))](
+    H_k = ring_k.shape[2]
+    grid = (src_slots.numel(), H_k, 1) if per_key_head else (src_slots.numel(), H_v, triton.cdiv(d_v, block_v))
+    replay_fold_kernel[grid](
         ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots,
         q_, k_, key_dots if with_dots else ring_g,
         ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
@@ -101,7 +109,7 @@ def _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots, *, 
         BLOCK_K=block_dk, BLOCK_V=block_v, BLOCK_L=_ring_block(ring_k.shape[1]),
         FULL_ONLY=full_only,
         FOLD_K=fold_k if ckpt.dtype != torch.float32 else min(fold_k, 32),  # fp32 (FMA dot): ptxas spills above
-        KEY_DOTS=with_dots, num_warps=num_warps,
+        KEY_DOTS=with_dots, PER_KEY_HEAD=per_key_head, num_warps=num_warps,
     )
 
 
@@ -112,7 +120,8 @@ def flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, *, launch: Ste
     rings are not changed: the step then treats cursor == L as an empty ring.
     """
     _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
-                 block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps)
+                 block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps,
+                 per_key_head=launch.flush_per_key_head)
 
 
 def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, cursor, slots,
@@ -140,7 +149,7 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
         key_dots = torch.empty((B, H_k, block_l, 2), dtype=torch.float32, device=q.device)
         _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
                      block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps,
-                     q=q, k=k, key_dots=key_dots)
+                     q=q, k=k, key_dots=key_dots, per_key_head=launch.flush_per_key_head)
     else:
         flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch=launch)
     block_dk = triton.next_power_of_2(d_k)

@@ -115,6 +115,14 @@ DECODE_CASES = {  # shape, StepLaunch knobs
     # Ring-key dots computed once per key head by the flush launch (GROUP = 3 value heads read them).
     "L5-dv48-key-dots": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48),
                          {"key_dots_in_flush": True, "flush_block_v": 32}),
+    # One flush program per (sequence, key head) (the default) against one per (value head,
+    # d_v block): GROUP × three d_v blocks folded in turn, with and without the key dots.
+    "L5-dv48-per-value-head": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48),
+                               {"key_dots_in_flush": True, "flush_block_v": 16, "flush_per_key_head": False}),
+    "L5-dv48-per-key-head": (Shapes(ring=5, heads_k=2, heads_v=6, d_v=48),
+                             {"key_dots_in_flush": True, "flush_block_v": 16, "flush_per_key_head": True}),
+    "L4-per-key-head-no-dots": (Shapes(ring=4, heads_k=2, heads_v=4, d_k=32),
+                                {"key_dots_in_flush": False, "flush_block_k": 16, "flush_per_key_head": True}),
     # The CUDA-core variant of the d_k dots, with and without the flush's ring-key dots.
     "L16-fma": (Shapes(ring=16), {"tensor_cores": False, "block_v": 16}),
     "L4-fma-key-dots": (Shapes(ring=4, heads_k=1, heads_v=2, d_k=32),
