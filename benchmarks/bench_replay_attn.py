@@ -50,12 +50,12 @@ PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
 _Launch = triton_replay.StepLaunch
 _DEFAULT = triton_replay.DEFAULT_STEP_LAUNCH
 REPLAY_SWEEP = [_DEFAULT] + [
-    # The flush launch's shape around the default: one program per (sequence, value head, d_v
-    # block) — the session-3 default — or per (sequence, key head) with bigger tiles / more warps.
-    replace(_DEFAULT, flush_block_v=32, flush_block_k=16, flush_warps=1, flush_per_key_head=False),
-    replace(_DEFAULT, flush_block_v=32, flush_block_k=16, flush_warps=1),
-    replace(_DEFAULT, flush_block_v=64, flush_block_k=16, flush_warps=2),
-    replace(_DEFAULT, flush_per_key_head=False),
+    # The flush launch's shape around the default (one program per (sequence, value head, d_v
+    # block)): per (sequence, key head), and bigger tiles / more warps.
+    replace(_DEFAULT, flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=True),
+    replace(_DEFAULT, flush_per_key_head=True),
+    replace(_DEFAULT, flush_block_v=64, flush_block_k=16, flush_warps=2, flush_per_key_head=True),
+    replace(_DEFAULT, flush_block_v=128, flush_block_k=32, flush_warps=4),
 ] + [
     # Step: mma d_k dots (default) vs CUDA-core ones, ring-key dots in the step or once per key
     # head in the flush launch, d_k chunk / stages / d_v block / warps around the default.

@@ -65,13 +65,14 @@ class StepLaunch:
 # The H200 sweep's best at B = 512 (CUDA-graph timing, docs/BENCHMARKS.md, 2026-11-29, session
 # 2: 315 µs per step = 3.5× fla): 64-column tiles over 2 warps, d_k in 64-row chunks 3 deep, and
 # the ring-key dot products done once per key head in the flush launch.
-# Flush: one program per (sequence, key head) with whole-row tiles and 4 warps (H200,
-# `bench_replay_attn --replay`, staggered cursors, µs per step at B = 128 / 256 / 512: 89.1 /
-# 160.2 / 303.0 against 85.9 / 162.7 / 314.5 for the per-(value head, 32-column) launch; the
-# same per-key-head launch with 32-column tiles and 1 warp was 139.8 / 209.9 / 351.2 there, but
-# cut the engine's flush launch 2.64 → 1.76 ms per rag-shaped step, where all rings fill at once).
-DEFAULT_STEP_LAUNCH = StepLaunch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True,
-                                 flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=True)
+# The flush launch stays one program per (sequence, value head, 32-column block), 1 warp. The
+# per-key-head launch (`flush_per_key_head`) measured on the H200 (`bench_replay_attn --replay`,
+# staggered cursors, µs per step at B = 128 / 256 / 512): whole-row tiles, 4 warps 89.1 / 160.2
+# / 303.0 against this default's 85.9 / 162.7 / 314.5; 32-column tiles, 1 warp 139.8 / 209.9 /
+# 351.2 — yet that one cut the engine's flush launch 2.64 → 1.76 ms per rag-shaped step (all
+# rings fill at once there). Not the default: the gain is small either way, and the whole-row
+# launch has not been through the GPU test suite nor an engine run (only the bench's check).
+DEFAULT_STEP_LAUNCH = StepLaunch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True)
 
 
 def _check_pools(ckpt, ring_k, ring_u, ring_g, cursor) -> None:

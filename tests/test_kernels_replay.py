@@ -115,8 +115,8 @@ DECODE_CASES = {  # shape, StepLaunch knobs
     # Ring-key dots computed once per key head by the flush launch (GROUP = 3 value heads read them).
     "L5-dv48-key-dots": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48),
                          {"key_dots_in_flush": True, "flush_block_v": 32}),
-    # One flush program per (sequence, key head) (the default) against one per (value head,
-    # d_v block): GROUP × three d_v blocks folded in turn, with and without the key dots.
+    # One flush program per (value head, d_v block) (the default) against one per (sequence,
+    # key head): GROUP × three d_v blocks folded in turn, with and without the key dots.
     "L5-dv48-per-value-head": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48),
                                {"key_dots_in_flush": True, "flush_block_v": 16, "flush_per_key_head": False}),
     "L5-dv48-per-key-head": (Shapes(ring=5, heads_k=2, heads_v=6, d_v=48),
