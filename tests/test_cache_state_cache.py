@@ -177,6 +177,23 @@ def test_admission_evicts_lru_but_never_a_running_prefix():
     cache.audit()
 
 
+def test_kv_eviction_frees_a_slack_so_the_next_admissions_need_none():
+    """Finding LRU leaves walks the whole tree, so one eviction frees at least 1/64 of the pool
+    (when that much is evictable), not just the one slot asked for."""
+    cache = _cache(kv_slots=256, state_slots=4)
+    for i in range(64):                                 # 64 finished 4-token prompts fill the pool
+        seq = cache.admit(f"p{i}", [1000 + i, 1, 2, 3])
+        cache.finish(seq)
+    assert cache.kv_pool.num_free == 0 and cache.tree.num_kv_tokens == 256
+    first = cache.admit("a", [7])
+    assert first is not None and cache.stats().kv_evicted_tokens == 256 // 64
+    assert cache.tree.match([1000, 1, 2, 3]).kv_len == 0  # the least recently used went first
+    for i in range(3):                                  # the slack covers the next three admissions
+        assert cache.admit(f"b{i}", [8 + i]) is not None
+    assert cache.stats().kv_evicted_tokens == 4
+    cache.audit()
+
+
 def test_audit_catches_ownership_and_lock_errors():
     cache = _cache()
     a = cache.admit("a", [1, 2, 3, 4])
