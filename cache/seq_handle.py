@@ -110,7 +110,8 @@ def _kv_buffer(capacity: int) -> tuple[array, torch.Tensor]:
 def pack_kv(handles: Sequence[SeqHandle]) -> torch.Tensor:
     """Every handle's `kv_indices`, concatenated: [Σ num_tokens] int64 CPU. One join of raw memory
     instead of a slice and a concatenation per sequence (a decode step's whole context)."""
-    joined = bytearray(b"".join([memoryview(h._kv_buf)[:len(h.tokens)] for h in handles]))  # kv_memory, inlined
+    # bytearray.join: one copy, writable (torch.frombuffer wants that), where bytes.join + bytearray made two.
+    joined = bytearray().join([memoryview(h._kv_buf)[:len(h.tokens)] for h in handles])  # kv_memory, inlined
     if not joined:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(joined, dtype=torch.int64)
