@@ -11,15 +11,15 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Sequence as Seq
 
 import torch
 
 from batchinfer.engine.config import EngineConfig, dtype_name
 from batchinfer.engine.cuda_graphs import DecodeGraphs
+from batchinfer.engine.decode_rows import InFlightDecode, decode_rows
 from batchinfer.engine.host_copy import Download
-from batchinfer.engine.model_runner import DecodeRows, ModelRunner, SequenceChunk
+from batchinfer.engine.model_runner import ModelRunner, SequenceChunk
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
 from batchinfer.engine.sampler import SamplingTensors, identity_key, sample
 from batchinfer.engine.scheduler import Scheduler
@@ -28,38 +28,11 @@ from batchinfer.engine.stats import EngineStats, StatsTally
 from batchinfer.engine.types import Request, RequestOutput
 from cache.budget import build_pools, memory_budget, plan_pools
 from cache.shapes import shapes_from_model_config
-from cache.seq_handle import pack_kv
 from cache.state_cache import CacheConfig, StateCache
 
 log = logging.getLogger(__name__)
 _CPU_DEFAULT_BUDGET_BYTES = 256 << 20  # no free-memory query on the CPU: a modest fixed pool
 _GRAPH_CTX_CAP = 32768  # context slots per row in the decode graphs' buffer; longer steps run eagerly
-
-
-@dataclass(frozen=True)
-class _InFlight:
-    """A decode step launched with its tokens drawn on the device, not yet read by the host."""
-    seqs: list[Sequence]   # its rows, in order
-    tokens: torch.Tensor   # [B] int64 on the device: what the next step feeds those still going
-    download: Download     # the same tokens on their way to the host
-
-
-def shared_with_prev(seqs: list[Sequence]) -> list[int]:
-    """For each decode row, how many leading context positions hold the same KV slots as the
-    row before it (0 for the first). Only tree-owned slots are ever shared, so the comparison
-    stops at the shorter tree part; a row's value is recomputed only when its or its
-    predecessor's handle or tree part changes (donation re-points slots), i.e. rarely."""
-    out = [0] * len(seqs)
-    for i in range(1, len(seqs)):
-        prev, cur = seqs[i - 1].handle, seqs[i].handle
-        memo = seqs[i].shared_memo
-        if memo is None or memo[0] is not prev or memo[1] is not cur or memo[2] != (prev.tree_len, cur.tree_len):
-            n = min(prev.tree_len, cur.tree_len)
-            differ = (prev.kv_indices[:n] != cur.kv_indices[:n]).nonzero()
-            memo = seqs[i].shared_memo = (prev, cur, (prev.tree_len, cur.tree_len),
-                                          int(differ[0]) if differ.numel() else n)
-        out[i] = memo[3]
-    return out
 
 
 class Engine:
@@ -102,7 +75,7 @@ class Engine:
         self._windows = itertools.count()
         # Overlap (config.overlap_decode): the decode step whose tokens the host has not read yet,
         # and the sequences a drain finished in the middle of scheduling (reported by _step).
-        self._inflight: Optional[_InFlight] = None
+        self._inflight: Optional[InFlightDecode] = None
         self._drained: list[Sequence] = []
 
     @classmethod
@@ -252,24 +225,13 @@ class Engine:
 
     def _run_decode(self, seqs: list[Sequence]) -> list[Sequence]:
         """Launch one decode step. Its tokens are drawn on the device; with overlap the host reads
-        them only after launching the next step (`_InFlight`), so the GPU never waits for the
+        them only after launching the next step (`InFlightDecode`), so the GPU never waits for the
         host's bookkeeping. A sequence whose token is still in flight feeds it from the device."""
         prior = self._inflight
         seqs = sorted(seqs, key=lambda seq: seq.priority)  # plan (DFS) order: sharers adjacent
-        # Each handle holds exactly the context of this step (the scheduler appended the token).
-        positions = [seq.computed for seq in seqs]
-        handles = [seq.handle for seq in seqs]
-        token_from = None
-        if prior is not None:
-            row_of = {id(seq): i for i, seq in enumerate(prior.seqs)}
-            token_from = [row_of[id(seq)] if seq.awaiting else -1 for seq in seqs]
-        rows = DecodeRows(token_ids=[0 if seq.awaiting else seq.tokens[p] for seq, p in zip(seqs, positions)],
-                          positions=positions, state_slots=[h.working_slot for h in handles],
-                          kv_indices=pack_kv(handles), token_from=token_from,
-                          prior_tokens=None if prior is None else prior.tokens,
-                          shared_with_prev=shared_with_prev(seqs))
+        rows = decode_rows(seqs, prior)
         logits = self.runner.decode(rows)  # [B, V]
-        self.tally.add(decode_steps=1, decode_seq_steps=len(seqs), decode_context_tokens=sum(positions) + len(seqs),
+        self.tally.add(decode_steps=1, decode_seq_steps=len(seqs), decode_context_tokens=sum(rows.positions) + len(seqs),
                        decode_shared_kv_tokens=sum(rows.shared_with_prev))
         if self.config.replayssm:
             ring_len = self.config.ring_len
@@ -293,7 +255,7 @@ class Engine:
             return done + self._accept(seqs, tokens.tolist())
         for seq in seqs:
             seq.awaiting += 1
-        self._inflight = _InFlight(seqs, tokens, Download(tokens))
+        self._inflight = InFlightDecode(seqs, tokens, Download(tokens))
         return done
 
     def _drain(self) -> None:
@@ -302,7 +264,7 @@ class Engine:
             prior, self._inflight = self._inflight, None
             self._drained += self._resolve(prior)
 
-    def _resolve(self, step: _InFlight) -> list[Sequence]:
+    def _resolve(self, step: InFlightDecode) -> list[Sequence]:
         for seq in step.seqs:
             seq.awaiting -= 1
         return self._accept(step.seqs, step.download.tolist())
