@@ -30,8 +30,10 @@ def _engine(model, **settings):
 
 
 def test_graphs_and_cache_keep_greedy_tokens(model, requests):
-    reference = tokens_of(run(_engine(model, prefix_cache=False, replayssm=False, cuda_graphs=False), requests))
-    for settings in (dict(cuda_graphs=True), dict(cuda_graphs=False), dict(cuda_graphs=True, max_running=3)):
+    reference = tokens_of(run(_engine(model, prefix_cache=False, replayssm=False, cuda_graphs=False,
+                                      overlap_decode=False), requests))
+    for settings in (dict(cuda_graphs=True), dict(cuda_graphs=False), dict(cuda_graphs=True, max_running=3),
+                     dict(cuda_graphs=True, overlap_decode=False)):
         engine = _engine(model, **settings)
         assert (engine.runner.decode_graphs is not None) == settings["cuda_graphs"]
         outputs = run(engine, requests)
