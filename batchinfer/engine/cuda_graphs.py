@@ -115,7 +115,7 @@ class DecodeGraphs:
         if b is None or total > b * self.ctx_cap:
             return None
         pad = b - B
-        ctx = torch.cat([kv_indices, torch.full((pad,), self.pad_kv_slot, dtype=torch.int64)])  # [total]
+        pad_slots = torch.full((pad,), self.pad_kv_slot, dtype=torch.int64)  # padded rows' one-slot contexts
         from_device = prior_tokens is not None
         rows = torch.tensor([list(token_ids) + [0] * pad, list(positions) + [0] * pad,
                              list(state_slots) + [self.pad_state_slot] * pad,
@@ -123,15 +123,18 @@ class DecodeGraphs:
                              list(shared_with_prev or [0] * B) + [0] * pad], dtype=torch.int64)  # [5, b]
         indptr = torch.zeros(b + 1, dtype=torch.int64)
         torch.cumsum(rows[1] + 1, 0, out=indptr[1:])  # padded rows: position 0, one (pad) slot   # [b+1]
-        new_kv = ctx[indptr[1:] - 1]  # [b] each new token's slot ends its context (pad rows: pad slot)
-        # One pinned upload, then device-side copies into the static buffers (no host wait).
-        ids, pos, slots, source, shared, out_kv, ptr, ctx = upload_packed([*rows, new_kv, indptr, ctx], self.device)
+        new_kv = torch.cat([kv_indices[indptr[1:B + 1] - 1], pad_slots])  # [b] each new token's slot ends its context
+        # One pinned upload (the contexts, the step's biggest part, copied once on the host), then
+        # device-side copies into the static buffers (no host wait).
+        ids, pos, slots, source, shared, out_kv, ptr, ctx, ctx_pad = upload_packed(
+            [*rows, new_kv, indptr, kv_indices, pad_slots], self.device)
         self.input_ids[:b].copy_(ids)
         self.positions[:b].copy_(pos)
         self.state_slots[:b].copy_(slots)
         self.out_kv_slots[:b].copy_(out_kv)
         self.kv_indptr[:b + 1].copy_(ptr)  # int64 → int32 on the device
-        self.kv_indices[:total].copy_(ctx)
+        self.kv_indices[:kv_indices.numel()].copy_(ctx)
+        self.kv_indices[kv_indices.numel():total].copy_(ctx_pad)
         self.shared_with_prev[:b].copy_(shared)  # int64 → int32 on the device
         if from_device:
             select_tokens(self.input_ids[:b], source, prior_tokens, out=self.input_ids[:b])
