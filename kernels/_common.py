@@ -96,3 +96,13 @@ def chunk_table(cu_seqlens: torch.Tensor, chunk: int, num_tokens: int) -> ChunkT
     start = cu[seq] + chunk * (ids - offsets[seq])
     seq_end = torch.where(used, cu[seq + 1], start)
     return ChunkTable(start.to(torch.int32), seq_end.to(torch.int32), seq.to(torch.int32), offsets, capacity)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, cached per device index (asked at launches)."""
+    return _cuda_capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

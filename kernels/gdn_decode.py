@@ -28,7 +28,6 @@ Reference: kernels/ref/gdn.py:gdn_decode.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels._common import (
-    LOOP_AS_WHILE, KernelLaunch, gdn_gate_terms, l2_normalise_vector, multiprocessor_count, next_pow2_at_least_16,
+    LOOP_AS_WHILE, KernelLaunch, cuda_capability, gdn_gate_terms, l2_normalise_vector, multiprocessor_count,
+    next_pow2_at_least_16,
 )
 
 VARIANTS = ("tile", "persistent")
@@ -215,11 +215,11 @@ def _gdn_decode_kernel(
                        LOAD_EVICT, STORE_CACHE)
 
 
-@functools.lru_cache(maxsize=None)
 def _tma_can_load(state: torch.Tensor) -> bool:
     """A TMA descriptor needs sm_90+ and 16-byte aligned base and strides (d_v a multiple of 4
     for fp32, 8 for bf16); elsewhere a `tma` launch falls back to pointer loads."""
-    if state.device.type == "cuda" and torch.cuda.get_device_capability(state.device) < (9, 0):
+    # Not cached on the tensor: an lru_cache would keep every state pool it saw alive.
+    if state.device.type == "cuda" and cuda_capability(state.device) < (9, 0):
         return False
     itemsize = state.element_size()
     return state.data_ptr() % 16 == 0 and all(s * itemsize % 16 == 0 for s in state.stride()[:-1])

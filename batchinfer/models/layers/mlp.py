@@ -15,8 +15,6 @@ the fused gate|up projection: fp32 inside, one rounding (exactly torch's result 
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +22,7 @@ from torch import nn
 from batchinfer.models.config import ModelConfig
 from batchinfer.models.layers.params import empty_param
 from kernels import ops
+from kernels._common import cuda_capability
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -48,12 +47,7 @@ def _grouped_mm_supported(x: torch.Tensor) -> bool:
         return False
     if x.device.type == "cpu":
         return True
-    return x.is_cuda and x.dtype == torch.bfloat16 and _cuda_capability(x.device.index or 0) >= (9, 0)
-
-
-@lru_cache(maxsize=None)
-def _cuda_capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
+    return x.is_cuda and x.dtype == torch.bfloat16 and cuda_capability(x.device) >= (9, 0)
 
 
 class SparseMoE(nn.Module):
