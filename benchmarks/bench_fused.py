@@ -1,4 +1,4 @@
-"""Fused SwiGLU activation and residual add + RMSNorm vs the unfused path (one GPU, bf16).
+"""Fused SwiGLU activation, residual add + RMSNorm, and the conv1d decode update (one GPU, bf16).
 
     python -m benchmarks.bench_fused [--tokens 256] [--intermediate 17408] [--hidden 5120] [--layers 64]
 
@@ -13,12 +13,18 @@ each replayed from a CUDA graph (as the engine's decode steps are) under
 `triton.testing.do_bench` (median, L2 flushed between calls). Bandwidth is the fused op's
 minimal traffic over the time: silu_mul reads gate|up and writes the product (3·T·I elements);
 add_rms_norm reads x and delta and writes the sum and the normed row (4·T·N), against the
-4.28 TB/s copy bandwidth. Last line: the time saved per decode step over `--layers` layers
-(one activation and two add + norm fusions per layer). Runs in well under a minute.
+4.28 TB/s copy bandwidth. Then the conv1d decode update (`--conv-channels`, K = 4, state in a
+slot pool read and written once: its minimal traffic is x, out and the state twice) at its
+default and swept launches, beside fla-core's `causal_conv1d_update` on the same rows (its
+cache is per batch row, [B, D, K], no slot table) when fla is installed; with
+`--conv-before MODULE` also a module holding an earlier `causal_conv1d_decode` (an A/B of a
+kernel change). Last line: the time saved per decode step over `--layers` layers (one
+activation and two add + norm fusions per layer). Runs in well under a minute.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from dataclasses import dataclass
 
@@ -27,8 +33,10 @@ import torch.nn.functional as F
 
 from benchmarks.bench_replay_attn import bench_graph
 from kernels import activation as tri_act
+from kernels import conv1d as tri_conv
 from kernels import rmsnorm as tri_norm
 from kernels.ref import activation as ref_act
+from kernels.ref import conv1d as ref_conv
 from kernels.ref import norm as ref_norm
 
 PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
@@ -36,6 +44,8 @@ EPS = 1e-6
 DTYPE = torch.bfloat16
 SILU_MUL_SWEEP = [tri_act.SiluMulLaunch(block, warps) for block in (256, 512, 1024, 2048, 4096) for warps in (2, 4, 8)]
 ADD_NORM_WARPS_SWEEP = [4, 8, 16, 32]
+CONV_DECODE_SWEEP = [tri_conv.ConvLaunch(1, block, warps) for block in (64, 128, 256, 512, 1024) for warps in (1, 2, 4, 8)
+                     if block >= 32 * warps]
 
 
 @dataclass(frozen=True)
@@ -113,18 +123,68 @@ def bench_add_rms_norm(tokens: int, hidden: int) -> tuple[Timed, Timed]:
     return today, min(default, best, key=lambda t: t.ms)
 
 
+def bench_conv_decode(batch: int, channels: int, before: str | None) -> None:
+    """Ours (default, best swept), an earlier kernel (`before`), fla's update, after a check of each."""
+    K = 4
+    x = _randn(batch, channels)  # [B, D]
+    weight = _randn(channels, K, scale=0.5)
+    pool = _randn(2 * batch, channels, K - 1)  # [S, D, K-1] slot pool
+    slots = torch.randperm(2 * batch, device="cuda")[:batch]
+    expect_state = pool.clone()
+    expect = ref_conv.causal_conv1d_decode(x, weight, None, expect_state, slots)
+
+    def checked(name, decode):
+        state = pool.clone()
+        _check(name, decode(x, weight, None, state, slots), expect)
+        _check(f"{name} state", state, expect_state)
+
+    minimal = (2 * batch * channels + 2 * batch * channels * (K - 1)) * x.element_size()
+    print(f"conv1d decode  B={batch} D={channels} K={K} bf16 (minimal traffic {minimal / 1e6:.1f} MB)")
+    rows = []
+    if before:
+        old = importlib.import_module(before).causal_conv1d_decode
+        checked("before", old)
+        rows.append(Timed(f"before ({before})", bench_graph(lambda: old(x, weight, None, pool, slots)), minimal))
+    checked("ours", tri_conv.causal_conv1d_decode)
+    rows.append(Timed(f"ours, default (block_d {tri_conv.DEFAULT_DECODE_LAUNCH.block_d}, "
+                      f"{tri_conv.DEFAULT_DECODE_LAUNCH.num_warps} warps)",
+                      bench_graph(lambda: tri_conv.causal_conv1d_decode(x, weight, None, pool, slots)), minimal))
+    swept = [Timed(f"ours (block_d {launch.block_d}, {launch.num_warps} warps)",
+                   bench_graph(lambda launch=launch: tri_conv.causal_conv1d_decode(x, weight, None, pool, slots, launch)),
+                   minimal) for launch in CONV_DECODE_SWEEP]
+    best = min(swept, key=lambda t: t.ms)
+    rows.append(Timed("best: " + best.name, best.ms, minimal))
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d_update
+    except ImportError:
+        print("  (fla-core not installed: no peer row)")
+    else:
+        # [B, D, K]: its update shifts left first, then puts x last — entry 0 is dropped unread.
+        cache = torch.cat([torch.zeros_like(x)[:, :, None], pool[slots]], dim=-1).contiguous()
+        fla_out, _ = causal_conv1d_update(x, cache.clone(), weight=weight, activation="silu")
+        _check("fla causal_conv1d_update", fla_out, expect)
+        causal_conv1d_update(x, cache, weight=weight, activation="silu")  # autotune outside the graph
+        rows.append(Timed("fla causal_conv1d_update ([B, D, K] cache, no slots)",
+                          bench_graph(lambda: causal_conv1d_update(x, cache, weight=weight, activation="silu")), minimal))
+    for row in rows:
+        print(row.line())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=256, help="rows (decode batch)")
     parser.add_argument("--intermediate", type=int, default=17408, help="dense MLP intermediate size")
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--layers", type=int, default=64, help="for the per-step saving estimate")
+    parser.add_argument("--conv-channels", type=int, default=10240, help="GDN conv channels (2·16·128 + 48·128)")
+    parser.add_argument("--conv-before", default=None, help="module with an earlier causal_conv1d_decode to A/B")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     torch.manual_seed(0)
     silu_before, silu_after = bench_silu_mul(args.tokens, args.intermediate)
     norm_before, norm_after = bench_add_rms_norm(args.tokens, args.hidden)
+    bench_conv_decode(args.tokens, args.conv_channels, args.conv_before)
     saved_ms = args.layers * ((silu_before.ms - silu_after.ms) + 2 * (norm_before.ms - norm_after.ms))
     print(f"estimated saving per {args.layers}-layer decode step: {saved_ms:.3f} ms "
           f"(activation {args.layers * (silu_before.ms - silu_after.ms):.3f}, "

@@ -10,6 +10,10 @@
    again one step at a time, each step split (host_overhead.PhaseTimer, with a device sync
    between phases) into scheduling, the forward (the runner's decode: a CUDA-graph replay),
    sampling + stop checks, and the rest.
+   With `--trace-steps N`, torch.profiler records N of the overlapped full-batch steps (after a
+   few): device time per step split into kernels by family, copies and idle gaps (the largest
+   listed with the ops around them), and the host's waits — what the engine step adds to the
+   bare graph replay.
 2. Then, on exactly the inputs of the last step (the bucket graph's static batch): the graph
    replayed alone (with the SM clock, power and throttle reasons while it runs), the same
    forward run eagerly, and torch.profiler over graph replays — kernels by family, the top
@@ -56,7 +60,8 @@ def family(name: str) -> str:
 
 def decode_report(timer: PhaseTimer, batch: int) -> dict[str, float]:
     """Median ms per decode-only step at exactly `batch` sequences."""
-    steps = [s for s in timer.steps if not s.get("prefill_seqs") and s.get("decode_batch") == batch]
+    steps = [s for s in timer.steps
+             if not s.get("prefill_seqs") and s.get("decode_batch") == batch and not s.get("traced")]
     if not steps:
         return {}
     med = lambda key: 1e3 * statistics.median(s.get(key, 0.0) for s in steps)  # noqa: E731
@@ -111,6 +116,69 @@ def gap_report(trace_path: str, top: int = 8) -> None:
         print(f"    {sum(gs) / 1e3:7.3f} ms  {len(gs):5d}×  {a} → {b}")
 
 
+def trace_engine_steps(engine: Engine, timer: PhaseTimer, batch: int, count: int, path: str, skip: int = 3) -> None:
+    """Profile `count` overlapped decode-only steps at `batch` (after `skip` of them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inner = engine._step
+    seen = {"steps": 0, "prof": None}
+
+    def step():
+        done = inner()
+        last = timer.steps[-1] if timer.steps else {}
+        if seen["prof"] is not None:
+            last["traced"] = True  # profiled: slower, left out of the step-time median
+        if not last.get("prefill_seqs") and last.get("decode_batch") == batch:
+            seen["steps"] += 1
+            if seen["steps"] == skip:
+                seen["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                seen["prof"].start()
+            elif seen["steps"] == skip + count and seen["prof"] is not None:
+                torch.cuda.synchronize()
+                seen["prof"].stop()
+                seen["prof"].export_chrome_trace(path)
+                seen["prof"] = None
+                seen["done"] = True
+        return done
+
+    engine._step = step
+    return seen
+
+
+def engine_trace_report(path: str, steps: int, top: int = 10) -> None:
+    """What an overlapped engine step spends on the device besides the graph's kernels."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    ops = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if len(ops) < 2:
+        print("  engine trace: no device ops")
+        return
+    span = ops[-1]["ts"] + ops[-1]["dur"] - ops[0]["ts"]
+    busy: dict[str, float] = defaultdict(float)
+    for op in ops:
+        key = family(op["name"]) if op["cat"] == "kernel" else op["name"].split(" (")[0]
+        busy[key] += op["dur"]
+    gaps = []
+    end = ops[0]["ts"] + ops[0]["dur"]
+    for prev, cur in zip(ops, ops[1:]):
+        end = max(end, prev["ts"] + prev["dur"])
+        if cur["ts"] > end:
+            gaps.append((cur["ts"] - end, prev["name"][:40], cur["name"][:40]))
+    idle = sum(g for g, _, _ in gaps)
+    print(f"engine trace, {steps} overlapped steps: device span {span / 1e3 / steps:.2f} ms per step, busy "
+          f"{sum(busy.values()) / 1e3 / steps:.2f}, idle {idle / 1e3 / steps:.2f} ({len(gaps)} gaps)")
+    print("  device ms per step: " + ", ".join(f"{k} {v / 1e3 / steps:.3f}" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])))
+    for gap, a, b in sorted(gaps, reverse=True)[:top]:
+        print(f"    gap {gap:8.1f} µs  {a} → {b}")
+    waits: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and any(w in e.get("name", "") for w in ("Synchronize", "Memcpy", "GraphLaunch",
+                                                                                  "HostAlloc", "LaunchKernel")):
+            waits[e["name"]].append(e["dur"])
+    print("  host runtime calls per step: " + ", ".join(
+        f"{name} {len(d) / steps:.1f}× {sum(d) / 1e3 / steps:.3f} ms" for name, d in sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:8]))
+
+
 def profile_bucket(engine: Engine, batch: int, trace_path: str, reps: int = 10) -> dict[str, float]:
     """The bucket graph on the last step's inputs: alone, eagerly, and kernel by kernel."""
     from torch.profiler import ProfilerActivity, profile
@@ -137,6 +205,9 @@ def profile_bucket(engine: Engine, batch: int, trace_path: str, reps: int = 10) 
         f"{f} {us / 1e3:.2f}" for f, us in sorted(families.items(), key=lambda kv: -kv[1])))
     for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:14]:
         print(f"    {us / 1e3:8.3f} ms  {name[:100]}")
+    small = [(name, us) for name, us in per_kernel.items() if family(name) in ("elementwise", "other")]
+    print("  elementwise / other kernels: " + "; ".join(
+        f"{us / 1e3:.3f} {name[:70]}" for name, us in sorted(small, key=lambda kv: -kv[1])[:10]))
     gap_report(trace_path)
     return result
 
@@ -167,6 +238,8 @@ def main() -> None:
     parser.add_argument("--replayssm", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--trace", default="/tmp/decode_graph_trace.json", help="the profiler's chrome trace")
+    parser.add_argument("--trace-steps", type=int, default=0, help="profile this many overlapped engine steps")
+    parser.add_argument("--engine-trace", default="/tmp/decode_engine_trace.json")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -183,9 +256,13 @@ def main() -> None:
                              args.shared_prefix, args.groups)
     # As the engine runs (decode overlap on): wall time per step, no syncs.
     overlapped = PhaseTimer(engine, engine.runner, "decode")
+    traced = trace_engine_steps(engine, overlapped, args.batch, args.trace_steps, args.engine_trace) \
+        if cuda and args.trace_steps else {}
     for _ in engine.generate(requests):
         pass
     steady = decode_report(overlapped, args.batch)
+    if traced.get("done"):
+        engine_trace_report(args.engine_trace, args.trace_steps)
     # The breakdown: synced phases, one step at a time (overlap off, else the syncs would bill
     # the previous step's GPU time to whichever phase waits first). The prompts now hit the cache.
     engine.config = dataclasses.replace(engine.config, overlap_decode=False)

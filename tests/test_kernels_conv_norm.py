@@ -93,15 +93,36 @@ def test_triton_conv_prefill_strided_input_and_bf16_state():
     torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
 
 
-def test_triton_conv_decode_matches_reference():
-    x, weight, bias, state, slots, cu = _conv_case(D=40, device=DEVICE)
+@pytest.mark.parametrize("K, D, block_d", [(4, 40, 256), (4, 300, 128), (3, 33, 16), (2, 20, 16)])
+def test_triton_conv_decode_matches_reference(K, D, block_d):
+    """Several channel blocks (D not a multiple of block_d), K-1 not a power of two, and
+    untouched slots: the shifted state must equal the reference's exactly."""
+    x, weight, bias, state, slots, cu = _conv_case(D=D, K=K, device=DEVICE)
     ref_state = state.clone()
+    launch = tri_conv.ConvLaunch(block_t=1, block_d=block_d, num_warps=4)
     for step in range(3):
-        xt = torch.randn(len(SLOTS), 40, device=DEVICE)
+        xt = torch.randn(len(SLOTS), D, device=DEVICE)
         expect = ref_conv.causal_conv1d_decode(xt, weight, bias, ref_state, slots)
-        got = tri_conv.causal_conv1d_decode(xt, weight, bias, state, slots)
+        got = tri_conv.causal_conv1d_decode(xt, weight, bias, state, slots, launch)
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
+
+
+@requires_cuda
+def test_triton_conv_decode_bf16_model_shape():
+    """The 27B preset's conv (10,240 channels, K = 4) at batch 256, bf16, strided input rows."""
+    D, B = 10240, 256
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(D, 4, generator=gen).to("cuda", torch.bfloat16)
+    state = torch.randn(300, D, 3, generator=gen).to("cuda", torch.bfloat16)
+    slots = torch.randperm(300, generator=gen)[:B].cuda()
+    wide = torch.randn(B, D + 512, generator=gen).to("cuda", torch.bfloat16)
+    xt = wide[:, 256:256 + D]  # a column view, as the in-projection's output is split
+    ref_state = state.clone()
+    expect = ref_conv.causal_conv1d_decode(xt, weight, None, ref_state, slots)
+    got = tri_conv.causal_conv1d_decode(xt, weight, None, state, slots)
+    torch.testing.assert_close(got.float(), expect.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
 
 
 def _hf_norms():
