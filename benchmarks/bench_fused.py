@@ -141,11 +141,14 @@ def bench_conv_decode(batch: int, channels: int, before: str | None) -> None:
     minimal = (2 * batch * channels + 2 * batch * channels * (K - 1)) * x.element_size()
     print(f"conv1d decode  B={batch} D={channels} K={K} bf16 (minimal traffic {minimal / 1e6:.1f} MB)")
     rows = []
-    if before:
-        old = importlib.import_module(before).causal_conv1d_decode
+    old = importlib.import_module(before).causal_conv1d_decode if before else None
+    if old is not None:  # every check before any timing: the timed replays shift the pool
         checked("before", old)
-        rows.append(Timed(f"before ({before})", bench_graph(lambda: old(x, weight, None, pool, slots)), minimal))
     checked("ours", tri_conv.causal_conv1d_decode)
+    for launch in CONV_DECODE_SWEEP:
+        checked(f"ours {launch}", lambda *a, launch=launch: tri_conv.causal_conv1d_decode(*a, launch))
+    if old is not None:
+        rows.append(Timed(f"before ({before})", bench_graph(lambda: old(x, weight, None, pool, slots)), minimal))
     rows.append(Timed(f"ours, default (block_d {tri_conv.DEFAULT_DECODE_LAUNCH.block_d}, "
                       f"{tri_conv.DEFAULT_DECODE_LAUNCH.num_warps} warps)",
                       bench_graph(lambda: tri_conv.causal_conv1d_decode(x, weight, None, pool, slots)), minimal))

@@ -49,13 +49,14 @@ PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
 # (what fla's fused recurrent kernel does); large ones = more bytes per program.
 _Launch = triton_replay.StepLaunch
 _DEFAULT = triton_replay.DEFAULT_STEP_LAUNCH
+_FLUSH_LAUNCH = replace(_DEFAULT, fold_in_step=False)
 REPLAY_SWEEP = [_DEFAULT] + [
-    # The flush launch's shape around the default (one program per (sequence, value head, d_v
-    # block)): per (sequence, key head), and bigger tiles / more warps.
-    replace(_DEFAULT, flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=True),
-    replace(_DEFAULT, flush_per_key_head=True),
-    replace(_DEFAULT, flush_block_v=64, flush_block_k=16, flush_warps=2, flush_per_key_head=True),
-    replace(_DEFAULT, flush_block_v=128, flush_block_k=32, flush_warps=4),
+    # The flush as its own launch (before fold_in_step): one program per (sequence, value head,
+    # d_v block), per (sequence, key head), bigger tiles / more warps.
+    _FLUSH_LAUNCH,
+    replace(_FLUSH_LAUNCH, flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=True),
+    replace(_FLUSH_LAUNCH, flush_per_key_head=True),
+    replace(_FLUSH_LAUNCH, flush_block_v=64, flush_block_k=16, flush_warps=2, flush_per_key_head=True),
 ] + [
     # Step: mma d_k dots (default) vs CUDA-core ones, ring-key dots in the step or once per key
     # head in the flush launch, d_k chunk / stages / d_v block / warps around the default.
@@ -204,11 +205,16 @@ def describe(launch) -> str:
     return (f"bv={launch.block_v} bk={launch.block_k} w={launch.num_warps} s={launch.num_stages} "
             f"tc={int(launch.tensor_cores)} kd={int(launch.key_dots_in_flush)} "
             f"fl={launch.flush_block_v}/{launch.flush_block_k}/{launch.flush_warps}"
-            f"{'/kh' if launch.flush_per_key_head else ''}")
+            f"{'/kh' if launch.flush_per_key_head else ''}"
+            f"{' fold-in-step' if launch.fold_in_step and launch.tensor_cores and launch.key_dots_in_flush else ''}")
 
 
-def bench_replay(shape: GdnShape, batch: int, sweep: list = REPLAY_SWEEP) -> list[Row]:
+def bench_replay(shape: GdnShape, batch: int, sweep: list = REPLAY_SWEEP, lockstep: bool = False) -> list[Row]:
+    """Staggered cursors (1/L of the rings full each step, as under continuous admission), or
+    with `lockstep` all rings filling on the same step (a batch admitted together, as in rag)."""
     pools, step, params, slots = make_replay_state(shape, batch)
+    if lockstep:
+        pools[4].fill_(1)
     cursors = cursor_cycle(pools[4], shape.ring)
     assert all(int((c == shape.ring).sum()) == 1 for c in torch.stack(cursors).T), "one flush per slot"
     timings = []
@@ -221,6 +227,8 @@ def bench_replay(shape: GdnShape, batch: int, sweep: list = REPLAY_SWEEP) -> lis
     best_ms, best_launch = min(timings, key=lambda t: t[0])
     est_bytes = replay_bytes_per_step(shape, batch)
     fla_ms = bench_fla(shape, batch, step, params)
+    if lockstep:
+        return [Row(f"lockstep B={batch} {describe(launch)}", ms * 1e3, "") for ms, launch in timings]
     rows = [Row(f"replay step B={batch} (default {describe(sweep[0])})", default_ms * 1e3,
                 f"~{est_bytes / (default_ms * 1e-3) / PEAK_BYTES_PER_S:.0%} of peak on est. bytes"),
             Row(f"replay step B={batch} (best {describe(best_launch)})", best_ms * 1e3,
@@ -433,8 +441,8 @@ def main() -> None:
     parser.add_argument("--shared", action="store_true",
                         help="only the shared-prefix decode case (5), with its launch sweep unless --quick")
     parser.add_argument("--replay", action="store_true",
-                        help="only the ReplaySSM step at batch 128, 256 and 512: the default and the "
-                             "flush-launch variants (all checked first)")
+                        help="only the ReplaySSM step at batch 128, 256 and 512, staggered and lock-step "
+                             "cursors: the default and the flush-launch variants (all checked first)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -442,7 +450,8 @@ def main() -> None:
     if args.replay:
         flush_sweep = REPLAY_SWEEP[:5]  # the default and the flush-launch variants around it
         check_correctness(flush_sweep)
-        print_rows([row for batch in (128, 256, 512) for row in bench_replay(GdnShape(), batch, flush_sweep)])
+        print_rows([row for batch in (128, 256, 512) for lockstep in (False, True)
+                    for row in bench_replay(GdnShape(), batch, flush_sweep, lockstep)])
         return
     if args.shared:
         print_rows(bench_attention_decode_shared(AttnShape(), SharedDecodeShape(), sweep))

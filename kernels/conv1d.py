@@ -96,34 +96,28 @@ def _conv_prefill_state_kernel(
 def _conv_decode_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, slots_ptr,
     D, stride_xb, stride_wd, stride_ss, stride_sd, stride_ob,
-    HAS_BIAS: tl.constexpr, K: tl.constexpr, HIST: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per (sequence, BLOCK_D channels). The channels' K-1 history entries are
-    loaded as one [BLOCK_D, HIST] tile (HIST = next_pow2(K-1)): the state row is contiguous in
-    (channel, entry), so the tile is one coalesced span rather than K-1 strided loads."""
     b = tl.program_id(0).to(tl.int64)
-    ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    j = tl.arange(0, HIST)  # [HIST] history entry, oldest first
+    ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ch_ok = ch < D
-    hist_ok = ch_ok[:, None] & (j < K - 1)[None, :]  # [BD, HIST]
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    row = state_ptr + slot * stride_ss + ch[:, None] * stride_sd + j[None, :]  # [BD, HIST]
-    hist = tl.load(row, mask=hist_ok, other=0.0)  # [BD, HIST]
-    # Entry j's successor (the value it takes in the shift); the last entry takes x.
-    succ = tl.load(row + 1, mask=ch_ok[:, None] & (j < K - 2)[None, :], other=0.0)  # [BD, HIST]
-    x = tl.load(x_ptr + b * stride_xb + ch, mask=ch_ok, other=0.0)  # [BD]
-    w_hist = tl.load(w_ptr + ch[:, None] * stride_wd + j[None, :], mask=hist_ok, other=0.0)  # [BD, HIST]
+    row = state_ptr + slot * stride_ss + ch * stride_sd  # [BD]
+    x = tl.load(x_ptr + b * stride_xb + ch, mask=ch_ok, other=0.0)
     acc = x.to(tl.float32) * tl.load(w_ptr + ch * stride_wd + (K - 1), mask=ch_ok, other=0.0).to(tl.float32)
-    acc += tl.sum(hist.to(tl.float32) * w_hist.to(tl.float32), 1)
+    for j in tl.static_range(K - 1):
+        hist = tl.load(row + j, mask=ch_ok, other=0.0).to(tl.float32)
+        acc += hist * tl.load(w_ptr + ch * stride_wd + j, mask=ch_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + ch, mask=ch_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + b * stride_ob + ch, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=ch_ok)
-    shifted = tl.where((j == K - 2)[None, :], x[:, None].to(state_ptr.dtype.element_ty),
-                       succ.to(state_ptr.dtype.element_ty))  # [BD, HIST]
-    # Entry j+1 may be held by another thread than the one that overwrites it: every load of
-    # the program lands before any store (bar.sync orders memory within the program).
-    tl.debug_barrier()
-    tl.store(row, shifted, mask=hist_ok)
+    # Shift left by one: entry j takes entry j+1 (read before this thread overwrites it), the last takes x.
+    for j in tl.static_range(K - 1):
+        if j + 1 < K - 1:
+            val = tl.load(row + j + 1, mask=ch_ok, other=0.0)
+        else:
+            val = x
+        tl.store(row + j, val.to(state_ptr.dtype.element_ty), mask=ch_ok)
 
 
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +164,6 @@ def causal_conv1d_decode(x, weight, bias, conv_state, slots,
     _conv_decode_kernel[(B, triton.cdiv(D, launch.block_d))](
         x, weight, bias if bias is not None else weight, conv_state, out, slots,
         D, x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-        HAS_BIAS=bias is not None, K=weight.shape[1], HIST=triton.next_power_of_2(max(1, weight.shape[1] - 1)),
-        BLOCK_D=launch.block_d, num_warps=launch.num_warps,
+        HAS_BIAS=bias is not None, K=weight.shape[1], BLOCK_D=launch.block_d, num_warps=launch.num_warps,
     )
     return out

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from kernels.replay_ssm_kernels import replay_fold_kernel, replay_step_kernel
+from kernels.replay_ssm_kernels import replay_fold_kernel, replay_key_dots_kernel, replay_step_kernel
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,10 @@ class StepLaunch:
     # One flush program per (sequence, key head), folding its GROUP value heads × d_v blocks in
     # turn (and writing the key dots), instead of one per (sequence, value head, d_v block).
     flush_per_key_head: bool = False
+    # A full ring folded by the step itself as its checkpoint streams in (with tensor_cores and
+    # key_dots_in_flush): no flush launch; the first launch only writes the key dots and saves
+    # ring entry 0 (which the step overwrites while sibling programs still fold it).
+    fold_in_step: bool = True
 
 
 # The H200 sweep's best at B = 512 (CUDA-graph timing, docs/BENCHMARKS.md, 2026-11-29, session
@@ -150,20 +154,30 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
     if B == 0:
         return o
     block_l = _ring_block(L) if launch.tensor_cores or launch.key_dots_in_flush else triton.next_power_of_2(L)
-    key_dots = None
+    fold_in_step = launch.fold_in_step and launch.tensor_cores and launch.key_dots_in_flush
+    key_dots = entry0 = None
     if launch.key_dots_in_flush:
         key_dots = torch.empty((B, H_k, block_l, 2), dtype=torch.float32, device=q.device)
-        _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
-                     block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps,
-                     q=q, k=k, key_dots=key_dots, per_key_head=launch.flush_per_key_head)
-    else:
+        if fold_in_step:
+            entry0 = torch.empty((B, H_k, d_k + H_v // H_k), dtype=torch.float32, device=q.device)
+            replay_key_dots_kernel[(B, H_k)](
+                ring_k, ring_g, q, k, key_dots, entry0, slots,
+                ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), ring_g.stride(0),
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                GROUP=H_v // H_k, L=L, D_K=d_k, BLOCK_K=triton.next_power_of_2(d_k), BLOCK_L=block_l,
+                BLOCK_G=triton.next_power_of_2(H_v // H_k), num_warps=launch.flush_warps)
+        else:
+            _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
+                         block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps,
+                         q=q, k=k, key_dots=key_dots, per_key_head=launch.flush_per_key_head)
+    elif not fold_in_step:
         flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch=launch)
     block_dk = triton.next_power_of_2(d_k)
     block_k = min(max(16, launch.block_k), block_dk)
     block_v = min(max(16, launch.block_v), max(16, triton.next_power_of_2(d_v)))
     replay_step_kernel[(B, H_v, triton.cdiv(d_v, block_v))](
         q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, cursor, slots,
-        ring_g if key_dots is None else key_dots, o,
+        ring_g if key_dots is None else key_dots, ring_g if entry0 is None else entry0, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), o.stride(0), o.stride(1),
         ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
@@ -175,7 +189,7 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
         BLOCK_DK=block_dk, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l,
         NUM_STAGES=launch.num_stages, TENSOR_CORES=launch.tensor_cores,
         SPLIT=ckpt.dtype != torch.float32 and q.dtype != ckpt.dtype,
-        KEY_DOTS_GIVEN=key_dots is not None, num_warps=launch.num_warps,
+        KEY_DOTS_GIVEN=key_dots is not None, FOLD=fold_in_step, num_warps=launch.num_warps,
     )
     return o
 
