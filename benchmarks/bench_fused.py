@@ -147,6 +147,17 @@ def bench_conv_decode(batch: int, channels: int, before: str | None) -> None:
     checked("ours", tri_conv.causal_conv1d_decode)
     for launch in CONV_DECODE_SWEEP:
         checked(f"ours {launch}", lambda *a, launch=launch: tri_conv.causal_conv1d_decode(*a, launch))
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d_update
+    except ImportError:
+        causal_conv1d_update = None
+        print("  (fla-core not installed: no peer row)")
+    else:
+        # [B, D, K]: its update shifts left first, then puts x last — entry 0 is dropped unread.
+        cache = torch.cat([torch.zeros_like(x)[:, :, None], pool[slots]], dim=-1).contiguous()
+        fla_out, _ = causal_conv1d_update(x, cache.clone(), weight=weight, activation="silu")
+        _check("fla causal_conv1d_update", fla_out, expect)
+        causal_conv1d_update(x, cache, weight=weight, activation="silu")  # autotune outside the graph
     if old is not None:
         rows.append(Timed(f"before ({before})", bench_graph(lambda: old(x, weight, None, pool, slots)), minimal))
     rows.append(Timed(f"ours, default (block_d {tri_conv.DEFAULT_DECODE_LAUNCH.block_d}, "
@@ -157,16 +168,7 @@ def bench_conv_decode(batch: int, channels: int, before: str | None) -> None:
                    minimal) for launch in CONV_DECODE_SWEEP]
     best = min(swept, key=lambda t: t.ms)
     rows.append(Timed("best: " + best.name, best.ms, minimal))
-    try:
-        from fla.modules.causal_conv1d.ops import causal_conv1d_update
-    except ImportError:
-        print("  (fla-core not installed: no peer row)")
-    else:
-        # [B, D, K]: its update shifts left first, then puts x last — entry 0 is dropped unread.
-        cache = torch.cat([torch.zeros_like(x)[:, :, None], pool[slots]], dim=-1).contiguous()
-        fla_out, _ = causal_conv1d_update(x, cache.clone(), weight=weight, activation="silu")
-        _check("fla causal_conv1d_update", fla_out, expect)
-        causal_conv1d_update(x, cache, weight=weight, activation="silu")  # autotune outside the graph
+    if causal_conv1d_update is not None:
         rows.append(Timed("fla causal_conv1d_update ([B, D, K] cache, no slots)",
                           bench_graph(lambda: causal_conv1d_update(x, cache, weight=weight, activation="silu")), minimal))
     for row in rows:

@@ -49,14 +49,14 @@ PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
 # (what fla's fused recurrent kernel does); large ones = more bytes per program.
 _Launch = triton_replay.StepLaunch
 _DEFAULT = triton_replay.DEFAULT_STEP_LAUNCH
-_FLUSH_LAUNCH = replace(_DEFAULT, fold_in_step=False)
 REPLAY_SWEEP = [_DEFAULT] + [
-    # The flush as its own launch (before fold_in_step): one program per (sequence, value head,
-    # d_v block), per (sequence, key head), bigger tiles / more warps.
-    _FLUSH_LAUNCH,
-    replace(_FLUSH_LAUNCH, flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=True),
-    replace(_FLUSH_LAUNCH, flush_per_key_head=True),
-    replace(_FLUSH_LAUNCH, flush_block_v=64, flush_block_k=16, flush_warps=2, flush_per_key_head=True),
+    # The flush launch's shape around the default (one program per (sequence, key head), whole
+    # rows, 4 warps): one per (sequence, value head, d_v block) (the default before session 5),
+    # per key head with smaller tiles.
+    replace(_DEFAULT, flush_block_v=32, flush_block_k=16, flush_warps=1, flush_per_key_head=False),
+    replace(_DEFAULT, flush_block_v=32, flush_block_k=16, flush_warps=1),
+    replace(_DEFAULT, flush_block_v=64, flush_block_k=16, flush_warps=2),
+    replace(_DEFAULT, flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=False),
 ] + [
     # Step: mma d_k dots (default) vs CUDA-core ones, ring-key dots in the step or once per key
     # head in the flush launch, d_k chunk / stages / d_v block / warps around the default.
@@ -205,8 +205,7 @@ def describe(launch) -> str:
     return (f"bv={launch.block_v} bk={launch.block_k} w={launch.num_warps} s={launch.num_stages} "
             f"tc={int(launch.tensor_cores)} kd={int(launch.key_dots_in_flush)} "
             f"fl={launch.flush_block_v}/{launch.flush_block_k}/{launch.flush_warps}"
-            f"{'/kh' if launch.flush_per_key_head else ''}"
-            f"{' fold-in-step' if launch.fold_in_step and launch.tensor_cores and launch.key_dots_in_flush else ''}")
+            f"{'/kh' if launch.flush_per_key_head else ''}")
 
 
 def bench_replay(shape: GdnShape, batch: int, sweep: list = REPLAY_SWEEP, lockstep: bool = False) -> list[Row]:

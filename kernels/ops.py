@@ -18,6 +18,7 @@ _REF_MODULES = {
     "rms_norm": "kernels.ref.norm",
     "gated_rms_norm": "kernels.ref.norm",
     "add_rms_norm": "kernels.ref.norm",
+    "rms_norm_rope": "kernels.ref.rope",
     "silu_mul": "kernels.ref.activation",
     "causal_conv1d_prefill": "kernels.ref.conv1d",
     "causal_conv1d_decode": "kernels.ref.conv1d",
@@ -33,6 +34,7 @@ _TRITON_MODULES = {
     "rms_norm": "kernels.rmsnorm",
     "gated_rms_norm": "kernels.rmsnorm",
     "add_rms_norm": "kernels.rmsnorm",
+    "rms_norm_rope": "kernels.rope",
     "silu_mul": "kernels.activation",
     "causal_conv1d_prefill": "kernels.conv1d",
     "causal_conv1d_decode": "kernels.conv1d",
@@ -72,6 +74,7 @@ def _dispatch(name: str) -> Callable:
 rms_norm = _dispatch("rms_norm")
 gated_rms_norm = _dispatch("gated_rms_norm")
 add_rms_norm = _dispatch("add_rms_norm")
+rms_norm_rope = _dispatch("rms_norm_rope")
 silu_mul = _dispatch("silu_mul")
 causal_conv1d_prefill = _dispatch("causal_conv1d_prefill")
 causal_conv1d_decode = _dispatch("causal_conv1d_decode")

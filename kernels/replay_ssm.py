@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from kernels.replay_ssm_kernels import replay_fold_kernel, replay_key_dots_kernel, replay_step_kernel
+from kernels.replay_ssm_kernels import replay_fold_kernel, replay_step_kernel
 
 
 @dataclass(frozen=True)
@@ -60,23 +60,19 @@ class StepLaunch:
     # One flush program per (sequence, key head), folding its GROUP value heads × d_v blocks in
     # turn (and writing the key dots), instead of one per (sequence, value head, d_v block).
     flush_per_key_head: bool = False
-    # A full ring folded by the step itself as its checkpoint streams in (with tensor_cores and
-    # key_dots_in_flush): no flush launch; the first launch only writes the key dots and saves
-    # ring entry 0 (which the step overwrites while sibling programs still fold it).
-    fold_in_step: bool = True
 
 
 # The H200 sweep's best at B = 512 (CUDA-graph timing, docs/BENCHMARKS.md, 2026-11-29, session
 # 2: 315 µs per step = 3.5× fla): 64-column tiles over 2 warps, d_k in 64-row chunks 3 deep, and
 # the ring-key dot products done once per key head in the flush launch.
-# The flush launch stays one program per (sequence, value head, 32-column block), 1 warp. The
-# per-key-head launch (`flush_per_key_head`) measured on the H200 (`bench_replay_attn --replay`,
-# staggered cursors, µs per step at B = 128 / 256 / 512): whole-row tiles, 4 warps 89.1 / 160.2
-# / 303.0 against this default's 85.9 / 162.7 / 314.5; 32-column tiles, 1 warp 139.8 / 209.9 /
-# 351.2 — yet that one cut the engine's flush launch 2.64 → 1.76 ms per rag-shaped step (all
-# rings fill at once there). Not the default: the gain is small either way, and the whole-row
-# launch has not been through the GPU test suite nor an engine run (only the bench's check).
-DEFAULT_STEP_LAUNCH = StepLaunch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True)
+# The flush launch runs one program per (sequence, key head) folding whole rows (128 columns,
+# d_k in 32-row chunks, 4 warps): `bench_replay_attn --replay` on the H200 (session 5), µs per
+# step at B = 128 / 256 / 512 against one program per (sequence, value head, 32 columns, 1 warp):
+# rings filling on the same step (a batch admitted together) 78.4 / 149.8 / 292.5 vs 92.8 /
+# 180.1 / 354.3; staggered (1/L full each step) 89.0 / 159.5 / 302.8 vs 85.9 / 162.1 / 314.3.
+# Most flush programs only write the key dots: 12× fewer of them is most of the gain.
+DEFAULT_STEP_LAUNCH = StepLaunch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True,
+                                 flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=True)
 
 
 def _check_pools(ckpt, ring_k, ring_u, ring_g, cursor) -> None:
@@ -154,30 +150,20 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
     if B == 0:
         return o
     block_l = _ring_block(L) if launch.tensor_cores or launch.key_dots_in_flush else triton.next_power_of_2(L)
-    fold_in_step = launch.fold_in_step and launch.tensor_cores and launch.key_dots_in_flush
-    key_dots = entry0 = None
+    key_dots = None
     if launch.key_dots_in_flush:
         key_dots = torch.empty((B, H_k, block_l, 2), dtype=torch.float32, device=q.device)
-        if fold_in_step:
-            entry0 = torch.empty((B, H_k, d_k + H_v // H_k), dtype=torch.float32, device=q.device)
-            replay_key_dots_kernel[(B, H_k)](
-                ring_k, ring_g, q, k, key_dots, entry0, slots,
-                ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), ring_g.stride(0),
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                GROUP=H_v // H_k, L=L, D_K=d_k, BLOCK_K=triton.next_power_of_2(d_k), BLOCK_L=block_l,
-                BLOCK_G=triton.next_power_of_2(H_v // H_k), num_warps=launch.flush_warps)
-        else:
-            _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
-                         block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps,
-                         q=q, k=k, key_dots=key_dots, per_key_head=launch.flush_per_key_head)
-    elif not fold_in_step:
+        _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
+                     block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps,
+                     q=q, k=k, key_dots=key_dots, per_key_head=launch.flush_per_key_head)
+    else:
         flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch=launch)
     block_dk = triton.next_power_of_2(d_k)
     block_k = min(max(16, launch.block_k), block_dk)
     block_v = min(max(16, launch.block_v), max(16, triton.next_power_of_2(d_v)))
     replay_step_kernel[(B, H_v, triton.cdiv(d_v, block_v))](
         q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, cursor, slots,
-        ring_g if key_dots is None else key_dots, ring_g if entry0 is None else entry0, o,
+        ring_g if key_dots is None else key_dots, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), o.stride(0), o.stride(1),
         ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
@@ -189,7 +175,7 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
         BLOCK_DK=block_dk, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l,
         NUM_STAGES=launch.num_stages, TENSOR_CORES=launch.tensor_cores,
         SPLIT=ckpt.dtype != torch.float32 and q.dtype != ckpt.dtype,
-        KEY_DOTS_GIVEN=key_dots is not None, FOLD=fold_in_step, num_warps=launch.num_warps,
+        KEY_DOTS_GIVEN=key_dots is not None, num_warps=launch.num_warps,
     )
     return o
 

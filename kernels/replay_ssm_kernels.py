@@ -68,19 +68,11 @@ def _mma_fp32_operand(a, b, acc):
 
 @triton.jit
 def _dk_dots_mma(c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, in_ring,
-                 full, fold_w, fold_decay, ru_t, k0_ptr, first_row,
                  D_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr, RING_KEYS: tl.constexpr, FOLD: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr, RING_KEYS: tl.constexpr):
     """Raw (unscaled) [Cᵀk, Cᵀq] [BV, 2] and, if RING_KEYS, [rk·k, rk·q] [BL, 2] on tensor cores.
 
     The mma pads N = 2 to its 8 columns; the results need no reduction (columns split in-thread).
-    FOLD: where `full` (the ring holds L entries) each Cᵀ chunk is first folded with the ring,
-    Cᵀ ← decay·Cᵀ + (ruᵀ)(w ⊙ rk) rounded to the checkpoint dtype (as `_fold_tile` computes it),
-    written back to the checkpoint, and the dots use it: the flush costs no launch of its own
-    and no second read of the checkpoint. Branch-free (masks), so the loads stay pipelined.
-    Ring row 0 comes from `k0_ptr` (fp32 [d_k], saved by the key-dots launch): a sibling
-    program of this step may already have written the new entry 0 over it. Needs KEY_DOTS_GIVEN
-    (RING_KEYS false).
     """
     acc_c = tl.zeros([BLOCK_V, 2], tl.float32)
     acc_r = tl.zeros([BLOCK_L, 2], tl.float32)
@@ -89,24 +81,13 @@ def _dk_dots_mma(c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_
         mask_k = offs_k < D_K
         # Loaded as the transposed tile (not tl.trans of a [BK, BV] load): that keeps it a
         # cp.async into shared memory (ptxas/PTX, sm_90: ~2.5x fewer instructions per chunk).
-        c_t_ptrs = c_base + offs_k[None, :] * stride_ck + offs_v[:, None]  # [BV, BK]
-        c_t = tl.load(c_t_ptrs, mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # Cᵀ chunk  [BV, BK]
-        if RING_KEYS:
-            rk = tl.load(rk_base + offs_k[None, :], mask=in_ring[:, None] & mask_k[None, :],
-                         other=0.0)  # [BL, BK], stale rows included (an mma keeps them in their row)
-        if FOLD:  # ring rows 1..L-1 from the pool, row 0 as saved; read only for a full ring
-            rk_pool = tl.load(rk_base + offs_k[None, :], mask=full & in_ring[:, None] & ~first_row[:, None]
-                              & mask_k[None, :], other=0.0)  # [BL, BK]
-            k0 = tl.load(k0_ptr + offs_k, mask=full & mask_k, other=0.0)  # [BK] fp32
-            rk_fold = tl.where(first_row[:, None], k0[None, :], rk_pool.to(tl.float32))  # [BL, BK]
-            weighted_rk = rk_fold * fold_w[:, None]  # [BL, BK]
-            ring_t = _mma_fp32_operand(ru_t, weighted_rk, tl.zeros([BLOCK_V, BLOCK_K], tl.float32))  # [BV, BK]
-            folded = (fold_decay * c_t.to(tl.float32) + ring_t).to(c_t.dtype)
-            c_t = tl.where(full, folded, c_t)
-            tl.store(c_t_ptrs, c_t, mask=full & mask_v[:, None] & mask_k[None, :])
+        c_t = tl.load(c_base + offs_k[None, :] * stride_ck + offs_v[:, None],
+                      mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # Cᵀ chunk  [BV, BK]
         kq = _kq_columns(k_row_ptr, q_row_ptr, offs_k, mask_k, c_t.dtype, False)  # [BK, 2]
         acc_c = _mma(c_t, kq, acc_c)
         if RING_KEYS:
+            rk = tl.load(rk_base + offs_k[None, :], mask=in_ring[:, None] & mask_k[None, :],
+                         other=0.0)  # [BL, BK], stale rows included (an mma keeps them in their row)
             acc_r = _mma(rk, kq, acc_r)
         if SPLIT:
             kq_low = _kq_columns(k_row_ptr, q_row_ptr, offs_k, mask_k, c_t.dtype, True)
@@ -145,7 +126,7 @@ def _dk_dots_fma(c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_
 @triton.jit
 def replay_step_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
-    ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, cursor_ptr, slots_ptr, key_dots_ptr, entry0_ptr, o_ptr,
+    ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, cursor_ptr, slots_ptr, key_dots_ptr, o_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_ab, stride_bb, stride_ob, stride_oh,
     stride_cs, stride_ch, stride_ck,
@@ -156,7 +137,7 @@ def replay_step_kernel(
     GROUP: tl.constexpr, L: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
     NUM_STAGES: tl.constexpr, TENSOR_CORES: tl.constexpr, SPLIT: tl.constexpr,
-    KEY_DOTS_GIVEN: tl.constexpr, FOLD: tl.constexpr,
+    KEY_DOTS_GIVEN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -197,27 +178,12 @@ def replay_step_kernel(
     k_scale = tl.rsqrt(tl.sum(k_all * k_all) + 1e-6)
     k_dot_q = tl.sum(k_all * q_all) * (q_scale * k_scale)
 
-    # With FOLD a full ring is folded here, chunk by chunk, as the checkpoint streams in:
-    # C ← exp(G_L)·C + Σ_i exp(G_L − G_i) k_i ⊗ u_i (all L entries valid).
-    # Entry 0 (k and G) as the key-dots launch saved it before this step: a sibling program
-    # (another value head or d_v block) may have overwritten it with the new entry already.
-    full = n_stored == L
-    first_row = offs_l == 0
-    entry0 = entry0_ptr + (seq * H_K + key_head) * (D_K + GROUP)  # fp32 [d_k k | GROUP G]
-    ring_g_fold = ring_g_vec
-    if FOLD:
-        ring_g_fold = tl.where(first_row, tl.load(entry0 + D_K + head % GROUP), ring_g_vec)
-    g_end = tl.sum(tl.where(offs_l == L - 1, ring_g_fold, 0.0))
-    fold_w = tl.where(in_ring, tl.exp(g_end - ring_g_fold), 0.0)  # [BL]
-    ru_t = tl.trans(ru)  # [BV, BL]
-
     # Raw dot products over d_k chunks; column 0 against k, column 1 against q (q/k scales
     # applied once at the end).
     if TENSOR_CORES:
         c_dots, rk_dots_here = _dk_dots_mma(
             c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, in_ring,
-            full, fold_w, tl.exp(g_end), ru_t, entry0, first_row,
-            D_K, BLOCK_K, BLOCK_V, BLOCK_L, NUM_STAGES, SPLIT, not KEY_DOTS_GIVEN, FOLD)  # [BV, 2], [BL, 2]
+            D_K, BLOCK_K, BLOCK_V, BLOCK_L, NUM_STAGES, SPLIT, not KEY_DOTS_GIVEN)  # [BV, 2], [BL, 2]
     else:
         c_dots, rk_dots_here = _dk_dots_fma(
             c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, in_ring,
@@ -225,7 +191,7 @@ def replay_step_kernel(
     if not KEY_DOTS_GIVEN:
         rk_dots = rk_dots_here
 
-    # Validity in registers. A full ring was folded (above, or by the flush launch): it restarts empty.
+    # Validity in registers. A full ring was folded by the flush launch: it restarts empty.
     n = tl.where(n_stored == L, 0, n_stored)
     live = offs_l < n  # entries of S_n; stale ones may hold NaN, so select, never multiply
     g_new = tl.sum(tl.where(offs_l == n - 1, ring_g_vec, 0.0)) + g  # G_{n+1} = G_n + g (G_0 = 0)
@@ -363,31 +329,3 @@ def replay_fold_kernel(
             _write_key_dots(ring_k_ptr, q_ptr, k_ptr, key_dots_ptr, src, pair, key_head, num_key_heads,
                             stride_rks, stride_rkl, stride_rkh, stride_qb, stride_qh, stride_kb, stride_kh,
                             L, D_K, BLOCK_K, BLOCK_L)
-
-
-@triton.jit
-def replay_key_dots_kernel(
-    ring_k_ptr, ring_g_ptr, q_ptr, k_ptr, key_dots_ptr, entry0_ptr, slots_ptr,
-    stride_rks, stride_rkl, stride_rkh, stride_rgs, stride_qb, stride_qh, stride_kb, stride_kh,
-    GROUP: tl.constexpr, L: tl.constexpr, D_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-):
-    """Grid (sequence, key head), before a step that folds full rings itself: the step's
-    ring-key dots, and ring entry 0 (k, and G of the GROUP value heads) saved to `entry0`
-    [B, H_k, d_k + GROUP] fp32 — the step writes a full ring's new entry 0 while sibling
-    programs still fold the old one. Neither the cursor nor the fold's registers: all programs
-    are resident at once (the fold launch's registers made it ~5 waves)."""
-    seq = tl.program_id(0)
-    key_head = tl.program_id(1)
-    num_key_heads = tl.num_programs(1)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    _write_key_dots(ring_k_ptr, q_ptr, k_ptr, key_dots_ptr, slot, seq, key_head, num_key_heads,
-                    stride_rks, stride_rkl, stride_rkh, stride_qb, stride_qh, stride_kb, stride_kh,
-                    L, D_K, BLOCK_K, BLOCK_L)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, BLOCK_G)
-    row = entry0_ptr + (seq * num_key_heads + key_head) * (D_K + GROUP)
-    k0 = tl.load(ring_k_ptr + slot * stride_rks + key_head * stride_rkh + offs_k, mask=offs_k < D_K, other=0.0)
-    tl.store(row + offs_k, k0.to(tl.float32), mask=offs_k < D_K)
-    g0 = tl.load(ring_g_ptr + slot * stride_rgs + key_head * GROUP + offs_g, mask=offs_g < GROUP, other=0.0)
-    tl.store(row + D_K + offs_g, g0, mask=offs_g < GROUP)

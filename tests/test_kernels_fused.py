@@ -172,3 +172,55 @@ def test_cuda_add_rms_norm_model_shape(poisoned_empty, dtype):
     expect_sum, expect_norm = ref_norm.add_rms_norm(x, delta, weight, EPS)
     torch.testing.assert_close(got_sum, expect_sum, **_sum_tol(dtype))  # exact on CUDA
     torch.testing.assert_close(got_norm, expect_norm, **_tol(dtype))
+
+
+# ---- rms_norm_rope: per-head q/k norm + partial rotary, fused --------------------------------
+
+def _rope_case(T: int, heads: int, d: int, rot: int, dtype: torch.dtype, seed: int):
+    """A strided [T, heads, d] view (as q inside the attention projection: heads interleaved
+    with their gates), weights, and fp32 cos / sin of random positions."""
+    wide = _randn(T, heads, 2 * d, dtype=dtype, seed=seed)
+    x = wide[:, :, :d]  # row stride 2·heads·d, head stride 2d
+    weight = _randn(d, dtype=dtype, seed=seed + 1, scale=0.3)
+    angles = torch.rand(T, rot // 2, generator=torch.Generator().manual_seed(seed + 2)) * 100.0
+    return x, weight, angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, heads, d, rot", [(5, 3, 24, 8), (65, 2, 40, 40), (3, 1, 17, 6)])
+def test_triton_rms_norm_rope_matches_reference(poisoned_empty, dtype, T, heads, d, rot):
+    """Partial rotation (rot < d), a fully rotated head (rot = d), d not a power of two."""
+    from kernels import rope as tri_rope
+    from kernels.ref import rope as ref_rope
+
+    x, weight, cos, sin = _rope_case(T, heads, d, rot, dtype, seed=T + d)
+    expect = ref_rope.rms_norm_rope(x, weight, cos, sin, EPS, rot)
+    got = tri_rope.rms_norm_rope(x, weight, cos, sin, EPS, rot)
+    # bf16: the normed values round once, then the rotation rounds once; one ulp either way.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, expect, **tol)
+
+
+def test_reference_rms_norm_rope_is_norm_then_rotation():
+    """The reference equals its definition: rms_norm, then rotate-half on the first rot channels
+    (checked against an explicit complex-number rotation of each pair)."""
+    from kernels.ref import rope as ref_rope
+
+    x, weight, cos, sin = _rope_case(4, 2, 12, 8, torch.float32, seed=3)
+    got = ref_rope.rms_norm_rope(x, weight, cos, sin, EPS, 8)
+    normed = ref_norm.rms_norm(x, weight, EPS)
+    pairs = torch.complex(normed[..., :4], normed[..., 4:8]) * torch.complex(cos, sin)[:, None, :]
+    torch.testing.assert_close(got[..., :4], pairs.real, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[..., 4:8], pairs.imag, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[..., 8:], normed[..., 8:], rtol=0, atol=0)
+
+
+@requires_cuda
+def test_triton_rms_norm_rope_27b_shape(poisoned_empty):
+    """qwen3.5-27b attention: 24 query heads × 256, rotary 64 channels, batch 256, bf16."""
+    from kernels import rope as tri_rope
+    from kernels.ref import rope as ref_rope
+
+    x, weight, cos, sin = _rope_case(256, 24, 256, 64, torch.bfloat16, seed=11)
+    expect = ref_rope.rms_norm_rope(x, weight, cos, sin, EPS, 64)
+    torch.testing.assert_close(tri_rope.rms_norm_rope(x, weight, cos, sin, EPS, 64), expect, rtol=2e-2, atol=2e-2)

@@ -106,32 +106,24 @@ def test_reference_matches_recurrence_across_flushes():
 
 
 DECODE_CASES = {  # shape, StepLaunch knobs
-    # C streamed in two d_k chunks; a full ring folded by the step chunk by chunk (the default).
+    # C streamed in two d_k chunks; the flush folds in two chunks of d_k rows.
     "L4-dk-chunked": (Shapes(ring=4, heads_k=1, heads_v=2, d_k=32),
-                      {"block_v": 16, "block_k": 16}),
+                      {"block_v": 16, "block_k": 16, "flush_block_k": 16}),
     "L16": (Shapes(ring=16), {"block_v": 16, "block_k": 128}),
-    # L and d_v not powers of two: padded ring rows, a partial d_v block.
-    "L5-dv48": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48), {"block_v": 32}),
-    # The same with the flush as its own launch: three flush d_v blocks, d_k in two chunks.
-    "L5-dv48-flush-launch": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48),
-                             {"block_v": 32, "flush_block_v": 16, "flush_block_k": 16, "fold_in_step": False}),
-    # Ring-key dots computed once per key head (GROUP = 3 value heads read them): by the lean
-    # key-dots launch (the default), or by the flush launch.
-    "L5-dv48-key-dots": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48), {"key_dots_in_flush": True}),
-    "L5-dv48-key-dots-flush-launch": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48),
-                                      {"key_dots_in_flush": True, "flush_block_v": 32, "fold_in_step": False}),
-    # The flush launch with one program per (value head, d_v block) against one per (sequence,
-    # key head): GROUP × three d_v blocks folded in turn, with and without the key dots.
+    # L and d_v not powers of two: padded ring rows, a partial d_v block, three flush d_v blocks.
+    "L5-dv48": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48), {"block_v": 32, "flush_block_v": 16}),
+    # Ring-key dots computed once per key head by the flush launch (GROUP = 3 value heads read them).
+    "L5-dv48-key-dots": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48),
+                         {"key_dots_in_flush": True, "flush_block_v": 32}),
+    # One flush program per (value head, d_v block) against one per (sequence, key head) (the
+    # default): GROUP × three d_v blocks folded in turn, with and without the key dots.
     "L5-dv48-per-value-head": (Shapes(ring=5, heads_k=1, heads_v=3, d_v=48),
-                               {"key_dots_in_flush": True, "flush_block_v": 16, "flush_per_key_head": False,
-                                "fold_in_step": False}),
+                               {"key_dots_in_flush": True, "flush_block_v": 16, "flush_per_key_head": False}),
     "L5-dv48-per-key-head": (Shapes(ring=5, heads_k=2, heads_v=6, d_v=48),
-                             {"key_dots_in_flush": True, "flush_block_v": 16, "flush_per_key_head": True,
-                              "fold_in_step": False}),
+                             {"key_dots_in_flush": True, "flush_block_v": 16, "flush_per_key_head": True}),
     "L4-per-key-head-no-dots": (Shapes(ring=4, heads_k=2, heads_v=4, d_k=32),
-                                {"key_dots_in_flush": False, "flush_block_k": 16, "flush_per_key_head": True,
-                                 "fold_in_step": False}),
-    # The CUDA-core variant of the d_k dots (always a flush launch), with and without its key dots.
+                                {"key_dots_in_flush": False, "flush_block_k": 16, "flush_per_key_head": True}),
+    # The CUDA-core variant of the d_k dots, with and without the flush's ring-key dots.
     "L16-fma": (Shapes(ring=16), {"tensor_cores": False, "block_v": 16}),
     "L4-fma-key-dots": (Shapes(ring=4, heads_k=1, heads_v=2, d_k=32),
                         {"tensor_cores": False, "key_dots_in_flush": True, "block_k": 16, "flush_warps": 2}),
@@ -167,7 +159,6 @@ def test_triton_decode_matches_reference(case):
 
 BF16_CASES = {  # q/k/v dtype, StepLaunch knobs
     "bf16-inputs": (torch.bfloat16, {}),
-    "bf16-inputs-flush-launch": (torch.bfloat16, {"fold_in_step": False}),
     "fp32-inputs": (torch.float32, {}),  # k, q enter the mma as high + low bf16 parts
     "fp32-inputs-key-dots": (torch.float32, {"key_dots_in_flush": True}),
 }

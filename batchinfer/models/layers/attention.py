@@ -39,8 +39,9 @@ class GatedAttention(nn.Module):
         qkv = F.linear(x, self.qkv_proj)  # [T, 2Hd + 2H_kv·d]
         q_and_gate, k, v = qkv.split([2 * H * d, H_kv * d, H_kv * d], dim=-1)
         q, gate = q_and_gate.view(T, H, 2 * d).split([d, d], dim=-1)  # [T, H, d] each
-        q = rotary.rotate(ops.rms_norm(q, self.q_norm, self.eps), cos, sin)  # [T, H, d]
-        k = rotary.rotate(ops.rms_norm(k.view(T, H_kv, d), self.k_norm, self.eps), cos, sin)  # [T, H_kv, d]
+        rot = rotary.rotary_dim
+        q = ops.rms_norm_rope(q, self.q_norm, cos, sin, self.eps, rot)  # [T, H, d]
+        k = ops.rms_norm_rope(k.view(T, H_kv, d), self.k_norm, cos, sin, self.eps, rot)  # [T, H_kv, d]
         v = v.reshape(T, H_kv, d).contiguous()  # kernels may assume dense rows
 
         k_cache, v_cache = caches.kv_k[self.cache_index], caches.kv_v[self.cache_index]

@@ -1,4 +1,6 @@
-"""Partial rotary position embedding (the rotate-half convention of transformers' Qwen models).
+"""Partial rotary position embedding (the rotate-half convention of transformers' Qwen models):
+the per-token angles. The rotation itself is the op `rms_norm_rope` (kernels/ref/rope.py),
+fused with the q/k norm that precedes it.
 
 Only the first `rotary_dim` channels of each head rotate; the rest pass through. Channel i of
 the rotary part pairs with channel i + rotary_dim/2. Angles are computed in fp32 from the
@@ -21,12 +23,3 @@ class RotaryEmbedding(nn.Module):
         """fp32 cos and sin of every position's angles. positions [T] → ([T, rot/2], [T, rot/2])."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         return angles.cos(), angles.sin()
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, d] in fp32; output in x.dtype."""
-        half = self.rotary_dim // 2
-        x1 = x[..., :half].float()  # [T, heads, rot/2]
-        x2 = x[..., half:self.rotary_dim].float()
-        c, s = cos[:, None, :], sin[:, None, :]
-        rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-        return torch.cat([rotated, x[..., self.rotary_dim:]], dim=-1)
