@@ -326,6 +326,10 @@ SHARED_SWEEP = [SharedPrefixLaunch()] + [
     SharedPrefixLaunch(rows=r, block_n=bn, num_warps=w, num_stages=st)
     for r, bn, w, st in [(8, 32, 8, 2), (8, 32, 4, 2), (8, 32, 4, 4), (8, 16, 4, 3), (8, 64, 4, 3),
                          (8, 64, 8, 3), (4, 32, 4, 3), (16, 32, 8, 2)]
+] + [
+    # Splits of the shared prefix (None: num_shared_splits, 5 at the rag shape): more, shorter
+    # streams per (block, KV head) fill more SMs; each adds one partial to the merge.
+    SharedPrefixLaunch(num_splits=splits) for splits in (3, 8, 12, 16, 24)
 ]
 
 

@@ -16,7 +16,7 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,
-    stride_x, stride_z, stride_out, N, eps,
+    stride_x, stride_z_outer, stride_z_inner, z_inner, stride_out, N, eps,
     GATED: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -26,7 +26,10 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     if GATED:
-        z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+        # z row `row` = (row // z_inner, row % z_inner) of a [T, z_inner, N] view: the GDN gate is
+        # a strided slice of the projection, read in place rather than copied to rows first.
+        z_row = z_ptr + (row // z_inner) * stride_z_outer + (row % z_inner) * stride_z_inner
+        z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         y = y * w * (z * tl.sigmoid(z))
     else:
         y = y * (1.0 + w)
@@ -62,14 +65,18 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x_rows = _as_rows(x)  # [M, N]
-    z_rows = _as_rows(z) if z is not None else x_rows
+    if z is not None and z.dim() == 3 and z.stride(-1) == 1 and z.shape == x.shape:
+        z_arg, z_strides = z, (z.stride(0), z.stride(1), z.shape[1])  # any [T, heads, N] view
+    else:
+        z_arg = _as_rows(z) if z is not None else x_rows
+        z_strides = (z_arg.stride(0), 0, 1)
     out = torch.empty(x_rows.shape, dtype=x.dtype, device=x.device)
     M, N = x_rows.shape
     if M > 0:
         block_n = triton.next_power_of_2(N)
         _rms_norm_kernel[(M,)](
-            x_rows, z_rows, weight, out,
-            x_rows.stride(0), z_rows.stride(0), out.stride(0), N, eps,
+            x_rows, z_arg, weight, out,
+            x_rows.stride(0), *z_strides, out.stride(0), N, eps,
             GATED=z is not None, BLOCK_N=block_n, num_warps=_row_warps(block_n),
         )
     return out.view(x.shape)

@@ -163,6 +163,29 @@ def test_triton_norm_on_strided_rows():
     torch.testing.assert_close(tri_norm.rms_norm(x, weight, 1e-6), ref_norm.rms_norm(x, weight, 1e-6))
 
 
+def test_triton_gated_norm_reads_a_strided_gate_in_place(monkeypatch):
+    """The GDN gate z is a [T, heads, d] slice of the in-projection (row stride > heads·d): the
+    kernel reads it through its strides, with no copy to rows first."""
+    wide = torch.randn(5, 3 * 24 + 10, device=DEVICE)
+    z = wide[:, 4:4 + 3 * 24].reshape(5, 3, 24)  # a view: token stride 82, head stride 24
+    x = torch.randn(5, 3, 24, device=DEVICE) * 2
+    weight = torch.randn(24, device=DEVICE)
+    expect = ref_norm.gated_rms_norm(x, z, weight, 1e-6)
+
+    real_kernel, gate_ptrs = tri_norm._rms_norm_kernel, []
+
+    class Recording:  # the launcher indexes the kernel by its grid, then calls it
+        def __getitem__(self, grid):
+            def launch(x_arg, z_arg, *rest, **kw):
+                gate_ptrs.append(z_arg.data_ptr())
+                return real_kernel[grid](x_arg, z_arg, *rest, **kw)
+            return launch
+
+    monkeypatch.setattr(tri_norm, "_rms_norm_kernel", Recording())
+    torch.testing.assert_close(tri_norm.gated_rms_norm(x, z, weight, 1e-6), expect, rtol=1e-5, atol=1e-5)
+    assert gate_ptrs == [z.data_ptr()], "z was copied before the launch"
+
+
 @requires_cuda
 def test_triton_norm_model_width_bf16():
     x = torch.randn(333, 5120, device="cuda", dtype=torch.bfloat16)
