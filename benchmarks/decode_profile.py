@@ -96,11 +96,17 @@ def clocks_while(fn) -> str:
     return " | ".join(samples[len(samples) // 3::max(1, len(samples) // 4)][:4])
 
 
-def gap_report(trace_path: str, top: int = 8) -> None:
-    """Idle device time between consecutive device ops of a profiler trace, and where it falls."""
-    with open(trace_path) as f:
+def load_trace(path: str) -> tuple[list[dict], list[dict]]:
+    """(all events, the device ops — kernels, copies, memsets — in time order) of a chrome trace."""
+    with open(path) as f:
         events = json.load(f)["traceEvents"]
     ops = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    return events, ops
+
+
+def gap_report(trace_path: str, top: int = 8) -> None:
+    """Idle device time between consecutive device ops of a profiler trace, and where it falls."""
+    _, ops = load_trace(trace_path)
     if len(ops) < 2:
         print("  no device ops in the trace")
         return
@@ -147,9 +153,7 @@ def trace_engine_steps(engine: Engine, timer: PhaseTimer, batch: int, count: int
 
 def engine_trace_report(path: str, steps: int, top: int = 10) -> None:
     """What an overlapped engine step spends on the device besides the graph's kernels."""
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    ops = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    events, ops = load_trace(path)
     if len(ops) < 2:
         print("  engine trace: no device ops")
         return
