@@ -15,7 +15,7 @@ minimal traffic over the time: silu_mul reads gate|up and writes the product (3�
 add_rms_norm reads x and delta and writes the sum and the normed row (4·T·N), against the
 4.28 TB/s copy bandwidth. Then the conv1d decode update (`--conv-channels`, K = 4, state in a
 slot pool read and written once: its minimal traffic is x, out and the state twice) at its
-default and swept launches, beside fla-core's `causal_conv1d_update` on the same rows (its
+default and swept launches, on the pools' entry-major state and on a channel-major copy, beside fla-core's `causal_conv1d_update` on the same rows (its
 cache is per batch row, [B, D, K], no slot table) when fla is installed; with
 `--conv-before MODULE` also a module holding an earlier `causal_conv1d_decode` (an A/B of a
 kernel change). Last line: the time saved per decode step over `--layers` layers (one
@@ -128,7 +128,9 @@ def bench_conv_decode(batch: int, channels: int, before: str | None) -> None:
     K = 4
     x = _randn(batch, channels)  # [B, D]
     weight = _randn(channels, K, scale=0.5)
-    pool = _randn(2 * batch, channels, K - 1)  # [S, D, K-1] slot pool
+    pool = ref_conv.conv_state_zeros(2 * batch, channels, K, DTYPE, "cuda")  # [S, D, K-1], the pools' layout
+    pool.copy_(_randn(2 * batch, channels, K - 1))
+    channel_major = pool.contiguous()  # the layout before session 5: K-1 entries contiguous per channel
     slots = torch.randperm(2 * batch, device="cuda")[:batch]
     expect_state = pool.clone()
     expect = ref_conv.causal_conv1d_decode(x, weight, None, expect_state, slots)
@@ -145,6 +147,9 @@ def bench_conv_decode(batch: int, channels: int, before: str | None) -> None:
     if old is not None:  # every check before any timing: the timed replays shift the pool
         checked("before", old)
     checked("ours", tri_conv.causal_conv1d_decode)
+    state = channel_major.clone()
+    _check("ours, channel-major", tri_conv.causal_conv1d_decode(x, weight, None, state, slots), expect)
+    _check("ours, channel-major state", state, expect_state)
     for launch in CONV_DECODE_SWEEP:
         checked(f"ours {launch}", lambda *a, launch=launch: tri_conv.causal_conv1d_decode(*a, launch))
     try:
@@ -160,6 +165,8 @@ def bench_conv_decode(batch: int, channels: int, before: str | None) -> None:
         causal_conv1d_update(x, cache, weight=weight, activation="silu")  # autotune outside the graph
     if old is not None:
         rows.append(Timed(f"before ({before})", bench_graph(lambda: old(x, weight, None, pool, slots)), minimal))
+    rows.append(Timed("ours, channel-major state [S, D, K-1] contiguous",
+                      bench_graph(lambda: tri_conv.causal_conv1d_decode(x, weight, None, channel_major, slots)), minimal))
     rows.append(Timed(f"ours, default (block_d {tri_conv.DEFAULT_DECODE_LAUNCH.block_d}, "
                       f"{tri_conv.DEFAULT_DECODE_LAUNCH.num_warps} warps)",
                       bench_graph(lambda: tri_conv.causal_conv1d_decode(x, weight, None, pool, slots)), minimal))

@@ -7,6 +7,7 @@ from typing import Iterable, Sequence
 import torch
 
 from kernels import ops
+from kernels.ref.conv1d import conv_state_zeros
 
 from .shapes import GdnStateShape
 from .slot_owner import SlotPool
@@ -21,7 +22,8 @@ class GdnStatePool(SlotPool):
 
     Tensors (list index j = the j-th GDN layer; every tensor has num_slots + 1 rows, the last,
     `pad_slot`, being scratch that is never allocated, for padded batch entries):
-    - `conv[j]`   [S+1, D_conv, K-1]   model dtype — last K-1 conv inputs, oldest first
+    - `conv[j]`   [S+1, D_conv, K-1]   model dtype — last K-1 conv inputs, oldest first (stored
+      entry-major: `conv_state_zeros`)
     - `ssm[j]`    [S+1, H_v, d_k, d_v] fp32 recurrent state S, or the ReplaySSM checkpoint C
     - ReplaySSM only (`shape.replay`): `ring_k[j]` [S+1, L, H_k, d_k] and `ring_u[j]`
       [S+1, L, H_v, d_v] in the checkpoint dtype, `ring_g[j]` [S+1, L, H_v] fp32 (cumulative
@@ -40,7 +42,7 @@ class GdnStatePool(SlotPool):
         super().__init__(num_slots)
         rows = num_slots + 1
         s = shape
-        self.conv = [torch.zeros(rows, s.conv_dim, s.conv_kernel - 1, dtype=s.conv_dtype, device=self.device)
+        self.conv = [conv_state_zeros(rows, s.conv_dim, s.conv_kernel, s.conv_dtype, self.device)
                      for _ in range(s.num_layers)]
         self.ssm = [torch.zeros(rows, s.num_v_heads, s.head_k_dim, s.head_v_dim, dtype=s.ssm_dtype,
                                 device=self.device) for _ in range(s.num_layers)]

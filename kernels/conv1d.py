@@ -5,7 +5,10 @@ launches: outputs first, then the new states — a separate launch, so no progra
 state that another program of the output pass still has to read. The output pass tiles each
 sequence into [BLOCK_T tokens × BLOCK_D channels] (kernels/_common.py:ChunkTable, no host sync):
 the tile's sequence, start and slot are scalars, and only a sequence's first tile (a scalar
-branch) gathers taps from the old state. Launch knobs: `ConvLaunch`. Reference: kernels/ref/conv1d.py.
+branch) gathers taps from the old state. The state may have any strides; the pools store it
+entry-major (`kernels.ref.conv1d.conv_state_zeros`), so a decode step reads and writes each of
+the K-1 entries as one contiguous run over the program's channels. Launch knobs: `ConvLaunch`.
+Reference: kernels/ref/conv1d.py.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ DEFAULT_DECODE_LAUNCH = ConvLaunch(block_t=1, block_d=256, num_warps=4)
 @triton.jit
 def _conv_prefill_out_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, slots_ptr, cu_ptr, tile_start_ptr, tile_end_ptr, tile_seq_ptr,
-    D, stride_xt, stride_wd, stride_ss, stride_sd, stride_ot,
+    D, stride_xt, stride_wd, stride_ss, stride_sd, stride_sk, stride_ot,
     HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -58,7 +61,7 @@ def _conv_prefill_out_kernel(
         if first_pos < K - 1:  # only a sequence's first tile reaches back into the old state
             state_row = state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_ss  # scalar base
             hist = (first_pos.to(tl.int32) + t + shift + (K - 1))[:, None]  # index into the old state
-            old = tl.load(state_row + ch[None, :] * stride_sd + hist, mask=ok & ~in_seq, other=0.0)
+            old = tl.load(state_row + ch[None, :] * stride_sd + hist * stride_sk, mask=ok & ~in_seq, other=0.0)
             tap += old.to(tl.float32)
         w = tl.load(w_ptr + ch * stride_wd + j, mask=ch_ok, other=0.0).to(tl.float32)
         acc += tap * w[None, :]
@@ -71,7 +74,7 @@ def _conv_prefill_out_kernel(
 
 @triton.jit
 def _conv_prefill_state_kernel(
-    x_ptr, state_ptr, slots_ptr, cu_ptr, D, stride_xt, stride_ss, stride_sd,
+    x_ptr, state_ptr, slots_ptr, cu_ptr, D, stride_xt, stride_ss, stride_sd, stride_sk,
     K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -88,14 +91,14 @@ def _conv_prefill_state_kernel(
         if pos >= start:
             val = tl.load(x_ptr + pos * stride_xt + ch, mask=ch_ok, other=0.0).to(state_ptr.dtype.element_ty)
         else:
-            val = tl.load(row + i + (end - start), mask=ch_ok, other=0.0).to(state_ptr.dtype.element_ty)
-        tl.store(row + i, val, mask=ch_ok)
+            val = tl.load(row + (i + (end - start)) * stride_sk, mask=ch_ok, other=0.0).to(state_ptr.dtype.element_ty)
+        tl.store(row + i * stride_sk, val, mask=ch_ok)
 
 
 @triton.jit
 def _conv_decode_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, slots_ptr,
-    D, stride_xb, stride_wd, stride_ss, stride_sd, stride_ob,
+    D, stride_xb, stride_wd, stride_ss, stride_sd, stride_sk, stride_ob,
     HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -106,7 +109,7 @@ def _conv_decode_kernel(
     x = tl.load(x_ptr + b * stride_xb + ch, mask=ch_ok, other=0.0)
     acc = x.to(tl.float32) * tl.load(w_ptr + ch * stride_wd + (K - 1), mask=ch_ok, other=0.0).to(tl.float32)
     for j in tl.static_range(K - 1):
-        hist = tl.load(row + j, mask=ch_ok, other=0.0).to(tl.float32)
+        hist = tl.load(row + j * stride_sk, mask=ch_ok, other=0.0).to(tl.float32)
         acc += hist * tl.load(w_ptr + ch * stride_wd + j, mask=ch_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + ch, mask=ch_ok, other=0.0).to(tl.float32)
@@ -114,10 +117,10 @@ def _conv_decode_kernel(
     # Shift left by one: entry j takes entry j+1 (read before this thread overwrites it), the last takes x.
     for j in tl.static_range(K - 1):
         if j + 1 < K - 1:
-            val = tl.load(row + j + 1, mask=ch_ok, other=0.0)
+            val = tl.load(row + (j + 1) * stride_sk, mask=ch_ok, other=0.0)
         else:
             val = x
-        tl.store(row + j, val.to(state_ptr.dtype.element_ty), mask=ch_ok)
+        tl.store(row + j * stride_sk, val.to(state_ptr.dtype.element_ty), mask=ch_ok)
 
 
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
@@ -126,9 +129,9 @@ def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
 
 def causal_conv1d_prefill(x, weight, bias, conv_state, slots, cu_seqlens,
                           launch: ConvLaunch = DEFAULT_PREFILL_LAUNCH) -> torch.Tensor:
-    """SiLU(causal depthwise conv) per packed sequence; x [T, D], weight [D, K], conv_state [S, D, K-1]."""
+    """SiLU(causal depthwise conv) per packed sequence; x [T, D], weight [D, K], conv_state [S, D, K-1]
+    (any strides; the pools store it entry-major, channels contiguous)."""
     x = _unit_stride_rows(x)
-    assert conv_state.stride(2) == 1, "conv_state must be contiguous in its last dim"
     T, D = x.shape
     out = torch.empty((T, D), dtype=x.dtype, device=x.device)
     num_seqs = slots.numel()
@@ -141,12 +144,12 @@ def causal_conv1d_prefill(x, weight, bias, conv_state, slots, cu_seqlens,
         tiles = chunk_table(cu, launch.block_t, T)
         _conv_prefill_out_kernel[(tiles.capacity, triton.cdiv(D, launch.block_d))](
             x, weight, bias_arg, conv_state, out, slots, cu, tiles.start, tiles.seq_end, tiles.seq,
-            D, x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
+            D, x.stride(0), weight.stride(0), *conv_state.stride(), out.stride(0),
             HAS_BIAS=bias is not None, K=K, BLOCK_T=launch.block_t, BLOCK_D=launch.block_d,
             num_warps=launch.num_warps,
         )
     _conv_prefill_state_kernel[(num_seqs, triton.cdiv(D, 256))](
-        x, conv_state, slots, cu, D, x.stride(0), conv_state.stride(0), conv_state.stride(1),
+        x, conv_state, slots, cu, D, x.stride(0), *conv_state.stride(),
         K=K, BLOCK_D=256, num_warps=4,
     )
     return out
@@ -154,16 +157,16 @@ def causal_conv1d_prefill(x, weight, bias, conv_state, slots, cu_seqlens,
 
 def causal_conv1d_decode(x, weight, bias, conv_state, slots,
                          launch: ConvLaunch = DEFAULT_DECODE_LAUNCH) -> torch.Tensor:
-    """One token per sequence (x [B, D]); conv_state[slots] shifted in place by that token."""
+    """One token per sequence (x [B, D]); conv_state[slots] ([S, D, K-1], any strides) shifted in
+    place by that token."""
     x = _unit_stride_rows(x)
-    assert conv_state.stride(2) == 1, "conv_state must be contiguous in its last dim"
     B, D = x.shape
     out = torch.empty((B, D), dtype=x.dtype, device=x.device)
     if B == 0:
         return out
     _conv_decode_kernel[(B, triton.cdiv(D, launch.block_d))](
         x, weight, bias if bias is not None else weight, conv_state, out, slots,
-        D, x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
+        D, x.stride(0), weight.stride(0), *conv_state.stride(), out.stride(0),
         HAS_BIAS=bias is not None, K=weight.shape[1], BLOCK_D=launch.block_d, num_warps=launch.num_warps,
     )
     return out

@@ -30,13 +30,19 @@ def _hf_conv(seq: torch.Tensor, history: torch.Tensor, weight, bias) -> torch.Te
     return F.silu(out[0]).t()  # [L, D]
 
 
-def _conv_case(D=40, K=4, num_slots=8, dtype=torch.float32, device="cpu", seed=0):
+def _conv_case(D=40, K=4, num_slots=8, dtype=torch.float32, device="cpu", seed=0, entry_major=False):
+    """With `entry_major` the state is laid out as the pools store it (conv_state_zeros): a
+    transposed view, channels contiguous; else contiguous [S, D, K-1]."""
     gen = torch.Generator().manual_seed(seed)
     T = sum(LENGTHS)
     x = torch.randn(T, D, generator=gen).to(device, dtype)
     weight = torch.randn(D, K, generator=gen).to(device, dtype)
     bias = torch.randn(D, generator=gen).to(device, dtype)
     state = torch.randn(num_slots, D, K - 1, generator=gen).to(device, dtype)  # non-zero history
+    if entry_major:
+        pool = ref_conv.conv_state_zeros(num_slots, D, K, dtype, device)
+        pool.copy_(state)
+        state = pool
     cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32, device=device)
     return x, weight, bias, state, torch.tensor(SLOTS, device=device), cu
 
@@ -68,10 +74,11 @@ def test_ref_conv_decode_continues_prefill():
         torch.testing.assert_close(torch.stack([o[i] for o in outs]), expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("entry_major", [False, True])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_triton_conv_prefill_matches_reference(with_bias):
+def test_triton_conv_prefill_matches_reference(with_bias, entry_major):
     D = 40 if DEVICE == "cpu" else 2 * 16 * 128 + 48 * 128
-    x, weight, bias, state, slots, cu = _conv_case(D=D, device=DEVICE)
+    x, weight, bias, state, slots, cu = _conv_case(D=D, device=DEVICE, entry_major=entry_major)
     bias = bias if with_bias else None
     ref_state = state.clone()
     expect = ref_conv.causal_conv1d_prefill(x, weight, bias, ref_state, slots, cu)
@@ -81,8 +88,9 @@ def test_triton_conv_prefill_matches_reference(with_bias):
 
 
 def test_triton_conv_prefill_strided_input_and_bf16_state():
-    """x as a column slice of a wider projection (the model splits q|k|v|z), bf16 everywhere."""
-    x, weight, bias, state, slots, cu = _conv_case(D=48, device=DEVICE, dtype=torch.bfloat16)
+    """x as a column slice of a wider projection (the model splits q|k|v|z), bf16 everywhere,
+    the state in the pools' entry-major layout."""
+    x, weight, bias, state, slots, cu = _conv_case(D=48, device=DEVICE, dtype=torch.bfloat16, entry_major=True)
     wide = torch.randn(x.shape[0], 80, device=DEVICE, dtype=torch.bfloat16)
     wide[:, 8:56] = x
     x_view = wide[:, 8:56]
@@ -93,11 +101,12 @@ def test_triton_conv_prefill_strided_input_and_bf16_state():
     torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("entry_major", [False, True])
 @pytest.mark.parametrize("K, D, block_d", [(4, 40, 256), (4, 300, 128), (3, 33, 16), (2, 20, 16)])
-def test_triton_conv_decode_matches_reference(K, D, block_d):
+def test_triton_conv_decode_matches_reference(K, D, block_d, entry_major):
     """Several channel blocks (D not a multiple of block_d), K-1 not a power of two, and
-    untouched slots: the shifted state must equal the reference's exactly."""
-    x, weight, bias, state, slots, cu = _conv_case(D=D, K=K, device=DEVICE)
+    untouched slots: the shifted state must equal the reference's exactly, in either layout."""
+    x, weight, bias, state, slots, cu = _conv_case(D=D, K=K, device=DEVICE, entry_major=entry_major)
     ref_state = state.clone()
     launch = tri_conv.ConvLaunch(block_t=1, block_d=block_d, num_warps=4)
     for step in range(3):
@@ -114,7 +123,8 @@ def test_triton_conv_decode_bf16_model_shape():
     D, B = 10240, 256
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(D, 4, generator=gen).to("cuda", torch.bfloat16)
-    state = torch.randn(300, D, 3, generator=gen).to("cuda", torch.bfloat16)
+    state = ref_conv.conv_state_zeros(300, D, 4, torch.bfloat16, "cuda")  # the pools' layout
+    state.copy_(torch.randn(300, D, 3, generator=gen))
     slots = torch.randperm(300, generator=gen)[:B].cuda()
     wide = torch.randn(B, D + 512, generator=gen).to("cuda", torch.bfloat16)
     xt = wide[:, 256:256 + D]  # a column view, as the in-projection's output is split

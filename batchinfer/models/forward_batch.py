@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from batchinfer.models.config import ModelConfig
+from kernels.ref.conv1d import conv_state_zeros
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class ModelCaches:
     """Pool tensors, indexed by layer kind. Shapes (S state slots, S_kv KV slots, L ring length):
 
     kv_k[i], kv_v[i]  [S_kv, H_kv, d]          i-th attention layer, model dtype
-    conv[j]           [S, D_conv, K-1]          j-th GDN layer, model (activation) dtype
+    conv[j]           [S, D_conv, K-1]          j-th GDN layer, model (activation) dtype, entry-major view
     ssm[j]            [S, H_v, d_k, d_v]        recurrent state (fp32) or ReplaySSM checkpoint
     ring_k[j]         [S, L, H_k, d_k]          ReplaySSM only (checkpoint dtype)
     ring_u[j]         [S, L, H_v, d_v]          ReplaySSM only (checkpoint dtype)
@@ -96,7 +97,7 @@ def allocate_caches(
     caches = dict(
         kv_k=[zeros(*kv_shape, dt=dtype) for _ in range(n_attn)],
         kv_v=[zeros(*kv_shape, dt=dtype) for _ in range(n_attn)],
-        conv=[zeros(S, c.conv_dim, K - 1, dt=dtype) for _ in range(n_gdn)],
+        conv=[conv_state_zeros(S, c.conv_dim, K, dtype, device) for _ in range(n_gdn)],
         ssm=[zeros(S, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, dt=state_dtype)
              for _ in range(n_gdn)],
     )

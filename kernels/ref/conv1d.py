@@ -10,6 +10,15 @@ import torch
 import torch.nn.functional as F
 
 
+def conv_state_zeros(slots: int, channels: int, kernel_size: int, dtype: torch.dtype,
+                     device: torch.device | str) -> torch.Tensor:
+    """A zeroed conv-state pool [slots, channels, kernel_size - 1], stored entry-major (a
+    transposed view of [slots, K-1, channels]): a decode step then reads and writes each history
+    entry as one contiguous run over the channels (the Triton kernels take any strides; the
+    channel-major layout cost the decode kernel coalesced, vectorised access)."""
+    return torch.zeros(slots, kernel_size - 1, channels, dtype=dtype, device=device).transpose(1, 2)
+
+
 def _conv_window(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """SiLU(conv) of every full K-wide window along the last dim of `window` [..., D, K-1+L]."""
     kernel = weight.shape[1]
