@@ -31,6 +31,7 @@ class RadixNode:
     state_pins: int = 0                    # admissions copying this node's state right now
     followers: int = 0                     # planned admissions still to resume from this state
     last_access: int = 0                   # logical clock of the last insert/lock through it
+    heap_version: int = 0                  # its current entry in the tree's leaf heap (older ones are stale)
 
     @property
     def is_leaf(self) -> bool:
@@ -110,7 +111,8 @@ class RadixTree:
       then unlocked ones; a state may go before its KV), then KV from unlocked leaves — leaves
       without a state first (their KV lies past the last state on the path, useless for
       resuming), trimmed from the tail when only part is needed; a leaf with a state goes
-      whole, state included; leaves whose state has expected followers go last.
+      whole, state included; leaves whose state has expected followers go last. Leaves wait in
+      a heap kept between calls, so an eviction costs O(log n) per victim, not a walk of the tree.
     """
 
     def __init__(self) -> None:
@@ -126,6 +128,13 @@ class RadixTree:
         # The nodes holding a state, by id: state eviction looks only at these (a few dozen)
         # instead of walking every node (thousands on a big job, at every tracked chunk).
         self._state_nodes: dict[int, RadixNode] = {}
+        # The leaves (root excluded), by id, and a lazy min-heap of the unlocked ones by eviction
+        # key: KV eviction pops from it instead of walking every node (tens of thousands on a
+        # big job). A node's entry is valid while its `heap_version` matches; every change to a
+        # leaf's key or eligibility pushes a fresh entry (`_offer`), stale ones are skipped.
+        self._leaves: dict[int, RadixNode] = {}
+        self._leaf_heap: list[tuple] = []
+        self._tie = itertools.count()  # heap entries never compare nodes
 
     # ---- lookup ----------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> MatchResult:
@@ -178,6 +187,9 @@ class RadixTree:
                 child = RadixNode(tokens=tokens[depth:], kv=kv_indices[depth:].clone(), parent=node,
                                   depth=len(tokens))
                 node.children[tokens[depth]] = child
+                self._leaves.pop(id(node), None)  # no longer a leaf (the root never is in the index)
+                self._leaves[id(child)] = child
+                self._offer(child)
                 self.num_kv_tokens += len(child.tokens)
                 path_kv.append(child.kv)
             else:
@@ -194,6 +206,7 @@ class RadixTree:
             node.state_slot, unused = state_slot_at_end, None
             self._state_nodes[id(node)] = node
             self.num_states += 1
+        self._offer(node)  # a newer last access, maybe a state: a new key if it is a leaf
         return InsertResult(node=node, kv_indices=torch.cat(path_kv) if path_kv else _EMPTY,
                             dup_kv=torch.cat(dups) if dups else _EMPTY, unused_state=unused)
 
@@ -225,6 +238,7 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._locked_kv_tokens -= len(node.tokens)
+                self._offer(node)  # an unlocked leaf is evictable again
             node = node.parent
 
     def pin_state(self, node: RadixNode) -> None:
@@ -252,6 +266,7 @@ class RadixTree:
         spared = self._is_spared(node)
         node.followers += count
         self._spared_states += self._is_spared(node) and not spared
+        self._offer(node)
 
     def follower_admitted(self, node: RadixNode) -> None:
         """One planned admission from `node` happened (a no-op when none is expected any more:
@@ -259,6 +274,7 @@ class RadixTree:
         if node.followers > 0:
             node.followers -= 1
             self._spared_states -= not self._is_spared(node)
+            self._offer(node)
 
     @staticmethod
     def _is_spared(node: RadixNode) -> bool:
@@ -269,7 +285,25 @@ class RadixTree:
         self._spared_states -= self._is_spared(node)
         slot, node.state_slot, node.followers = node.state_slot, None, 0
         del self._state_nodes[id(node)]
+        self._offer(node)
         return slot
+
+    def _offer(self, node: RadixNode) -> None:
+        """Invalidate `node`'s heap entries; push a fresh one if it is an unlocked leaf."""
+        node.heap_version += 1
+        if node.lock_ref == 0 and id(node) in self._leaves:
+            heapq.heappush(self._leaf_heap, self._leaf_key(node))
+            if len(self._leaf_heap) > 4 * len(self._leaves) + 64:  # mostly stale: rebuild
+                self._leaf_heap = [self._leaf_key(n) for n in self._leaves.values() if n.lock_ref == 0]
+                heapq.heapify(self._leaf_heap)
+
+    def _leaf_key(self, node: RadixNode) -> tuple:
+        return (node.followers > 0, node.state_slot is not None, node.last_access, next(self._tie),
+                node.heap_version, node)
+
+    def _valid_entry(self, entry: tuple) -> bool:
+        node = entry[-1]
+        return entry[-2] == node.heap_version and node.lock_ref == 0 and id(node) in self._leaves
 
     # ---- eviction --------------------------------------------------------------------------
     def evictable(self, spare_expected: bool = False) -> tuple[int, int]:
@@ -302,18 +336,20 @@ class RadixTree:
         return Evicted(kv_indices=kv, state_slots=tuple(freed_states))
 
     def _evict_leaves(self, num_kv_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
-        tie = itertools.count()  # heap entries never compare nodes
-        heap = [self._leaf_key(n, next(tie)) for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
-        heapq.heapify(heap)
+        heap = self._leaf_heap
         freed_kv, freed_states, count = [], [], 0
         while count < num_kv_tokens and heap:
-            _, has_state, _, _, node = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            if not self._valid_entry(entry):
+                continue
+            node = entry[-1]
             need = num_kv_tokens - count
-            if not has_state and need < len(node.tokens):
+            if node.state_slot is None and need < len(node.tokens):
                 # Trim the tail only: the rest of the edge stays a valid (stateless) prefix.
                 freed_kv.append(node.kv[-need:])
                 node.tokens, node.kv, node.depth = node.tokens[:-need], node.kv[:-need].clone(), node.depth - need
                 count += need
+                self._offer(node)  # still an unlocked leaf, key unchanged: back in the heap
                 break
             freed_kv.append(node.kv)
             if node.state_slot is not None:
@@ -321,13 +357,12 @@ class RadixTree:
             count += len(node.tokens)
             parent = node.parent
             del parent.children[node.tokens[0]]
-            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, self._leaf_key(parent, next(tie)))
+            del self._leaves[id(node)]
+            node.heap_version += 1  # gone from the tree: any entry left is stale
+            if parent is not self.root and parent.is_leaf:
+                self._leaves[id(parent)] = parent
+                self._offer(parent)
         return freed_kv, freed_states
-
-    @staticmethod
-    def _leaf_key(node: RadixNode, tie: int) -> tuple:
-        return (node.followers > 0, node.state_slot is not None, node.last_access, tie, node)
 
     # ---- inspection ------------------------------------------------------------------------
     def nodes(self) -> Iterator[RadixNode]:
@@ -364,5 +399,12 @@ class RadixTree:
         assert kv_total == self.num_kv_tokens and states == self.num_states, "tree totals drifted"
         assert {id(n) for n in self.nodes() if n.state_slot is not None} == set(self._state_nodes), \
             "state index drifted"
+        assert {id(n) for n in self.nodes() if n.is_leaf} == set(self._leaves), "leaf index drifted"
+        # Exactly one valid heap entry per unlocked leaf, holding its current eviction key.
+        valid = [e for e in self._leaf_heap if self._valid_entry(e)]
+        assert sorted(id(e[-1]) for e in valid) == sorted(id(n) for n in self._leaves.values() if n.lock_ref == 0), \
+            "leaf heap out of step with the unlocked leaves"
+        assert all(e[:3] == (e[-1].followers > 0, e[-1].state_slot is not None, e[-1].last_access) for e in valid), \
+            "a leaf heap entry holds a stale key"
         assert (locked_kv, pinned_states) == (self._locked_kv_tokens, self._pinned_states), "locked totals drifted"
         assert spared_states == self._spared_states, "spared-state total drifted"

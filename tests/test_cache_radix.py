@@ -222,3 +222,27 @@ def test_evicting_a_state_with_followers_forgets_them():
     ev = tree.evict(num_kv_tokens=2)
     assert ev.state_slots == (6,) and tree.match([1, 2, 3, 9]).resume_len == 3
     tree.audit()
+
+
+def test_eviction_order_follows_keys_changed_since_insertion():
+    """The leaf heap is kept between evictions: a lock/unlock or a re-insert since a leaf entered
+    it must move it, exactly as a heap rebuilt from the current keys would."""
+    t = RadixTree()
+    a = t.insert([1, 2], _kv(0, 2)).node
+    t.insert([3, 4], _kv(10, 2))
+    t.insert([5, 6], _kv(20, 2))
+    t.insert([7, 8], _kv(30, 2))
+    t.lock(a)
+    t.unlock(a)  # a: used after c and d
+    assert t.insert([3, 4], _kv(10, 2)).dup_kv.numel() == 0  # b: touched last
+    t.insert([9, 9], _kv(40, 2), state_slot_at_end=7)  # a leaf with a state goes after stateless ones
+    t.audit()
+    assert t.evict(1).kv_indices.tolist() == [21]  # c, least recently used: its tail trimmed
+    assert t.evict(2).kv_indices.tolist() == [20, 31]  # c's rest, then d's tail
+    assert t.evict(1).kv_indices.tolist() == [30]
+    assert t.evict(2).kv_indices.tolist() == [0, 1]  # a
+    assert t.evict(2).kv_indices.tolist() == [10, 11]  # b
+    ev = t.evict(2)
+    assert ev.kv_indices.tolist() == [40, 41] and ev.state_slots == (7,)
+    t.audit()
+    assert t.num_kv_tokens == 0
