@@ -115,6 +115,10 @@ class RadixTree:
       a heap kept between calls, so an eviction costs O(log n) per victim, not a walk of the tree.
     """
 
+    # The leaf heap is rebuilt once it holds more than factor × leaves + floor entries.
+    heap_rebuild_factor = 4
+    heap_rebuild_floor = 64
+
     def __init__(self) -> None:
         self.root = RadixNode(tokens=(), kv=_EMPTY, parent=None, depth=0)
         self._clock = 0
@@ -293,7 +297,8 @@ class RadixTree:
         node.heap_version += 1
         if node.lock_ref == 0 and id(node) in self._leaves:
             heapq.heappush(self._leaf_heap, self._leaf_key(node))
-            if len(self._leaf_heap) > 4 * len(self._leaves) + 64:  # mostly stale: rebuild
+            if len(self._leaf_heap) > self.heap_rebuild_factor * len(self._leaves) + self.heap_rebuild_floor:
+                # Mostly stale entries: one fresh entry per unlocked leaf.
                 self._leaf_heap = [self._leaf_key(n) for n in self._leaves.values() if n.lock_ref == 0]
                 heapq.heapify(self._leaf_heap)
 
@@ -336,10 +341,9 @@ class RadixTree:
         return Evicted(kv_indices=kv, state_slots=tuple(freed_states))
 
     def _evict_leaves(self, num_kv_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
-        heap = self._leaf_heap
         freed_kv, freed_states, count = [], [], 0
-        while count < num_kv_tokens and heap:
-            entry = heapq.heappop(heap)
+        while count < num_kv_tokens and self._leaf_heap:
+            entry = heapq.heappop(self._leaf_heap)
             if not self._valid_entry(entry):
                 continue
             node = entry[-1]

@@ -246,3 +246,39 @@ def test_eviction_order_follows_keys_changed_since_insertion():
     assert ev.kv_indices.tolist() == [40, 41] and ev.state_slots == (7,)
     t.audit()
     assert t.num_kv_tokens == 0
+
+
+def test_leaf_heap_rebuilds_change_nothing():
+    """Random inserts, locks, unlocks, state evictions and KV evictions on two trees, one that
+    rebuilds its leaf heap at nearly every push (even in the middle of an eviction) and one with
+    the defaults: the same victims in the same order, and both audits hold after every step."""
+    import random
+
+    rng = random.Random(5)
+    eager, lazy = RadixTree(), RadixTree()
+    eager.heap_rebuild_factor, eager.heap_rebuild_floor = 1, 0
+    locks: list[tuple] = []
+    next_slot = 0
+    for step in range(400):
+        op = rng.random()
+        if op < 0.45:
+            tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 9))]
+            kv = _kv(next_slot, len(tokens))
+            next_slot += len(tokens)
+            state = next_slot if rng.random() < 0.3 else None
+            nodes = [tree.insert(tokens, kv, state_slot_at_end=state).node for tree in (eager, lazy)]
+            if rng.random() < 0.3 and nodes[0] is not eager.root:
+                for tree, node in zip((eager, lazy), nodes):
+                    tree.lock(node)
+                locks.append(tuple(nodes))
+        elif op < 0.6 and locks:
+            for tree, node in zip((eager, lazy), locks.pop(rng.randrange(len(locks)))):
+                tree.unlock(node)
+        else:
+            num_kv, num_states = rng.randrange(1, 12), rng.randrange(0, 2)
+            freed = [tree.evict(num_kv, num_states) for tree in (eager, lazy)]
+            assert freed[0].kv_indices.tolist() == freed[1].kv_indices.tolist(), f"step {step}"
+            assert freed[0].state_slots == freed[1].state_slots, f"step {step}"
+        eager.audit()
+        lazy.audit()
+
