@@ -148,9 +148,13 @@ def main() -> None:
     report = timer.decode_report(min_batch=args.batch)
     print(f"{args.batch} requests × {args.output_tokens} tokens, preset {args.preset}, "
           f"max_running {engine.settings()['max_running_effective']}: {wall:.2f} s wall")
-    print(f"decode steps at batch {report['batch']:.0f} ({report['steps']} steps), ms per step:")
-    for key in ("schedule_ms", "build_batch_ms", "sample_stop_ms", "host_ms", "stub_forward_ms"):
-        print(f"  {key:<16} {report[key]:7.3f}")
+    if not report:
+        print(f"no decode-only step ran all {args.batch} sequences at once (the first finished before the last "
+              f"was admitted): raise --output-tokens or lower --prompt-len")
+    else:
+        print(f"decode steps at batch {report['batch']:.0f} ({report['steps']} steps), ms per step:")
+        for key in ("schedule_ms", "build_batch_ms", "sample_stop_ms", "host_ms", "stub_forward_ms"):
+            print(f"  {key:<16} {report[key]:7.3f}")
     if profiler:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
