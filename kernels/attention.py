@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import LOOP_AS_WHILE
-from kernels.attention_shared import (SharedPrefixLaunch, attend_tile, block_shared_len, num_shared_splits,
-                                      run_shared_prefix_stage)
+from kernels.attention_shared import (SharedPrefixLaunch, attend_range, block_shared_len, num_shared_splits,
+                                      run_shared_prefix_stage, softmax_partial)
 
 
 @triton.jit
@@ -91,25 +91,10 @@ def _attn_decode_split_kernel(
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [BH, BD]
 
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if LOOP_AS_WHILE:
-        n0 = lo
-        while n0 < hi:
-            m, l, acc = attend_tile(q, m, l, acc, n0, hi, offs_h, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
-                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
-                                    offs_d, mask_d, False, BLOCK_N, DOT_PRECISION)
-            n0 += BLOCK_N
-    else:
-        for n0 in range(lo, hi, BLOCK_N):
-            m, l, acc = attend_tile(q, m, l, acc, n0, hi, offs_h, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
-                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
-                                    offs_d, mask_d, False, BLOCK_N, DOT_PRECISION)
-
-    # An empty split leaves l = 0: its lse is -inf and it carries no weight in the merge.
-    lse = tl.where(l > 0, m + tl.log(tl.maximum(l, 1e-30)), float("-inf"))
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    m, l, acc = attend_range(q, lo, hi, offs_h, k_cache_ptr, v_cache_ptr, kv_indices_ptr, ctx_start, kv_head,
+                             stride_kc, stride_kh, stride_vc, stride_vh, scale, offs_d, mask_d,
+                             BLOCK_H, BLOCK_D, False, BLOCK_N, DOT_PRECISION, LOOP_AS_WHILE)
+    out, lse = softmax_partial(m, l, acc)  # an empty split carries no weight in the merge
     tl.store(part_o_ptr + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
              out, mask=mask_h[:, None] & mask_d[None, :])
     tl.store(part_lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
@@ -229,24 +214,11 @@ def _attn_prefill_kernel(
     q = tl.load(q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [BM, BD]
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys beyond the block's last query position are masked for every row: stop there.
     kv_end = tl.minimum(ctx_len, ctx_len - n_new + (q_block + 1) * BLOCK_M)
-    if LOOP_AS_WHILE:
-        n0 = 0
-        while n0 < kv_end:
-            m, l, acc = attend_tile(q, m, l, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
-                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
-                                    offs_d, mask_d, True, BLOCK_N, DOT_PRECISION)
-            n0 += BLOCK_N
-    else:
-        for n0 in range(0, kv_end, BLOCK_N):
-            m, l, acc = attend_tile(q, m, l, acc, n0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
-                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
-                                    offs_d, mask_d, True, BLOCK_N, DOT_PRECISION)
-
+    m, l, acc = attend_range(q, 0, kv_end, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr, ctx_start, kv_head,
+                             stride_kc, stride_kh, stride_vc, stride_vh, scale, offs_d, mask_d,
+                             BLOCK_M, BLOCK_D, True, BLOCK_N, DOT_PRECISION, LOOP_AS_WHILE)
     out = acc / l[:, None]
     tl.store(o_ptr + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])

@@ -17,8 +17,9 @@ where row r's slots equal row r-1's): the minimum over the block's rows after th
 over every row's context length. Both stages compute it themselves, so the grids depend on
 shapes only and the op stays CUDA-graph capturable with the hint's contents changing per replay.
 
-Also the home of `attend_tile`, the online-softmax step over one KV tile that every attention
-kernel uses (here rather than in kernels/attention.py so that imports run one way).
+Also the home of `attend_tile` (the online-softmax step over one KV tile), `attend_range` (its
+loop over a range of positions) and `softmax_partial` (a split's output and lse), which every
+attention kernel uses (here rather than in kernels/attention.py so that imports run one way).
 """
 from __future__ import annotations
 
@@ -92,6 +93,40 @@ def attend_tile(q, m, l, acc, n0, hi, q_pos, k_cache_ptr, v_cache_ptr, kv_indice
 
 
 @triton.jit
+def attend_range(q, lo, hi, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr, ctx_start, kv_head,
+                 stride_kc, stride_kh, stride_vc, stride_vh, scale, offs_d, mask_d,
+                 R: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, LOOP_AS_WHILE: tl.constexpr):
+    """Online softmax of the R query rows `q` [R, BD] over context positions [lo, hi), one
+    `attend_tile` per BLOCK_N keys: the running (m [R], l [R], acc [R, BD]) at the end. l = 0
+    where nothing was attended (an empty range)."""
+    m = tl.full([R], float("-inf"), tl.float32)
+    l = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, BLOCK_D], tl.float32)
+    if LOOP_AS_WHILE:
+        n0 = lo
+        while n0 < hi:
+            m, l, acc = attend_tile(q, m, l, acc, n0, hi, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
+                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
+                                    offs_d, mask_d, CAUSAL, BLOCK_N, DOT_PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            m, l, acc = attend_tile(q, m, l, acc, n0, hi, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
+                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
+                                    offs_d, mask_d, CAUSAL, BLOCK_N, DOT_PRECISION)
+    return m, l, acc
+
+
+@triton.jit
+def softmax_partial(m, l, acc):
+    """A split's (normalised output [R, BD], log-sum-exp [R]) for the merge; an empty split
+    (l = 0) gets lse = -inf and so no weight."""
+    lse = tl.where(l > 0, m + tl.log(tl.maximum(l, 1e-30)), float("-inf"))
+    return acc / tl.where(l > 0, l, 1.0)[:, None], lse
+
+
+@triton.jit
 def block_shared_len(shared_ptr, kv_indptr_ptr, block, batch, ROWS: tl.constexpr):
     """S_b: leading context positions whose slots every row of row block `block` shares with
     the block's first row. 0 for a block of one row; never beyond any row's context."""
@@ -138,25 +173,10 @@ def _shared_prefix_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [RH, BD]
 
-    m = tl.full([ROWS * BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([ROWS * BLOCK_H], tl.float32)
-    acc = tl.zeros([ROWS * BLOCK_H, BLOCK_D], tl.float32)
-    if LOOP_AS_WHILE:
-        n0 = lo
-        while n0 < hi:
-            m, l, acc = attend_tile(q, m, l, acc, n0, hi, offs_r, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
-                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
-                                    offs_d, mask_d, False, BLOCK_N, DOT_PRECISION)
-            n0 += BLOCK_N
-    else:
-        for n0 in range(lo, hi, BLOCK_N):
-            m, l, acc = attend_tile(q, m, l, acc, n0, hi, offs_r, k_cache_ptr, v_cache_ptr, kv_indices_ptr,
-                                    ctx_start, kv_head, stride_kc, stride_kh, stride_vc, stride_vh, scale,
-                                    offs_d, mask_d, False, BLOCK_N, DOT_PRECISION)
-
-    # Nothing shared (or an empty split): lse = -inf, no weight in the merge.
-    lse = tl.where(l > 0, m + tl.log(tl.maximum(l, 1e-30)), float("-inf"))
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    m, l, acc = attend_range(q, lo, hi, offs_r, k_cache_ptr, v_cache_ptr, kv_indices_ptr, ctx_start, kv_head,
+                             stride_kc, stride_kh, stride_vc, stride_vh, scale, offs_d, mask_d,
+                             ROWS * BLOCK_H, BLOCK_D, False, BLOCK_N, DOT_PRECISION, LOOP_AS_WHILE)
+    out, lse = softmax_partial(m, l, acc)  # nothing shared (or an empty split): no weight in the merge
     part = first_split + split
     tl.store(part_o_ptr + rows[:, None] * stride_pb + heads[:, None] * stride_ph + part * stride_ps
              + offs_d[None, :], out, mask=mask_r[:, None] & mask_d[None, :])
