@@ -49,14 +49,22 @@ PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
 # (what fla's fused recurrent kernel does); large ones = more bytes per program.
 _Launch = triton_replay.StepLaunch
 _DEFAULT = triton_replay.DEFAULT_STEP_LAUNCH
+# Session 5's default: flush one program per (sequence, key head), all L ring entries loaded.
+_SESSION5 = replace(_DEFAULT, flush_persistent=False, live_ring_loads=False)
 REPLAY_SWEEP = [_DEFAULT] + [
-    # The flush launch's shape around the default (one program per (sequence, key head), whole
-    # rows, 4 warps): one per (sequence, value head, d_v block) (the default before session 5),
-    # per key head with smaller tiles.
-    replace(_DEFAULT, flush_block_v=32, flush_block_k=16, flush_warps=1, flush_per_key_head=False),
-    replace(_DEFAULT, flush_block_v=32, flush_block_k=16, flush_warps=1),
-    replace(_DEFAULT, flush_block_v=64, flush_block_k=16, flush_warps=2),
-    replace(_DEFAULT, flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=False),
+    # The flush launch and the ring loads around the default (persistent flush over the full
+    # rings only, key dots in their own launch, live ring entries only): session 5's default and
+    # session 4's (one flush program per (sequence, value head, d_v block)), each change alone,
+    # and the persistent flush's programs per SM × d_k rows per chunk × warps.
+    _SESSION5,
+    replace(_SESSION5, flush_block_v=32, flush_block_k=16, flush_warps=1, flush_per_key_head=False),
+    replace(_SESSION5, live_ring_loads=True),
+    replace(_DEFAULT, live_ring_loads=False),
+    replace(_DEFAULT, flush_programs_per_sm=2),
+    replace(_DEFAULT, flush_programs_per_sm=8),
+    replace(_DEFAULT, flush_programs_per_sm=16),
+    replace(_DEFAULT, flush_programs_per_sm=4, flush_block_k=64, flush_warps=8),
+    replace(_DEFAULT, flush_programs_per_sm=8, flush_block_v=64, flush_block_k=32, flush_warps=4),
 ] + [
     # Step: mma d_k dots (default) vs CUDA-core ones, ring-key dots in the step or once per key
     # head in the flush launch, d_k chunk / stages / d_v block / warps around the default.
@@ -77,6 +85,8 @@ REPLAY_SWEEP = [_DEFAULT] + [
     _Launch(flush_block_v=fbv, flush_block_k=fbk, flush_warps=fw)
     for fbv, fbk, fw in [(32, 32, 1), (32, 16, 2), (64, 16, 1), (16, 16, 1), (128, 32, 4), (128, 32, 8), (128, 128, 4)]
 ]
+
+N_FLUSH_VARIANTS = 10  # REPLAY_SWEEP[:10]: the default and the flush-launch variants (--replay)
 
 
 @dataclass(frozen=True)
@@ -205,7 +215,9 @@ def describe(launch) -> str:
     return (f"bv={launch.block_v} bk={launch.block_k} w={launch.num_warps} s={launch.num_stages} "
             f"tc={int(launch.tensor_cores)} kd={int(launch.key_dots_in_flush)} "
             f"fl={launch.flush_block_v}/{launch.flush_block_k}/{launch.flush_warps}"
-            f"{'/kh' if launch.flush_per_key_head else ''}")
+            f"{'/kh' if launch.flush_per_key_head else ''}"
+            f"{f'/persistent x{launch.flush_programs_per_sm}' if launch.flush_persistent else ''}"
+            f"{' live-ring' if launch.live_ring_loads else ''}")
 
 
 def bench_replay(shape: GdnShape, batch: int, sweep: list = REPLAY_SWEEP, lockstep: bool = False) -> list[Row]:
@@ -227,7 +239,15 @@ def bench_replay(shape: GdnShape, batch: int, sweep: list = REPLAY_SWEEP, lockst
     est_bytes = replay_bytes_per_step(shape, batch)
     fla_ms = bench_fla(shape, batch, step, params)
     if lockstep:
-        return [Row(f"lockstep B={batch} {describe(launch)}", ms * 1e3, "") for ms, launch in timings]
+        # A step on which no ring is full (15 of every 16 in lock-step): what each launch costs
+        # when there is nothing to fold.
+        idle = pools[4].clone().fill_(1)
+        rows = [Row(f"lockstep B={batch} {describe(launch)}", ms * 1e3, "") for ms, launch in timings]
+        return rows + [
+            Row(f"  no ring full B={batch} {describe(launch)}",
+                bench_graph(lambda: triton_replay.replay_decode(*step, *params, *pools[:4], idle, slots,
+                                                                launch=launch)) * 1e3, "")
+            for launch in sweep]
     rows = [Row(f"replay step B={batch} (default {describe(sweep[0])})", default_ms * 1e3,
                 f"~{est_bytes / (default_ms * 1e-3) / PEAK_BYTES_PER_S:.0%} of peak on est. bytes"),
             Row(f"replay step B={batch} (best {describe(best_launch)})", best_ms * 1e3,
@@ -451,7 +471,7 @@ def main() -> None:
         sys.exit("needs a CUDA device")
     sweep = not args.quick
     if args.replay:
-        flush_sweep = REPLAY_SWEEP[:5]  # the default and the flush-launch variants around it
+        flush_sweep = REPLAY_SWEEP[:N_FLUSH_VARIANTS]  # the default and the flush-launch variants around it
         check_correctness(flush_sweep)
         print_rows([row for batch in (128, 256, 512) for lockstep in (False, True)
                     for row in bench_replay(GdnShape(), batch, flush_sweep, lockstep)])

@@ -2,21 +2,27 @@
 
 Decode is bound by memory latency and, with the loads in flight, by the instructions the SMs
 issue (Nsight Compute, H200, B=128: the broadcast-FMA step issued ~2.4 instr/cycle at 49% DRAM
-throughput). So the work per loaded byte is kept small, in two launches:
+throughput). So the work per loaded byte is kept small. With the default launch knobs a step is
+three launches (kernels in kernels/replay_ssm_kernels.py):
 
-1. `replay_fold_kernel` (kernels/replay_ssm_kernels.py) in flush mode, one program per (sequence, value head, d_v block), folds
-   every FULL ring (cursor == L) into its checkpoint tile, in chunks of d_k rows; programs of
-   other sequences read the cursor and exit. Being its own launch, it finishes before the step
-   starts, so the step never folds: no fold registers on the common path, and no race between
-   a fold reading ring entry 0 and the step overwriting it. With `key_dots_in_flush` the first
-   program of each (sequence, key head) whose ring is not full also writes the ring-key dots
-   rk·k, rk·q for the step, which otherwise recomputes them in every program (GROUP × d_v /
+1. `replay_flush_kernel`, a persistent grid (4 programs per SM), folds every FULL ring (cursor
+   == L) into its checkpoint: each program ranks the batch's full rows from the cursors and takes
+   work items (full row, key head) in turn. Sized by the full rings, not the batch, so a step on
+   which no ring is full pays one wave of programs that read B cursors. Being its own launch,
+   it finishes before the step starts, so the step never folds: no fold registers on the common
+   path, and no race between a fold reading ring entry 0 and the step overwriting it.
+   (`flush_persistent=False`: `replay_fold_kernel` in flush mode, one program per (sequence,
+   key head) or per (sequence, value head, d_v block), most of which read the cursor and exit.)
+2. `replay_key_dots_kernel`, one one-warp program per (sequence, key head), writes the ring-key
+   dots rk·k, rk·q for the step, which otherwise recomputes them in every program (GROUP × d_v /
    block_v times the same numbers, the same ring keys re-read from L2 each time).
-2. `replay_step_kernel`, one program per (sequence, value head, d_v block of BLOCK_V), has a
-   dependency chain of two round trips: `slots[seq]`, then everything else at once — cursor,
-   C tile, ALL L ring entries (whatever the cursor), G's — with no mask that depends on the
-   cursor. Validity (index < n) is applied afterwards in registers with tl.where, so stale
-   entries (garbage, NaN) never leak; G_n is picked out of the loaded G vector, not gathered.
+3. `replay_step_kernel`, one program per (sequence, value head, d_v block of BLOCK_V), has a
+   dependency chain of two round trips for the bulk: `slots[seq]`, then cursor and C tile at
+   once. With `live_ring_loads` the ring entries wait for the cursor and only the live ones are
+   loaded (half the ring on average; 7–9% faster per step on the H200 than loading all L with
+   no cursor-dependent mask). Validity (index < n) is applied in registers with tl.where
+   either way, so stale entries (garbage, NaN) never leak; G_n is picked out of the loaded G
+   vector, not gathered.
    With `tensor_cores` the products are mma's with N = 2: raw k and q are the two columns of
    a [BLOCK_K, 2] operand, so Cᵀ[BV, BK] @ [k q] gives Cᵀk and Cᵀq in one accumulator (the mma
    pads N to 8; the columns split in-thread, no reduction), rk[BL, BK] @ [k q] the ring-key
@@ -27,7 +33,7 @@ throughput). So the work per loaded byte is kept small, in two launches:
    head's first d_v block) and ring_k[n] (by the first value head of the key-head group).
    Other programs may read entry n concurrently, but entry n is never live for this step
    (it is masked out in registers), so any program order is correct.
-Both launches are graph-capturable, without host sync.
+All launches are graph-capturable, without host sync.
 """
 from __future__ import annotations
 
@@ -36,7 +42,10 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from kernels.replay_ssm_kernels import replay_fold_kernel, replay_step_kernel
+from kernels._common import LOOP_AS_WHILE, multiprocessor_count
+from kernels.replay_ssm_kernels import (
+    replay_flush_kernel, replay_fold_kernel, replay_key_dots_kernel, replay_step_kernel,
+)
 
 
 @dataclass(frozen=True)
@@ -60,19 +69,27 @@ class StepLaunch:
     # One flush program per (sequence, key head), folding its GROUP value heads × d_v blocks in
     # turn (and writing the key dots), instead of one per (sequence, value head, d_v block).
     flush_per_key_head: bool = False
+    # The flush as a persistent launch over the full rings only (`replay_flush_kernel`), and the
+    # key dots (with key_dots_in_flush) in their own one-warp launch: a step on which no ring is
+    # full no longer pays a batch-sized grid of fold-sized programs. flush_per_key_head is
+    # implied (one work item per full row and key head).
+    flush_persistent: bool = False
+    flush_programs_per_sm: int = 2
+    # The step loads only the live ring entries (a mask on the cursor) instead of all L.
+    live_ring_loads: bool = False
 
 
 # The H200 sweep's best at B = 512 (CUDA-graph timing, docs/BENCHMARKS.md, 2026-11-29, session
 # 2: 315 µs per step = 3.5× fla): 64-column tiles over 2 warps, d_k in 64-row chunks 3 deep, and
-# the ring-key dot products done once per key head in the flush launch.
-# The flush launch runs one program per (sequence, key head) folding whole rows (128 columns,
-# d_k in 32-row chunks, 4 warps): `bench_replay_attn --replay` on the H200 (session 5), µs per
-# step at B = 128 / 256 / 512 against one program per (sequence, value head, 32 columns, 1 warp):
-# rings filling on the same step (a batch admitted together) 78.4 / 149.8 / 292.5 vs 92.8 /
-# 180.1 / 354.3; staggered (1/L full each step) 89.0 / 159.5 / 302.8 vs 85.9 / 162.1 / 314.3.
-# Most flush programs only write the key dots: 12× fewer of them is most of the gain.
+# the ring-key dot products done once per key head before the step.
+# Session 6 (`bench_replay_attn --replay`, H200, µs per step at B = 256 / 512, staggered and
+# lock-step rings): the step loading only the live ring entries, the flush a persistent launch
+# (4 programs per SM) over the full rings only and the key dots their own one-warp launch:
+# staggered 143.8 / 270.9, lock-step 136.0 / 263.2, against 157.6 / 295.4 and 146.2 / 285.7 for
+# session 5's default (flush one program per (sequence, key head), all L entries loaded).
 DEFAULT_STEP_LAUNCH = StepLaunch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True,
-                                 flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=True)
+                                 flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=True,
+                                 flush_persistent=True, flush_programs_per_sm=4, live_ring_loads=True)
 
 
 def _check_pools(ckpt, ring_k, ring_u, ring_g, cursor) -> None:
@@ -125,9 +142,45 @@ def flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, *, launch: Ste
     The first launch of replay_decode (exposed so benchmarks can time it alone). Cursors and
     rings are not changed: the step then treats cursor == L as an empty ring.
     """
+    if launch.flush_persistent:
+        _launch_flush_persistent(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch)
+        return
     _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
                  block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps,
                  per_key_head=launch.flush_per_key_head)
+
+
+def _launch_flush_persistent(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch: StepLaunch) -> None:
+    B = slots.numel()
+    H_v, d_k, d_v = ckpt.shape[1], ckpt.shape[2], ckpt.shape[3]
+    H_k, L = ring_k.shape[2], ring_k.shape[1]
+    block_v = min(max(16, launch.flush_block_v), max(16, triton.next_power_of_2(d_v)))
+    block_dk = max(16, triton.next_power_of_2(d_k))
+    fold_k = min(max(16, launch.flush_block_k), block_dk)
+    programs = min(B * H_k, launch.flush_programs_per_sm * multiprocessor_count(ckpt.device))
+    replay_flush_kernel[(programs,)](
+        ckpt, ring_k, ring_u, ring_g, cursor, slots, B,
+        ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
+        ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
+        ring_u.stride(0), ring_u.stride(1), ring_u.stride(2),
+        ring_g.stride(0), ring_g.stride(1),
+        H_K=H_k, GROUP=H_v // H_k, L=L, D_K=d_k, D_V=d_v,
+        BLOCK_K=block_dk, BLOCK_V=block_v, BLOCK_L=_ring_block(L),
+        FOLD_K=fold_k if ckpt.dtype != torch.float32 else min(fold_k, 32),  # as _launch_fold
+        BLOCK_B=max(16, triton.next_power_of_2(B)), LOOP_AS_WHILE=LOOP_AS_WHILE,
+        num_warps=launch.flush_warps,
+    )
+
+
+def _launch_key_dots(ring_k, q, k, cursor, slots, key_dots, live_only: bool) -> None:
+    H_k, L, d_k = ring_k.shape[2], ring_k.shape[1], ring_k.shape[3]
+    replay_key_dots_kernel[(slots.numel(), H_k)](
+        ring_k, q, k, slots, cursor, key_dots,
+        ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        L=L, D_K=d_k, BLOCK_K=max(16, triton.next_power_of_2(d_k)), BLOCK_L=key_dots.shape[2],
+        LIVE_RING_LOADS=live_only, num_warps=1,
+    )
 
 
 def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, cursor, slots,
@@ -153,6 +206,10 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
     key_dots = None
     if launch.key_dots_in_flush:
         key_dots = torch.empty((B, H_k, block_l, 2), dtype=torch.float32, device=q.device)
+    if key_dots is not None and launch.flush_persistent:
+        _launch_key_dots(ring_k, q, k, cursor, slots, key_dots, launch.live_ring_loads)
+        flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch=launch)
+    elif key_dots is not None:
         _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
                      block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps,
                      q=q, k=k, key_dots=key_dots, per_key_head=launch.flush_per_key_head)
@@ -175,7 +232,7 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
         BLOCK_DK=block_dk, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l,
         NUM_STAGES=launch.num_stages, TENSOR_CORES=launch.tensor_cores,
         SPLIT=ckpt.dtype != torch.float32 and q.dtype != ckpt.dtype,
-        KEY_DOTS_GIVEN=key_dots is not None, num_warps=launch.num_warps,
+        KEY_DOTS_GIVEN=key_dots is not None, LIVE_RING_LOADS=launch.live_ring_loads, num_warps=launch.num_warps,
     )
     return o
 

@@ -137,7 +137,7 @@ def replay_step_kernel(
     GROUP: tl.constexpr, L: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
     NUM_STAGES: tl.constexpr, TENSOR_CORES: tl.constexpr, SPLIT: tl.constexpr,
-    KEY_DOTS_GIVEN: tl.constexpr,
+    KEY_DOTS_GIVEN: tl.constexpr, LIVE_RING_LOADS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -165,10 +165,16 @@ def replay_step_kernel(
     # Everything slot-dependent is issued together, one round trip after `slot`.
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     n_stored = tl.load(cursor_ptr + slot).to(tl.int32)
+    if LIVE_RING_LOADS:
+        # Only the live entries move from memory (half the ring on average), at the price of the
+        # ring loads waiting for the cursor (the checkpoint's, the bulk, do not).
+        ring_rows = offs_l < tl.where(n_stored == L, 0, n_stored)
+    else:
+        ring_rows = in_ring
     ring_g_vec = tl.load(ring_g_ptr + slot * stride_rgs + offs_l * stride_rgl + head,
-                         mask=in_ring, other=0.0)  # cumulative log decays, all L entries  [BL]
+                         mask=ring_rows, other=0.0)  # cumulative log decays  [BL]
     ru = tl.load(ring_u_ptr + slot * stride_rus + offs_l[:, None] * stride_rul + head * stride_ruh
-                 + offs_v[None, :], mask=in_ring[:, None] & mask_v[None, :], other=0.0)  # [BL, BV]
+                 + offs_v[None, :], mask=ring_rows[:, None] & mask_v[None, :], other=0.0)  # [BL, BV]
     c_base = ckpt_ptr + slot * stride_cs + head * stride_ch
     rk_base = ring_k_ptr + slot * stride_rks + offs_l[:, None] * stride_rkl + key_head * stride_rkh
 
@@ -182,11 +188,11 @@ def replay_step_kernel(
     # applied once at the end).
     if TENSOR_CORES:
         c_dots, rk_dots_here = _dk_dots_mma(
-            c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, in_ring,
+            c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, ring_rows,
             D_K, BLOCK_K, BLOCK_V, BLOCK_L, NUM_STAGES, SPLIT, not KEY_DOTS_GIVEN)  # [BV, 2], [BL, 2]
     else:
         c_dots, rk_dots_here = _dk_dots_fma(
-            c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, in_ring,
+            c_base, rk_base, k_row_ptr, q_row_ptr, stride_ck, offs_v, mask_v, ring_rows,
             D_K, BLOCK_K, BLOCK_V, BLOCK_L, NUM_STAGES, not KEY_DOTS_GIVEN)
     if not KEY_DOTS_GIVEN:
         rk_dots = rk_dots_here
@@ -253,14 +259,15 @@ def _fold_tile(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, src, dst, n, head, 
 
 
 @triton.jit
-def _write_key_dots(ring_k_ptr, q_ptr, k_ptr, key_dots_ptr, src, pair, key_head, num_key_heads,
+def _write_key_dots(ring_k_ptr, q_ptr, k_ptr, key_dots_ptr, src, pair, key_head, num_key_heads, rows,
                     stride_rks, stride_rkl, stride_rkh, stride_qb, stride_qh, stride_kb, stride_kh,
-                    L: tl.constexpr, D_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr):
-    """The raw dots ring_k[i]·k and ring_k[i]·q of all L entries of one (sequence, key head)."""
+                    D_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr):
+    """The raw dots ring_k[i]·k and ring_k[i]·q of one (sequence, key head) for the entries i <
+    rows (all L, stale ones included, or the live ones; the step masks the others: 0 here)."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_l = tl.arange(0, BLOCK_L)
     mask_k = offs_k < D_K
-    in_ring = offs_l < L  # all L (stale included, as the step's own dots): it masks them
+    in_ring = offs_l < rows
     rk = tl.load(ring_k_ptr + src * stride_rks + offs_l[:, None] * stride_rkl
                  + key_head * stride_rkh + offs_k[None, :],
                  mask=in_ring[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BL, BK]
@@ -326,6 +333,91 @@ def replay_fold_kernel(
                        D_K, D_V, BLOCK_K, BLOCK_V, BLOCK_L, FOLD_K)
     if KEY_DOTS:
         if (n != L) & (v_block == 0) & (head0 % GROUP == 0):
-            _write_key_dots(ring_k_ptr, q_ptr, k_ptr, key_dots_ptr, src, pair, key_head, num_key_heads,
+            _write_key_dots(ring_k_ptr, q_ptr, k_ptr, key_dots_ptr, src, pair, key_head, num_key_heads, L,
                             stride_rks, stride_rkl, stride_rkh, stride_qb, stride_qh, stride_kb, stride_kh,
-                            L, D_K, BLOCK_K, BLOCK_L)
+                            D_K, BLOCK_K, BLOCK_L)
+
+
+@triton.jit
+def replay_key_dots_kernel(
+    ring_k_ptr, q_ptr, k_ptr, slots_ptr, cursor_ptr, key_dots_ptr,
+    stride_rks, stride_rkl, stride_rkh, stride_qb, stride_qh, stride_kb, stride_kh,
+    L: tl.constexpr, D_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+    LIVE_RING_LOADS: tl.constexpr,
+):
+    """Grid (sequence, key head): the raw ring-key dots [rk·k, rk·q] of all L entries, for the step.
+
+    Its own small launch (one warp, few registers: many programs resident), so that the steps on
+    which no ring is full pay only this, not the fold's register footprint. Written whatever the
+    cursor: the step masks the entries that are not live.
+    """
+    pair = tl.program_id(0)
+    key_head = tl.program_id(1)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    rows = L
+    if LIVE_RING_LOADS:  # as the step: only live entries (a full ring restarts empty)
+        n = tl.load(cursor_ptr + slot)
+        rows = tl.where(n == L, 0, n)
+    _write_key_dots(ring_k_ptr, q_ptr, k_ptr, key_dots_ptr, slot, pair, key_head, tl.num_programs(1), rows,
+                    stride_rks, stride_rkl, stride_rkh, stride_qb, stride_qh, stride_kb, stride_kh,
+                    D_K, BLOCK_K, BLOCK_L)
+
+
+@triton.jit
+def replay_flush_kernel(
+    ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, cursor_ptr, slots_ptr, num_seqs,
+    stride_cs, stride_ch, stride_ck,
+    stride_rks, stride_rkl, stride_rkh,
+    stride_rus, stride_rul, stride_ruh,
+    stride_rgs, stride_rgl,
+    H_K: tl.constexpr, GROUP: tl.constexpr, L: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, FOLD_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
+):
+    """Persistent grid (P,): fold every full ring (cursor == L) among `slots` into its checkpoint.
+
+    Each program reads all B cursors (one small gather), ranks the full rows, and then takes
+    work items p, p + P, ... of (full row, key head) — the GROUP value heads × d_v blocks of that
+    key head in turn. The work is sized by the full rings, not the batch: on a step where no ring
+    is full (15 of 16 steps when a batch was admitted together) the launch is one wave of
+    programs that read B cursors and exit.
+    """
+    offs_b = tl.arange(0, BLOCK_B)
+    in_batch = offs_b < num_seqs
+    slot_vec = tl.load(slots_ptr + offs_b, mask=in_batch, other=0).to(tl.int64)  # [BB]
+    n_vec = tl.load(cursor_ptr + slot_vec, mask=in_batch, other=0)
+    full = in_batch & (n_vec == L)
+    rank = tl.cumsum(full.to(tl.int32), 0) - 1  # the k-th full row has rank k  [BB]
+    num_items = tl.sum(full.to(tl.int32), 0) * H_K
+    item = tl.program_id(0)
+    step = tl.num_programs(0)
+    if LOOP_AS_WHILE:  # the interpreter: no runtime-bounded `for`
+        while item < num_items:
+            _flush_item(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot_vec, full, rank, item,
+                        stride_cs, stride_ch, stride_ck, stride_rks, stride_rkl, stride_rkh,
+                        stride_rus, stride_rul, stride_ruh, stride_rgs, stride_rgl,
+                        H_K, GROUP, L, D_K, D_V, BLOCK_K, BLOCK_V, BLOCK_L, FOLD_K)
+            item += step
+    else:
+        for it in tl.range(item, num_items, step):
+            _flush_item(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot_vec, full, rank, it,
+                        stride_cs, stride_ch, stride_ck, stride_rks, stride_rkl, stride_rkh,
+                        stride_rus, stride_rul, stride_ruh, stride_rgs, stride_rgl,
+                        H_K, GROUP, L, D_K, D_V, BLOCK_K, BLOCK_V, BLOCK_L, FOLD_K)
+
+
+@triton.jit
+def _flush_item(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot_vec, full, rank, item,
+                stride_cs, stride_ch, stride_ck, stride_rks, stride_rkl, stride_rkh,
+                stride_rus, stride_rul, stride_ruh, stride_rgs, stride_rgl,
+                H_K: tl.constexpr, GROUP: tl.constexpr, L: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, FOLD_K: tl.constexpr):
+    """Work item (full row of rank item // H_K, key head item % H_K): fold its value heads."""
+    key_head = item % H_K
+    slot = tl.sum(tl.where(full & (rank == item // H_K), slot_vec, 0), 0)  # exactly one row matches
+    for i in tl.range(0, GROUP * tl.cdiv(D_V, BLOCK_V)):
+        _fold_tile(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot, slot, L,
+                   key_head * GROUP + i % GROUP, key_head, i // GROUP,
+                   stride_cs, stride_ch, stride_ck, stride_rks, stride_rkl, stride_rkh, stride_rus,
+                   stride_rul, stride_ruh, stride_rgs, stride_rgl,
+                   D_K, D_V, BLOCK_K, BLOCK_V, BLOCK_L, FOLD_K)

@@ -123,6 +123,18 @@ DECODE_CASES = {  # shape, StepLaunch knobs
                              {"key_dots_in_flush": True, "flush_block_v": 16, "flush_per_key_head": True}),
     "L4-per-key-head-no-dots": (Shapes(ring=4, heads_k=2, heads_v=4, d_k=32),
                                 {"key_dots_in_flush": False, "flush_block_k": 16, "flush_per_key_head": True}),
+    # The persistent flush over the full rings only (its programs loop: the interpreter's grid is
+    # 1-2 programs for 4+ work items), key dots in their own launch or in the step.
+    "L5-dv48-persistent-flush": (Shapes(ring=5, heads_k=2, heads_v=6, d_v=48),
+                                 {"key_dots_in_flush": True, "flush_persistent": True, "flush_block_v": 16}),
+    "L4-persistent-flush-no-dots": (Shapes(ring=4, heads_k=2, heads_v=4, d_k=32),
+                                    {"key_dots_in_flush": False, "flush_persistent": True, "flush_block_k": 16,
+                                     "flush_programs_per_sm": 1}),
+    # Only the live ring entries loaded (stale ones are NaN: a load past the cursor that leaks fails).
+    "L5-dv48-live-ring-loads": (Shapes(ring=5, heads_k=2, heads_v=6, d_v=48),
+                                {"key_dots_in_flush": True, "flush_persistent": True, "live_ring_loads": True}),
+    "L4-live-ring-loads-dots-in-step": (Shapes(ring=4, heads_k=1, heads_v=2, d_k=32),
+                                        {"key_dots_in_flush": False, "live_ring_loads": True, "block_k": 16}),
     # The CUDA-core variant of the d_k dots, with and without the flush's ring-key dots.
     "L16-fma": (Shapes(ring=16), {"tensor_cores": False, "block_v": 16}),
     "L4-fma-key-dots": (Shapes(ring=4, heads_k=1, heads_v=2, d_k=32),
@@ -161,6 +173,9 @@ BF16_CASES = {  # q/k/v dtype, StepLaunch knobs
     "bf16-inputs": (torch.bfloat16, {}),
     "fp32-inputs": (torch.float32, {}),  # k, q enter the mma as high + low bf16 parts
     "fp32-inputs-key-dots": (torch.float32, {"key_dots_in_flush": True}),
+    "bf16-inputs-persistent-flush": (torch.bfloat16, {"key_dots_in_flush": True, "flush_persistent": True}),
+    "bf16-inputs-live-ring-loads": (torch.bfloat16, {"key_dots_in_flush": True, "flush_persistent": True,
+                                                     "live_ring_loads": True}),
 }
 
 

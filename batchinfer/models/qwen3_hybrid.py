@@ -97,7 +97,20 @@ class HybridModel(nn.Module):
         # The last residual add is needed only where logits are read: gather those rows first.
         rows = batch.logits_indices
         _, x = ops.add_rms_norm(x[rows], mlp_out[rows], self.final_norm, self.config.rms_norm_eps)  # [N, hidden]
-        return F.linear(x, self.output_embedding).float()  # [N, vocab]
+        return self._logits(x)  # [N, vocab]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] of the final hidden rows x [N, hidden].
+
+        On CUDA with 16-bit weights the GEMM writes fp32 itself (fp32 accumulators stored
+        as they are): no 16-bit logits tensor and no widening copy of it — at batch 256 and a
+        248k vocabulary that copy moved ~380 MB per decode step — and no rounding of the
+        logits to 16 bits. Elsewhere (the CPU's fp32 parity path) a plain linear.
+        """
+        weight = self.output_embedding
+        if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return F.linear(x, weight).float()
 
 
 def _fold_pending_ring_entries(config: ModelConfig, slots: torch.Tensor, caches: ModelCaches) -> None:
