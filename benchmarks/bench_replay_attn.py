@@ -60,11 +60,13 @@ REPLAY_SWEEP = [_DEFAULT] + [
     replace(_SESSION5, flush_block_v=32, flush_block_k=16, flush_warps=1, flush_per_key_head=False),
     replace(_SESSION5, live_ring_loads=True),
     replace(_DEFAULT, live_ring_loads=False),
-    replace(_DEFAULT, flush_programs_per_sm=2),
-    replace(_DEFAULT, flush_programs_per_sm=8),
-    replace(_DEFAULT, flush_programs_per_sm=16),
-    replace(_DEFAULT, flush_programs_per_sm=4, flush_block_k=64, flush_warps=8),
-    replace(_DEFAULT, flush_programs_per_sm=8, flush_block_v=64, flush_block_k=32, flush_warps=4),
+    # Work items of one (row, key head) instead of one (row, value head, d_v block) tile; programs
+    # per SM; narrower tiles.
+    replace(_DEFAULT, flush_tile_items=False, flush_programs_per_sm=4),
+    replace(_DEFAULT, flush_tile_items=False),
+    replace(_DEFAULT, flush_programs_per_sm=4),
+    replace(_DEFAULT, flush_block_v=64, flush_warps=2),
+    replace(_DEFAULT, flush_programs_per_sm=16, flush_block_v=64, flush_warps=2),
 ] + [
     # Step: mma d_k dots (default) vs CUDA-core ones, ring-key dots in the step or once per key
     # head in the flush launch, d_k chunk / stages / d_v block / warps around the default.
@@ -217,6 +219,7 @@ def describe(launch) -> str:
             f"fl={launch.flush_block_v}/{launch.flush_block_k}/{launch.flush_warps}"
             f"{'/kh' if launch.flush_per_key_head else ''}"
             f"{f'/persistent x{launch.flush_programs_per_sm}' if launch.flush_persistent else ''}"
+            f"{' tiles' if launch.flush_tile_items else ''}"
             f"{' live-ring' if launch.live_ring_loads else ''}")
 
 

@@ -5,9 +5,9 @@ issue (Nsight Compute, H200, B=128: the broadcast-FMA step issued ~2.4 instr/cyc
 throughput). So the work per loaded byte is kept small. With the default launch knobs a step is
 three launches (kernels in kernels/replay_ssm_kernels.py):
 
-1. `replay_flush_kernel`, a persistent grid (4 programs per SM), folds every FULL ring (cursor
+1. `replay_flush_kernel`, a persistent grid (8 programs per SM), folds every FULL ring (cursor
    == L) into its checkpoint: each program ranks the batch's full rows from the cursors and takes
-   work items (full row, key head) in turn. Sized by the full rings, not the batch, so a step on
+   work items (full row, value head, d_v block) in turn. Sized by the full rings, not the batch, so a step on
    which no ring is full pays one wave of programs that read B cursors. Being its own launch,
    it finishes before the step starts, so the step never folds: no fold registers on the common
    path, and no race between a fold reading ring entry 0 and the step overwriting it.
@@ -75,6 +75,7 @@ class StepLaunch:
     # implied (one work item per full row and key head).
     flush_persistent: bool = False
     flush_programs_per_sm: int = 2
+    flush_tile_items: bool = False  # persistent flush items: (row, value head, d_v block), not (row, key head)
     # The step loads only the live ring entries (a mask on the cursor) instead of all L.
     live_ring_loads: bool = False
 
@@ -86,10 +87,14 @@ class StepLaunch:
 # lock-step rings): the step loading only the live ring entries, the flush a persistent launch
 # (4 programs per SM) over the full rings only and the key dots their own one-warp launch:
 # staggered 143.8 / 270.9, lock-step 136.0 / 263.2, against 157.6 / 295.4 and 146.2 / 285.7 for
-# session 5's default (flush one program per (sequence, key head), all L entries loaded).
+# session 5's default (flush one program per (sequence, key head), all L entries loaded). The
+# persistent flush's work items as (row, value head, d_v block) tiles with 8 programs per SM, in
+# one run against (row, key head) items with 4: staggered B = 128 / 256 / 512 76.1 / 143.0 /
+# 277.7 vs 82.8 / 147.1 / 277.4; lock-step 74.5 / 139.4 / 277.5 vs 74.2 / 139.0 / 270.0.
 DEFAULT_STEP_LAUNCH = StepLaunch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True,
                                  flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=True,
-                                 flush_persistent=True, flush_programs_per_sm=4, live_ring_loads=True)
+                                 flush_persistent=True, flush_programs_per_sm=8, flush_tile_items=True,
+                                 live_ring_loads=True)
 
 
 def _check_pools(ckpt, ring_k, ring_u, ring_g, cursor) -> None:
@@ -157,7 +162,8 @@ def _launch_flush_persistent(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch
     block_v = min(max(16, launch.flush_block_v), max(16, triton.next_power_of_2(d_v)))
     block_dk = max(16, triton.next_power_of_2(d_k))
     fold_k = min(max(16, launch.flush_block_k), block_dk)
-    programs = min(B * H_k, launch.flush_programs_per_sm * multiprocessor_count(ckpt.device))
+    items = B * (H_v * triton.cdiv(d_v, block_v) if launch.flush_tile_items else H_k)  # all rings full
+    programs = min(items, launch.flush_programs_per_sm * multiprocessor_count(ckpt.device))
     replay_flush_kernel[(programs,)](
         ckpt, ring_k, ring_u, ring_g, cursor, slots, B,
         ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
@@ -167,7 +173,7 @@ def _launch_flush_persistent(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch
         H_K=H_k, GROUP=H_v // H_k, L=L, D_K=d_k, D_V=d_v,
         BLOCK_K=block_dk, BLOCK_V=block_v, BLOCK_L=_ring_block(L),
         FOLD_K=fold_k if ckpt.dtype != torch.float32 else min(fold_k, 32),  # as _launch_fold
-        BLOCK_B=max(16, triton.next_power_of_2(B)), LOOP_AS_WHILE=LOOP_AS_WHILE,
+        BLOCK_B=max(16, triton.next_power_of_2(B)), TILE_ITEMS=launch.flush_tile_items, LOOP_AS_WHILE=LOOP_AS_WHILE,
         num_warps=launch.flush_warps,
     )
 

@@ -372,7 +372,7 @@ def replay_flush_kernel(
     stride_rgs, stride_rgl,
     H_K: tl.constexpr, GROUP: tl.constexpr, L: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, FOLD_K: tl.constexpr,
-    BLOCK_B: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
+    BLOCK_B: tl.constexpr, TILE_ITEMS: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
 ):
     """Persistent grid (P,): fold every full ring (cursor == L) among `slots` into its checkpoint.
 
@@ -388,7 +388,11 @@ def replay_flush_kernel(
     n_vec = tl.load(cursor_ptr + slot_vec, mask=in_batch, other=0)
     full = in_batch & (n_vec == L)
     rank = tl.cumsum(full.to(tl.int32), 0) - 1  # the k-th full row has rank k  [BB]
-    num_items = tl.sum(full.to(tl.int32), 0) * H_K
+    # Items per full row: its key heads (each folding GROUP × d_v blocks in turn), or with
+    # TILE_ITEMS its (value head, d_v block) tiles — more, shorter items: more parallel folds
+    # when few rings are full.
+    ITEMS_PER_ROW: tl.constexpr = GROUP * H_K * ((D_V + BLOCK_V - 1) // BLOCK_V) if TILE_ITEMS else H_K
+    num_items = tl.sum(full.to(tl.int32), 0) * ITEMS_PER_ROW
     item = tl.program_id(0)
     step = tl.num_programs(0)
     if LOOP_AS_WHILE:  # the interpreter: no runtime-bounded `for`
@@ -396,14 +400,14 @@ def replay_flush_kernel(
             _flush_item(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot_vec, full, rank, item,
                         stride_cs, stride_ch, stride_ck, stride_rks, stride_rkl, stride_rkh,
                         stride_rus, stride_rul, stride_ruh, stride_rgs, stride_rgl,
-                        H_K, GROUP, L, D_K, D_V, BLOCK_K, BLOCK_V, BLOCK_L, FOLD_K)
+                        H_K, GROUP, L, D_K, D_V, BLOCK_K, BLOCK_V, BLOCK_L, FOLD_K, ITEMS_PER_ROW, TILE_ITEMS)
             item += step
     else:
         for it in tl.range(item, num_items, step):
             _flush_item(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot_vec, full, rank, it,
                         stride_cs, stride_ch, stride_ck, stride_rks, stride_rkl, stride_rkh,
                         stride_rus, stride_rul, stride_ruh, stride_rgs, stride_rgl,
-                        H_K, GROUP, L, D_K, D_V, BLOCK_K, BLOCK_V, BLOCK_L, FOLD_K)
+                        H_K, GROUP, L, D_K, D_V, BLOCK_K, BLOCK_V, BLOCK_L, FOLD_K, ITEMS_PER_ROW, TILE_ITEMS)
 
 
 @triton.jit
@@ -411,13 +415,23 @@ def _flush_item(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot_vec, full, ra
                 stride_cs, stride_ch, stride_ck, stride_rks, stride_rkl, stride_rkh,
                 stride_rus, stride_rul, stride_ruh, stride_rgs, stride_rgl,
                 H_K: tl.constexpr, GROUP: tl.constexpr, L: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, FOLD_K: tl.constexpr):
-    """Work item (full row of rank item // H_K, key head item % H_K): fold its value heads."""
-    key_head = item % H_K
-    slot = tl.sum(tl.where(full & (rank == item // H_K), slot_vec, 0), 0)  # exactly one row matches
-    for i in tl.range(0, GROUP * tl.cdiv(D_V, BLOCK_V)):
-        _fold_tile(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot, slot, L,
-                   key_head * GROUP + i % GROUP, key_head, i // GROUP,
+                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, FOLD_K: tl.constexpr,
+                ITEMS_PER_ROW: tl.constexpr, TILE_ITEMS: tl.constexpr):
+    """Work item `item`: the full row of rank item // ITEMS_PER_ROW, and in it one key head (its
+    value heads × d_v blocks folded in turn) or, with TILE_ITEMS, one (value head, d_v block)."""
+    slot = tl.sum(tl.where(full & (rank == item // ITEMS_PER_ROW), slot_vec, 0), 0)  # exactly one row matches
+    part = item % ITEMS_PER_ROW
+    if TILE_ITEMS:
+        head = part % (GROUP * H_K)
+        _fold_tile(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot, slot, L, head, head // GROUP,
+                   part // (GROUP * H_K),
                    stride_cs, stride_ch, stride_ck, stride_rks, stride_rkl, stride_rkh, stride_rus,
                    stride_rul, stride_ruh, stride_rgs, stride_rgl,
                    D_K, D_V, BLOCK_K, BLOCK_V, BLOCK_L, FOLD_K)
+    else:
+        for i in tl.range(0, GROUP * tl.cdiv(D_V, BLOCK_V)):
+            _fold_tile(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot, slot, L,
+                       part * GROUP + i % GROUP, part, i // GROUP,
+                       stride_cs, stride_ch, stride_ck, stride_rks, stride_rkl, stride_rkh, stride_rus,
+                       stride_rul, stride_ruh, stride_rgs, stride_rgl,
+                       D_K, D_V, BLOCK_K, BLOCK_V, BLOCK_L, FOLD_K)

@@ -127,6 +127,9 @@ DECODE_CASES = {  # shape, StepLaunch knobs
     # 1-2 programs for 4+ work items), key dots in their own launch or in the step.
     "L5-dv48-persistent-flush": (Shapes(ring=5, heads_k=2, heads_v=6, d_v=48),
                                  {"key_dots_in_flush": True, "flush_persistent": True, "flush_block_v": 16}),
+    "L5-dv48-persistent-flush-tiles": (Shapes(ring=5, heads_k=2, heads_v=6, d_v=48),
+                                       {"key_dots_in_flush": True, "flush_persistent": True, "flush_block_v": 16,
+                                        "flush_tile_items": True, "live_ring_loads": True}),
     "L4-persistent-flush-no-dots": (Shapes(ring=4, heads_k=2, heads_v=4, d_k=32),
                                     {"key_dots_in_flush": False, "flush_persistent": True, "flush_block_k": 16,
                                      "flush_programs_per_sm": 1}),
