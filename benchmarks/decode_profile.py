@@ -30,7 +30,6 @@ import dataclasses
 import json
 import random
 import statistics
-import subprocess
 from collections import defaultdict
 
 import torch
@@ -39,6 +38,7 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
 from benchmarks.engine_arms import COPY_BANDWIDTH, MATMUL_RATE, build_model, decode_bytes, decode_flops
+from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.host_overhead import PhaseTimer
 
 # Kernel-name fragments → family, first match wins (Triton kernels keep their Python names).
@@ -86,14 +86,9 @@ def timed_ms(fn, reps: int, warmup: int = 2) -> float:
 
 def clocks_while(fn) -> str:
     """nvidia-smi samples (SM MHz, W, throttle reasons) taken while fn() runs."""
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
-                            "--format=csv,noheader", "-lms", "100"], stdout=subprocess.PIPE, text=True)
-    try:
+    with ClockSampler() as clocks:
         fn()
-    finally:
-        smi.terminate()
-    samples = smi.communicate()[0].strip().splitlines()
-    return " | ".join(samples[len(samples) // 3::max(1, len(samples) // 4)][:4])
+    return clocks.summary()
 
 
 def load_trace(path: str) -> tuple[list[dict], list[dict]]:

@@ -11,10 +11,11 @@ sample generates exactly `--output-tokens`):
     fewshot   32 groups × 8 prompts: a 512-token few-shot prefix per group + 128 unique tokens
     control   256 prompts of 640 unique tokens (nothing to share)
 
-Decode columns: ms per decode step (wall, as the engine runs: steps overlapped), its byte
-roofline (weights + every sequence's KV + GDN state, at copy bandwidth), the same with KV that
-neighbouring rows share counted once ("once": what the shared-prefix attention reads), and the
-FLOP floor.
+Decode columns: ms per decode step (wall, as the engine runs: steps overlapped; the mean over
+all decode steps), its byte roofline (weights + every sequence's KV + GDN state, at copy
+bandwidth), the same with KV that neighbouring rows share counted once ("once": what the
+shared-prefix attention reads), and the FLOP floor; then the median decode-only step at the
+full batch and the mean SM clock while the arm ran (nvidia-smi; the step time follows it).
 
 Arms: `recurrent+extra_buffer` (ReplaySSM off), `replay+no_buffer`, `replay+extra_buffer`;
 `--hf` adds transformers' generate (same shapes, its own random weights; batches of
@@ -26,6 +27,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -36,6 +38,8 @@ from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
 from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.presets import PRESETS, random_model
+from benchmarks.gpu_clocks import ClockSampler
+from benchmarks.host_overhead import PhaseTimer
 
 DEFAULT_PRESET = "qwen3.5-27b"
 ARMS = {
@@ -147,10 +151,12 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
     _sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    count = sum(1 for _ in engine.generate(requests))
-    _sync(args.device)
-    wall = time.perf_counter() - start
+    timer = PhaseTimer(engine, engine.runner, "decode")  # no sync: each step's wall time as it runs
+    with ClockSampler(enabled=args.device == "cuda") as clocks:
+        start = time.perf_counter()
+        count = sum(1 for _ in engine.generate(requests))
+        _sync(args.device)
+        wall = time.perf_counter() - start
     stats = engine.stats
     prompt = stats.prompt_tokens - before.prompt_tokens
     cached = stats.cached_tokens - before.cached_tokens
@@ -161,7 +167,8 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
                   peak_gib=engine.stats.peak_memory_bytes / 2**30,
                   max_running=engine.pool_plan.max_running, preemptions=stats.preemptions - before.preemptions,
                   flushes=stats.replayssm_flushes - before.replayssm_flushes,
-                  discarded_kv=stats.discarded_kv_tokens - before.discarded_kv_tokens)
+                  discarded_kv=stats.discarded_kv_tokens - before.discarded_kv_tokens,
+                  sm_mhz=clocks.mean_mhz, power_w=clocks.mean_watts, **full_batch_steps(timer))
     steps = stats.decode_steps - before.decode_steps
     if steps:
         batch = (stats.decode_seq_steps - before.decode_seq_steps) / steps
@@ -176,6 +183,18 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
     del engine
     _free(args.device)
     return result
+
+
+def full_batch_steps(timer: PhaseTimer) -> dict:
+    """Median wall ms of the decode-only steps at the run's largest decode batch: a figure that
+    prefill interleaving, the batch's ramp and tail, and the one step in L that flushes every
+    ring (lock-step admission) do not move, unlike the mean over all decode steps."""
+    decode_only = [s for s in timer.steps if not s.get("prefill_seqs") and s.get("decode_batch")]
+    if not decode_only:
+        return {}
+    full = max(s["decode_batch"] for s in decode_only)
+    times = [s["total"] for s in decode_only if s["decode_batch"] == full]
+    return dict(full_batch=full, full_batch_steps=len(times), full_batch_median_ms=1e3 * statistics.median(times))
 
 
 def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch: int) -> dict:
@@ -214,7 +233,7 @@ def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch
 def print_table(rows: list[dict]) -> None:
     header = (f"{'workload':<9} {'arm':<24} {'hit%':>6} {'ideal%':>7} {'prompt tok/s':>13} {'out tok/s':>10} "
               f"{'wall s':>8} {'peak GiB':>9} {'running':>8} {'preempt':>8} {'dec ms/step':>11} {'roofline ms':>11} "
-              f"{'once ms':>8} {'flop ms':>8} {'dec batch':>9}")
+              f"{'once ms':>8} {'flop ms':>8} {'dec batch':>9} {'full-batch med ms':>17} {'SM MHz':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -223,7 +242,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r['max_running']:8d} {r['preemptions']:8d} {r.get('decode_ms', float('nan')):11.2f} "
               f"{r.get('roofline_ms', float('nan')):11.2f} {r.get('roofline_once_ms', float('nan')):8.2f} "
               f"{r.get('flop_floor_ms', float('nan')):8.2f} "
-              f"{r.get('decode_batch', float('nan')):9.1f}")
+              f"{r.get('decode_batch', float('nan')):9.1f} "
+              f"{r.get('full_batch_median_ms', float('nan')):17.2f} {r.get('sm_mhz', float('nan')):7.0f}")
 
 
 def main() -> None:

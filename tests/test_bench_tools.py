@@ -1,0 +1,41 @@
+"""The benchmark helpers whose output goes into docs/BENCHMARKS.md: clock samples and the
+full-batch step median of benchmarks/engine_arms.py."""
+from __future__ import annotations
+
+import math
+
+from benchmarks.engine_arms import full_batch_steps
+from benchmarks.gpu_clocks import ClockSampler, parse_samples
+
+
+def test_clock_lines_parse_and_bad_lines_are_skipped():
+    text = "1530, 640.19, 0x0000000000000004\n1455, [N/A], 0x0\n1560, 601.4, 0x0000000000000000\n15"
+    samples = parse_samples(text)
+    assert samples == [(1530.0, 640.19, "0x0000000000000004"), (1560.0, 601.4, "0x0000000000000000")]
+
+
+def test_disabled_sampler_reports_nan():
+    with ClockSampler(enabled=False) as clocks:
+        pass
+    assert clocks.samples == [] and math.isnan(clocks.mean_mhz) and math.isnan(clocks.mean_watts)
+    assert clocks.summary() == ""
+
+
+class _Timer:
+    def __init__(self, steps):
+        self.steps = steps
+
+
+def test_full_batch_median_uses_only_decode_only_steps_at_the_largest_batch():
+    steps = [
+        {"decode_batch": 4, "prefill_seqs": 2, "total": 9.0},  # mixed with prefill: out
+        {"decode_batch": 4, "prefill_seqs": 0, "total": 0.030},
+        {"decode_batch": 4, "prefill_seqs": 0, "total": 0.034},
+        {"decode_batch": 4, "prefill_seqs": 0, "total": 0.500},  # a flush step: the median ignores it
+        {"decode_batch": 3, "prefill_seqs": 0, "total": 0.001},  # the tail: smaller batch, out
+        {"decode_batch": 0, "prefill_seqs": 1, "total": 1.0},
+    ]
+    report = full_batch_steps(_Timer(steps))
+    assert report["full_batch"] == 4 and report["full_batch_steps"] == 3
+    assert math.isclose(report["full_batch_median_ms"], 34.0)
+    assert full_batch_steps(_Timer([{"decode_batch": 0, "prefill_seqs": 1, "total": 1.0}])) == {}
