@@ -51,7 +51,7 @@ _Launch = triton_replay.StepLaunch
 _DEFAULT = triton_replay.DEFAULT_STEP_LAUNCH
 # Session 5's default: flush one program per (sequence, key head), all L ring entries loaded.
 _SESSION5 = replace(_DEFAULT, flush_persistent=False, live_ring_loads=False)
-REPLAY_SWEEP = [_DEFAULT] + [
+FLUSH_SWEEP = [_DEFAULT] + [
     # The flush launch and the ring loads around the default (persistent flush over the full
     # rings only, key dots in their own launch, live ring entries only): session 5's default and
     # session 4's (one flush program per (sequence, value head, d_v block)), each change alone,
@@ -67,7 +67,8 @@ REPLAY_SWEEP = [_DEFAULT] + [
     replace(_DEFAULT, flush_programs_per_sm=4),
     replace(_DEFAULT, flush_block_v=64, flush_warps=2),
     replace(_DEFAULT, flush_programs_per_sm=16, flush_block_v=64, flush_warps=2),
-] + [
+]  # what --replay times
+REPLAY_SWEEP = FLUSH_SWEEP + [
     # Step: mma d_k dots (default) vs CUDA-core ones, ring-key dots in the step or once per key
     # head in the flush launch, d_k chunk / stages / d_v block / warps around the default.
     _Launch(tensor_cores=False),
@@ -87,9 +88,6 @@ REPLAY_SWEEP = [_DEFAULT] + [
     _Launch(flush_block_v=fbv, flush_block_k=fbk, flush_warps=fw)
     for fbv, fbk, fw in [(32, 32, 1), (32, 16, 2), (64, 16, 1), (16, 16, 1), (128, 32, 4), (128, 32, 8), (128, 128, 4)]
 ]
-
-N_FLUSH_VARIANTS = 10  # REPLAY_SWEEP[:10]: the default and the flush-launch variants (--replay)
-
 
 @dataclass(frozen=True)
 class GdnShape:
@@ -474,10 +472,9 @@ def main() -> None:
         sys.exit("needs a CUDA device")
     sweep = not args.quick
     if args.replay:
-        flush_sweep = REPLAY_SWEEP[:N_FLUSH_VARIANTS]  # the default and the flush-launch variants around it
-        check_correctness(flush_sweep)
+        check_correctness(FLUSH_SWEEP)
         print_rows([row for batch in (128, 256, 512) for lockstep in (False, True)
-                    for row in bench_replay(GdnShape(), batch, flush_sweep, lockstep)])
+                    for row in bench_replay(GdnShape(), batch, FLUSH_SWEEP, lockstep)])
         return
     if args.shared:
         print_rows(bench_attention_decode_shared(AttnShape(), SharedDecodeShape(), sweep))

@@ -71,8 +71,8 @@ class StepLaunch:
     flush_per_key_head: bool = False
     # The flush as a persistent launch over the full rings only (`replay_flush_kernel`), and the
     # key dots (with key_dots_in_flush) in their own one-warp launch: a step on which no ring is
-    # full no longer pays a batch-sized grid of fold-sized programs. flush_per_key_head is
-    # implied (one work item per full row and key head).
+    # full no longer pays a batch-sized grid of fold-sized programs. Its work items are set by
+    # flush_tile_items; flush_per_key_head applies only to the non-persistent flush.
     flush_persistent: bool = False
     flush_programs_per_sm: int = 2
     flush_tile_items: bool = False  # persistent flush items: (row, value head, d_v block), not (row, key head)
@@ -112,15 +112,24 @@ def _ring_block(L: int) -> int:
     return max(16, triton.next_power_of_2(L))  # tl.dot needs every dimension >= 16
 
 
+def _fold_tile_sizes(ckpt, block_v: int, block_k: int) -> tuple[int, int, int]:
+    """(BLOCK_V, BLOCK_K, FOLD_K) of a fold tile: d_v columns, padded d_k, d_k rows per chunk."""
+    d_k, d_v = ckpt.shape[2], ckpt.shape[3]
+    block_v = min(max(16, block_v), max(16, triton.next_power_of_2(d_v)))
+    block_dk = max(16, triton.next_power_of_2(d_k))
+    fold_k = min(max(16, block_k), block_dk)
+    if ckpt.dtype == torch.float32:
+        fold_k = min(fold_k, 32)  # fp32 (FMA dot): ptxas spills above
+    return block_v, block_dk, fold_k
+
+
 def _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots, *, full_only: bool,
                  block_v: int, block_k: int, num_warps: int, q=None, k=None, key_dots=None,
                  per_key_head: bool = False) -> None:
     """Grid (pair, value head, d_v block), or (pair, key head) with `per_key_head`. With
     key_dots, q / k are the step's inputs."""
     H_v, d_k, d_v = ckpt.shape[1], ckpt.shape[2], ckpt.shape[3]
-    block_v = min(max(16, block_v), max(16, triton.next_power_of_2(d_v)))
-    block_dk = max(16, triton.next_power_of_2(d_k))
-    fold_k = min(max(16, block_k), block_dk)
+    block_v, block_dk, fold_k = _fold_tile_sizes(ckpt, block_v, block_k)
     with_dots = key_dots is not None
     q_, k_ = (q, k) if with_dots else (ring_k, ring_k)  # placeholders: never read
     H_k = ring_k.shape[2]
@@ -135,17 +144,15 @@ def _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots, *, 
         q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1),
         GROUP=H_v // ring_k.shape[2], L=ring_k.shape[1], D_K=d_k, D_V=d_v,
         BLOCK_K=block_dk, BLOCK_V=block_v, BLOCK_L=_ring_block(ring_k.shape[1]),
-        FULL_ONLY=full_only,
-        FOLD_K=fold_k if ckpt.dtype != torch.float32 else min(fold_k, 32),  # fp32 (FMA dot): ptxas spills above
-        KEY_DOTS=with_dots, PER_KEY_HEAD=per_key_head, num_warps=num_warps,
+        FULL_ONLY=full_only, FOLD_K=fold_k, KEY_DOTS=with_dots, PER_KEY_HEAD=per_key_head, num_warps=num_warps,
     )
 
 
 def flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, *, launch: StepLaunch = DEFAULT_STEP_LAUNCH):
     """Fold each full ring (cursor == L) among `slots` into its checkpoint, in place; others untouched.
 
-    The first launch of replay_decode (exposed so benchmarks can time it alone). Cursors and
-    rings are not changed: the step then treats cursor == L as an empty ring.
+    Runs before replay_decode's step launch (exposed so benchmarks can time it alone). Cursors
+    and rings are not changed: the step then treats cursor == L as an empty ring.
     """
     if launch.flush_persistent:
         _launch_flush_persistent(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch)
@@ -159,9 +166,7 @@ def _launch_flush_persistent(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch
     B = slots.numel()
     H_v, d_k, d_v = ckpt.shape[1], ckpt.shape[2], ckpt.shape[3]
     H_k, L = ring_k.shape[2], ring_k.shape[1]
-    block_v = min(max(16, launch.flush_block_v), max(16, triton.next_power_of_2(d_v)))
-    block_dk = max(16, triton.next_power_of_2(d_k))
-    fold_k = min(max(16, launch.flush_block_k), block_dk)
+    block_v, block_dk, fold_k = _fold_tile_sizes(ckpt, launch.flush_block_v, launch.flush_block_k)
     items = B * (H_v * triton.cdiv(d_v, block_v) if launch.flush_tile_items else H_k)  # all rings full
     programs = min(items, launch.flush_programs_per_sm * multiprocessor_count(ckpt.device))
     replay_flush_kernel[(programs,)](
@@ -171,8 +176,7 @@ def _launch_flush_persistent(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch
         ring_u.stride(0), ring_u.stride(1), ring_u.stride(2),
         ring_g.stride(0), ring_g.stride(1),
         H_K=H_k, GROUP=H_v // H_k, L=L, D_K=d_k, D_V=d_v,
-        BLOCK_K=block_dk, BLOCK_V=block_v, BLOCK_L=_ring_block(L),
-        FOLD_K=fold_k if ckpt.dtype != torch.float32 else min(fold_k, 32),  # as _launch_fold
+        BLOCK_K=block_dk, BLOCK_V=block_v, BLOCK_L=_ring_block(L), FOLD_K=fold_k,
         BLOCK_B=max(16, triton.next_power_of_2(B)), TILE_ITEMS=launch.flush_tile_items, LOOP_AS_WHILE=LOOP_AS_WHILE,
         num_warps=launch.flush_warps,
     )
@@ -195,7 +199,7 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
 
     q, k [B, H_k, d_k]; v [B, H_v, d_v]; a, b [B, H_v]; slots [B] distinct. Returns o
     [B, H_v, d_v] in q.dtype (`out` may supply it). `launch` (or its fields as keywords)
-    tunes the two launches.
+    tunes the launches (module docstring).
     """
     _check_pools(ckpt, ring_k, ring_u, ring_g, cursor)
     if knobs:  # keyword overrides (benchmarks/tests); the model's per-layer call builds nothing
@@ -212,14 +216,13 @@ def replay_decode(q, k, v, a, b, A_log, dt_bias, ckpt, ring_k, ring_u, ring_g, c
     key_dots = None
     if launch.key_dots_in_flush:
         key_dots = torch.empty((B, H_k, block_l, 2), dtype=torch.float32, device=q.device)
-    if key_dots is not None and launch.flush_persistent:
-        _launch_key_dots(ring_k, q, k, cursor, slots, key_dots, launch.live_ring_loads)
-        flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch=launch)
-    elif key_dots is not None:
+    if key_dots is not None and not launch.flush_persistent:  # the flush launch writes the key dots
         _launch_fold(ckpt, ring_k, ring_u, ring_g, cursor, slots, slots, full_only=True,
                      block_v=launch.flush_block_v, block_k=launch.flush_block_k, num_warps=launch.flush_warps,
                      q=q, k=k, key_dots=key_dots, per_key_head=launch.flush_per_key_head)
     else:
+        if key_dots is not None:
+            _launch_key_dots(ring_k, q, k, cursor, slots, key_dots, launch.live_ring_loads)
         flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, launch=launch)
     block_dk = triton.next_power_of_2(d_k)
     block_k = min(max(16, launch.block_k), block_dk)
