@@ -139,24 +139,8 @@ def _compare_fla(make_runner, ours_out, quick: bool):
         return None, f" fla error: {type(exc).__name__}"
 
 
-# The fused state/output kernel's launches, StatePassLaunch(block_v, warps, stages, key_parts=):
-# the sweep puts the one the default picks for the shape first (its control).
-FUSED_SWEEP = [
-    (64, 4, 2, 2), (32, 4, 2, 1), (32, 4, 2, 2), (16, 4, 2, 1), (64, 8, 2, 2), (64, 4, 3, 2), (32, 8, 2, 2),
-    (64, 4, 2, 1), (16, 2, 2, 1), (128, 8, 2, 2),
-]
-
-
-def _fused_sweep(default, quick: bool, big: bool):
-    from kernels.gdn_prefill import StatePassLaunch as S
-
-    configs = [default] + [c for c in (S(bv, w, st, key_parts=p) for bv, w, st, p in FUSED_SWEEP) if c != default]
-    return configs[:3] if quick else configs[:7] if big else configs
-
-
 def _prefill_sweeps(quick: bool, big: bool):
-    """Launch configs per prefill stage of the staged path (fewer for the biggest shape: compile
-    time dominates).
+    """Launch configs per prefill stage (fewer for the biggest shape: compile time dominates).
 
     State pass: StatePassLaunch(block_v, warps, stages, transposed=, key_parts=, prefetch=), most
     promising first (kernels/gdn_prefill_state.py says what each variant changes; sm_90 registers
@@ -200,16 +184,7 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
     ref_state = state0.clone()
     expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=ref_state, slots=slots, cu_seqlens=cu)
     check = f"ref {_rel_err(out, expect):.1e}/{_rel_err(state, ref_state):.1e}"
-    # The staged path (state pass, then the output kernel) checked and timed in the same run: the
-    # fused kernel's baseline.
-    staged = lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=ours.STAGED_LAUNCH)  # noqa: E731
-    state.copy_(state0)
-    staged_err = _rel_err(staged(), expect)
-    staged_ms = _bench(staged, quick)
     ours_ms = _bench(lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu), quick)
-    print(f"gdn_prefill {num_seqs}x{seq_len}: fused {ours_ms:.3f} ms, staged {staged_ms:.3f} ms "
-          f"({staged_ms / ours_ms:.2f}x; staged rel err {staged_err:.1e})")
-    check += f" staged {staged_ms:.3f} ms"
     fla_ms = None
     if fla is not None:
         runner = lambda: _fla_runner(fla[0], x, state0[slots].clone(), (1, T), cu.long())  # noqa: E731
@@ -219,27 +194,18 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
               check)
 
     def sweep() -> Row:
-        # Stages in launch order, each timed alone on one planned work: wy first, as the later
-        # stages read what it writes. The fused kernel's launches are swept; the staged path's
-        # state pass and output kernel run at their default launches only (where the fused kernel's
-        # time went before; `_prefill_sweeps` has their old sweeps).
-        big = T >= 32768 and num_seqs == 1
-        sm = torch.cuda.get_device_properties(0).multi_processor_count
-        default = ours.DEFAULT_LAUNCH
-        print(f"sweep gdn_prefill {num_seqs}x{seq_len} (each stage alone: wy, state_output; staged state_pass, "
-              f"output; default {default})")
+        # Stages in launch order (wy, state_pass, output; q/k normalisation is folded into them),
+        # each timed alone on one planned work: wy first, as the later stages read what it writes.
+        print(f"sweep gdn_prefill {num_seqs}x{seq_len} (each stage alone: wy, state_pass, output; "
+              f"default {ours.DEFAULT_LAUNCH})")
         work = ours.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
-        wy_cfgs, _, _ = _prefill_sweeps(quick, big)
+        wy_cfgs, state_cfgs, out_cfgs = _prefill_sweeps(quick, big=T >= 32768 and num_seqs == 1)
         best_wy, _ = _sweep("wy", wy_cfgs, lambda c: ours.run_wy(work, c), quick)
-        fused_cfgs = _fused_sweep(default.state_pass_for(num_seqs, H_V, D_V, sm), quick, big)
-        best_fused, _ = _sweep("state_output (fused)", fused_cfgs, lambda c: ours.run_state_output(work, c), quick)
-        staged_work = ours.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=ours.STAGED_LAUNCH)
-        ours.run_wy(staged_work, default.wy)
-        staged_seq = ours.STAGED_LAUNCH.state_pass_for(num_seqs, H_V, D_V, sm)
-        _sweep("staged state_pass", [staged_seq], lambda c: ours.run_state_pass(staged_work, c), quick)
-        _sweep("staged output", [default.output], lambda c: ours.run_output(staged_work, c), quick)
-        tuned = replace(default, wy=best_wy or default.wy, state_output=best_fused or default.state_output,
-                        state_output_few_programs=best_fused or default.state_output_few_programs)
+        best_state, _ = _sweep("state_pass", state_cfgs, lambda c: ours.run_state_pass(work, c), quick)
+        best_out, _ = _sweep("output", out_cfgs, lambda c: ours.run_output(work, c), quick)
+        tuned = ours.DEFAULT_LAUNCH
+        tuned = replace(tuned, wy=best_wy or tuned.wy, state_pass=best_state or tuned.state_pass,
+                        output=best_out or tuned.output)
         run_tuned = lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=tuned)  # noqa: E731
         _, tuned_ms = _sweep("end to end", [tuned], lambda _: run_tuned(), quick)  # guarded like any config
         if tuned_ms is None:  # out of time budget, or the combination failed (printed)

@@ -6,7 +6,6 @@ Triton assembles it for sm_90a and reports the resources).
     python -m benchmarks.sm90_compile output --warps 4 --block-v 64 --stages 2
     WY_KEY_STEP=16 python -m benchmarks.sm90_compile wy --warps 4 --maxnreg 168
     STATE_TRANSPOSED=1 STATE_KEY_PARTS=2 STATE_PREFETCH=1 python -m benchmarks.sm90_compile state_pass  # variants
-    STATE_KEY_PARTS=2 python -m benchmarks.sm90_compile state_output --stages 2   # the fused kernel
 
 Shapes are the model's (H_k 16, H_v 48, d_k = d_v = 128, bf16 inputs, fp32 G / state pool).
 Integer arguments are specialised as Triton's launcher would at those values (divisible by 16),
@@ -29,7 +28,6 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import gdn_prefill_fused as F
 from kernels import gdn_prefill_kernels as K
 from kernels.gdn_prefill import CHUNK, SUB, WY_KEY_STEP
 
@@ -72,8 +70,6 @@ KERNELS = {
         _common(bv), D_K=D_K, D_V=D_V, LOOP_AS_WHILE=False, KEY_PARTS=int(os.environ.get("STATE_KEY_PARTS", 1)),
         TRANSPOSED=os.environ.get("STATE_TRANSPOSED") == "1", PREFETCH=os.environ.get("STATE_PREFETCH") == "1")),
     "output": KernelSpec(K.chunk_output_kernel, _common),
-    "state_output": KernelSpec(F.state_output_kernel, lambda bv: dict(
-        _common(bv), D_K=D_K, D_V=D_V, LOOP_AS_WHILE=False, KEY_PARTS=int(os.environ.get("STATE_KEY_PARTS", 1)))),
 }
 
 

@@ -1,19 +1,12 @@
 """Triton chunked Gated DeltaNet prefill over packed varlen sequences (chunk 64): the public
 op, its launch knobs and the plan of its intermediates; the kernels and their maths are in
-kernels/gdn_prefill_kernels.py (overview, output), gdn_prefill_wy.py, gdn_prefill_state.py and
-gdn_prefill_fused.py.
-
-Two paths after the WY kernel. Fused (the default): one kernel carries the state and writes the
-outputs chunk by chunk (`run_state_output`). Staged: the state pass saves every chunk's state and
-new values, and the output kernel reads them back (`run_state_pass`, `run_output`) — 1.2 GB more
-traffic at 32k tokens of Qwen3.5-27B, kept as the measured baseline and for the stage sweeps.
+kernels/gdn_prefill_kernels.py (overview, output), gdn_prefill_wy.py and gdn_prefill_state.py.
 
 Chunks never straddle sequences; a sequence's initial state is read from `state[slot]` and its
 final state written back there. No host sync: the chunk grid is sized from shapes
 (kernels/_common.py:ChunkTable). Launch knobs per kernel: `PrefillLaunch`; each stage can be
-launched alone on a planned `PrefillWork` (`run_wy`, `run_state_output`, or `run_state_pass` and
-`run_output` on a work planned for the staged path: benchmarks/bench_gdn.py tunes them one by
-one), or all in order (`run_prefill`). q and k are never
+launched alone on a planned `PrefillWork` (`run_wy`, `run_state_pass`, `run_output`:
+benchmarks/bench_gdn.py tunes them one by one), or all in order (`run_prefill`). q and k are never
 normalised into a copy: each kernel folds the inverse norms into its products' row scales.
 Reference: kernels/ref/gdn.py:gdn_prefill.
 """
@@ -29,7 +22,6 @@ from kernels._common import (
     LOOP_AS_WHILE, TRITON_DTYPES, ChunkTable, KernelLaunch, chunk_table, multiprocessor_count,
     next_pow2_at_least_16,
 )
-from kernels.gdn_prefill_fused import state_output_kernel
 from kernels.gdn_prefill_kernels import chunk_output_kernel
 from kernels.gdn_prefill_state import state_pass_kernel
 from kernels.gdn_prefill_wy import chunk_wy_kernel
@@ -63,9 +55,6 @@ def as_state_pass_launch(launch: KernelLaunch) -> StatePassLaunch:
 class PrefillLaunch:
     """Knobs per kernel (block_v = d_v block; for `wy` the d_v step of its U loop).
 
-    `state_output` is the fused kernel's launch (key_parts only: no transposed or prefetch
-    variant); None runs the staged path (`state_pass`, then `output`) instead.
-
     Stages share no block_v-dependent buffer or grid: every intermediate is allocated at full d_v
     (plan_prefill) and each launch sizes its own grid, so any mix of per-stage knobs is valid
     (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the H200 sweep's fastest end-to-end
@@ -85,33 +74,16 @@ class PrefillLaunch:
     output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=128, num_warps=4, num_stages=3))
     state_pass_few_programs: KernelLaunch | None = field(
         default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=2))
-    state_output: StatePassLaunch | None = field(
-        default_factory=lambda: StatePassLaunch(block_v=64, num_warps=4, num_stages=2, key_parts=2))
-    state_output_few_programs: StatePassLaunch | None = field(
-        default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=2))
-
-    def __post_init__(self):
-        for launch in (self.state_output, self.state_output_few_programs):
-            if isinstance(launch, StatePassLaunch) and (launch.transposed or launch.prefetch):
-                raise ValueError(f"the fused state/output kernel has no transposed or prefetch variant: {launch}")
-
-    @property
-    def fused(self) -> bool:
-        return self.state_output is not None
 
     def state_pass_for(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int) -> KernelLaunch:
-        """The launch of the sequential kernel (fused or plain state pass, whichever this launch
-        runs) for this many sequences × value heads on `sm_count` SMs."""
-        main, few = ((self.state_output, self.state_output_few_programs) if self.fused
-                     else (self.state_pass, self.state_pass_few_programs))
-        programs = num_seqs * num_heads * triton.cdiv(d_v, main.block_v)
-        if few is not None and programs < sm_count:
-            return few
-        return main
+        """The state-pass launch for this many sequences × value heads on `sm_count` SMs."""
+        programs = num_seqs * num_heads * triton.cdiv(d_v, self.state_pass.block_v)
+        if self.state_pass_few_programs is not None and programs < sm_count:
+            return self.state_pass_few_programs
+        return self.state_pass
 
 
 DEFAULT_LAUNCH = PrefillLaunch()
-STAGED_LAUNCH = PrefillLaunch(state_output=None, state_output_few_programs=None)  # the staged path's defaults
 
 
 def _unit_inner(t: torch.Tensor) -> torch.Tensor:
@@ -123,7 +95,6 @@ class PrefillWork:
     """Inputs, chunk table and intermediates of one prefill call; each stage reads and writes these.
 
     Intermediates and matmul operands are in the input dtype (bf16 on the GPU), G in fp32.
-    `v_new` and `chunk_states` exist only on a work planned for the staged path (None when fused).
     """
 
     q: torch.Tensor  # [T, H_k, d_k] raw
@@ -141,8 +112,8 @@ class PrefillWork:
     k_inv_norm: torch.Tensor  # [T, H_k] fp32: 1/‖k‖ (rsqrt(Σk² + eps)), written by the WY kernel
     w: torch.Tensor  # [T, H_v, d_k]
     u: torch.Tensor  # [T, H_v, d_v]
-    v_new: torch.Tensor | None  # [T, H_v, d_v]
-    chunk_states: torch.Tensor | None  # [N, H_v, d_k, d_v]
+    v_new: torch.Tensor  # [T, H_v, d_v]
+    chunk_states: torch.Tensor  # [N, H_v, d_k, d_v]
     out: torch.Tensor  # [T, H_v, d_v]
 
     @property
@@ -151,9 +122,7 @@ class PrefillWork:
         return T, H_k, d_k, self.v.shape[1], self.v.shape[2]
 
 
-def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
-                 launch: PrefillLaunch = DEFAULT_LAUNCH) -> PrefillWork:
-    """Inputs and intermediates for `launch`'s path (the staged path's buffers only for it)."""
+def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens) -> PrefillWork:
     q, k, v, a, b = (_unit_inner(t) for t in (q, k, v, a, b))
     assert state.stride(3) == 1, "state must be contiguous in d_v"
     T, H_k, d_k = k.shape
@@ -162,7 +131,6 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
     # Chunks and sequences index grid dims 1-2 (CUDA caps them at 65535): ~4M tokens per call.
     assert chunks.capacity <= 65535 and slots.numel() <= 65535, "split the prefill into smaller calls"
     dev, inter = q.device, q.dtype
-    staged = not launch.fused
     return PrefillWork(
         q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, slots=slots,
         cu=cu_seqlens.to(torch.int32), chunks=chunks,
@@ -170,8 +138,8 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
         k_inv_norm=torch.empty((T, H_k), dtype=torch.float32, device=dev),
         w=torch.empty((T, H_v, d_k), dtype=inter, device=dev),
         u=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
-        v_new=torch.empty((T, H_v, d_v), dtype=inter, device=dev) if staged else None,
-        chunk_states=torch.empty((chunks.capacity, H_v, d_k, d_v), dtype=inter, device=dev) if staged else None,
+        v_new=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
+        chunk_states=torch.empty((chunks.capacity, H_v, d_k, d_v), dtype=inter, device=dev),
         out=torch.empty((T, H_v, d_v), dtype=q.dtype, device=dev),
     )
 
@@ -196,7 +164,6 @@ def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
     """Runs even for empty sequences: their state is read and written back unchanged. `launch`: a
     StatePassLaunch, or a plain KernelLaunch (no variant)."""
     T, H_k, d_k, H_v, d_v = work.dims
-    assert work.chunk_states is not None, "plan_prefill(..., launch=STAGED_LAUNCH) for the staged path"
     launch = as_state_pass_launch(launch)
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
     block_k = next_pow2_at_least_16(d_k)
@@ -209,25 +176,6 @@ def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
         work.k.stride(0), work.k.stride(1), state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
         D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v,
         KEY_PARTS=key_parts, TRANSPOSED=launch.transposed, PREFETCH=launch.prefetch,
-        DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
-
-
-def run_state_output(work: PrefillWork, launch: KernelLaunch) -> None:
-    """The fused state pass and outputs. Runs even for empty sequences (state read and written
-    back unchanged)."""
-    T, H_k, d_k, H_v, d_v = work.dims
-    launch = as_state_pass_launch(launch)
-    block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
-    block_k = next_pow2_at_least_16(d_k)
-    key_parts = launch.key_parts if block_k // launch.key_parts >= 16 else 1
-    state = work.state
-    state_output_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
-        work.q, work.k, work.k_inv_norm, work.w, work.u, work.G, state, work.slots, work.cu, work.out,
-        work.q.stride(0), work.q.stride(1), work.k.stride(0), work.k.stride(1), work.out.stride(0), work.out.stride(1),
-        state.stride(0), state.stride(1), state.stride(2), H_v, H_k, d_k ** -0.5,
-        D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, KEY_PARTS=key_parts,
         DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
@@ -253,11 +201,7 @@ def run_prefill(work: PrefillWork, launch: PrefillLaunch = DEFAULT_LAUNCH) -> to
     if has_tokens:
         run_wy(work, launch.wy)
     T, H_k, d_k, H_v, d_v = work.dims
-    sequential = launch.state_pass_for(work.slots.numel(), H_v, d_v, multiprocessor_count(work.q.device))
-    if launch.fused:
-        run_state_output(work, sequential)
-        return work.out
-    run_state_pass(work, sequential)
+    run_state_pass(work, launch.state_pass_for(work.slots.numel(), H_v, d_v, multiprocessor_count(work.q.device)))
     if has_tokens:
         run_output(work, launch.output)
     return work.out
@@ -267,4 +211,4 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
                 launch: PrefillLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """Chunked GDN: q, k [T, H_k, d_k]; v [T, H_v, d_v]; a, b [T, H_v]; state [S, H_v, d_k, d_v]
     read and written by `slots` [B]; cu_seqlens [B+1]. Returns o [T, H_v, d_v] in q.dtype."""
-    return run_prefill(plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, launch), launch)
+    return run_prefill(plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens), launch)

@@ -90,11 +90,10 @@ def _value_tile(i, vv, row_ok, v_ok, row_stride, TRANSPOSED: tl.constexpr):
 def _chunk_tiles(chunk_start, seq_end, k_ptr, stride_kt, stride_kh, k_inv_norm_ptr, w_ptr, u_ptr, G_ptr, head,
                  vv, v_ok, H_V, H_K, D_K, D_V, GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
                  KEY_PARTS: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """What one chunk needs besides the state: (w parts, raw k parts, u, to_end [C], decay, G [C],
-    1/‖k‖ [C]) with to_end = exp(G_C − G)/‖k‖ (the decay to the chunk end and the key
-    normalisation, folded into the values' rows) and decay = exp(G_C); G and the inverse key norms
-    are for the fused output (kernels/gdn_prefill_fused.py; the plain pass leaves them unused). All
-    of it is independent of the state, so none of it is on the sequential path. A chunk past the sequence end loads nothing (every row masked) and
+    """What one chunk needs besides the state: (w parts, raw k parts, u, to_end [C], decay) with
+    to_end = exp(G_C − G)/‖k‖ (the decay to the chunk end and the key normalisation, folded into
+    the values' rows) and decay = exp(G_C). All of it is independent of the state, so none of it
+    is on the sequential path. A chunk past the sequence end loads nothing (every row masked) and
     is never used.
 
     Addresses are a scalar int64 base plus int32 tile offsets: int64 offset tiles would double
@@ -122,7 +121,7 @@ def _chunk_tiles(chunk_start, seq_end, k_ptr, stride_kt, stride_kh, k_inv_norm_p
                     mask=chunk_start < seq_end, other=0.0)  # guarded: an empty sequence has no last row
     # Missing rows: inverse norm 0 (and k = 0), so they add nothing.
     inv_norm = tl.load(k_inv_norm_ptr + chunk_start * H_K + head // GROUP + i * H_K, mask=row_ok, other=0.0)
-    return w, k, u, tl.exp(G_end - G) * inv_norm, tl.exp(G_end), G, inv_norm
+    return w, k, u, tl.exp(G_end - G) * inv_norm, tl.exp(G_end)
 
 
 @triton.jit
@@ -153,7 +152,7 @@ def _chunk_step(S, tiles, chunk, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv
                 C: tl.constexpr, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr, TRANSPOSED: tl.constexpr,
                 DOT_DTYPE: tl.constexpr):
     """One chunk: save S0, u = U − W·S0 (saved), S ← S0·exp(G_C) + kᵀ·(u·exp(G_C − G))."""
-    w, k, u, to_end, decay, _, _ = tiles
+    w, k, u, to_end, decay = tiles
     _store_state(h_ptr + (chunk.to(tl.int64) * H_V + head) * D_K * D_V, S, vv, v_ok, D_V, 1, D_K,
                  BLOCK_K, KEY_PARTS, TRANSPOSED)
     i = tl.arange(0, C)

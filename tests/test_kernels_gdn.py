@@ -213,34 +213,26 @@ def test_triton_prefill_half_precision_path(correlated_keys):
 # Per-stage launch mixes: block_v differing between stages (larger, smaller, and wider than d_v),
 # and the warps/stages the H200 sweep picked. The interpreter checks addressing and masks for
 # every block_v mix; CUDA (test_triton_prefill_launches_at_model_shapes_cuda) also compiles each knob set.
-_FUSED = tri_prefill.DEFAULT_LAUNCH
-_STAGED = tri_prefill.STAGED_LAUNCH
 GOOD_ON_H200 = [
-    _FUSED,
-    # What the default runs for a few long sequences (fewer programs than SMs).
-    dataclasses.replace(_FUSED, state_output=_FUSED.state_output_few_programs),
-    # The fused kernel with block_v wider than d_v, and one part at 8 warps.
-    dataclasses.replace(_FUSED, state_output=tri_prefill.StatePassLaunch(128, 8, 2, key_parts=2)),
-    dataclasses.replace(_FUSED, state_output=tri_prefill.StatePassLaunch(16, 8, 3)),
-    # The staged path: its defaults, its few-programs launch, the previous defaults, and block_v
-    # both wider and narrower than d_v.
-    _STAGED,
-    dataclasses.replace(_STAGED, state_pass=_STAGED.state_pass_few_programs),
-    dataclasses.replace(_STAGED, wy=KernelLaunch(32, 8, 1), state_pass=KernelLaunch(32, 8, 2),
-                        output=KernelLaunch(64, 8, 2)),
-    dataclasses.replace(_STAGED, wy=KernelLaunch(128, 2, 2), state_pass=KernelLaunch(16, 4, 2),
-                        output=KernelLaunch(32, 4, 3)),
+    tri_prefill.DEFAULT_LAUNCH,
+    # What the default runs for a few long sequences (fewer state-pass programs than SMs).
+    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, state_pass=tri_prefill.DEFAULT_LAUNCH.state_pass_few_programs),
+    # The previous defaults, and block_v both wider and narrower than d_v.
+    tri_prefill.PrefillLaunch(wy=KernelLaunch(32, 8, 1), state_pass=KernelLaunch(32, 8, 2),
+                              output=KernelLaunch(64, 8, 2)),
+    tri_prefill.PrefillLaunch(wy=KernelLaunch(128, 2, 2), state_pass=KernelLaunch(16, 4, 2),
+                              output=KernelLaunch(32, 4, 3)),
 ]
 # Seen on the H200 (Triton 3.6, 2026-11-29) with the old WY kernel, which staged the chunk system
 # through a global scratch buffer and inverted it as [4, 16, 16] broadcast-reduce tensors: an
 # illegal memory access, reported at the state-pass launch right after WY at 4 warps. That code is
 # gone (issue 3: WY now works in registers only); the mix stays as a plain CUDA test.
-FORMERLY_CRASHING_ON_H200 = dataclasses.replace(_STAGED, wy=KernelLaunch(32, 4, 1), state_pass=KernelLaunch(64, 4, 2),
-                                                output=KernelLaunch(128, 4, 3))
+FORMERLY_CRASHING_ON_H200 = tri_prefill.PrefillLaunch(wy=KernelLaunch(32, 4, 1), state_pass=KernelLaunch(64, 4, 2),
+                                                      output=KernelLaunch(128, 4, 3))
 MIXED_LAUNCHES = GOOD_ON_H200 + [FORMERLY_CRASHING_ON_H200]
 # Every state-pass variant at the model's shapes, at the block_v / warps / stages the sweep tries.
 STATE_VARIANTS_ON_CUDA = [
-    dataclasses.replace(_STAGED, state_pass=tri_prefill.StatePassLaunch(*knobs, **variant))
+    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, state_pass=tri_prefill.StatePassLaunch(*knobs, **variant))
     for knobs, variant in [
         ((64, 4, 2), dict(key_parts=2)), ((64, 8, 2), dict(key_parts=2)), ((32, 4, 2), dict(transposed=True)),
         ((32, 8, 2), dict(transposed=True)), ((64, 8, 1), dict(prefetch=True)),
@@ -249,45 +241,19 @@ STATE_VARIANTS_ON_CUDA = [
 ]
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "staged"])
-def test_sequential_launch_by_program_count(fused):
-    """Fewer sequential-kernel programs than SMs at the default block_v: the narrower launch, of
-    the fused kernel or of the plain state pass, whichever path the launch runs."""
-    launch = _FUSED if fused else _STAGED
-    main, few = ((launch.state_output, launch.state_output_few_programs) if fused
-                 else (launch.state_pass, launch.state_pass_few_programs))
-    assert main is not None and few is not None and main != few
-    programs = 48 * (128 // main.block_v)  # per sequence, Qwen3.5-27B's 48 heads × d_v 128
-    assert launch.state_pass_for(1, 48, 128, sm_count=programs + 1) is few
-    assert launch.state_pass_for(1, 48, 128, sm_count=programs) is main
-    assert launch.state_pass_for(8, 48, 128, sm_count=132) is main
-    never = dataclasses.replace(launch, state_output_few_programs=None, state_pass_few_programs=None)
-    assert never.state_pass_for(1, 1, 16, sm_count=132) is main
-
-
-def test_fused_launch_rejects_variants_it_lacks():
-    with pytest.raises(ValueError, match="no transposed or prefetch"):
-        dataclasses.replace(_FUSED, state_output=tri_prefill.StatePassLaunch(32, 4, 2, transposed=True))
-
-
-def test_fused_plan_has_no_staged_buffers():
-    """The fused path never allocates the chunk states and new values (805 + 403 MB at 32k tokens
-    of the 27B model); the staged path does."""
-    x, state, cu = make_inputs([65, 3], device="cpu")
-    slots = _slots(2, "cpu")
-    fused = tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
-    staged = tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=_STAGED)
-    assert fused.chunk_states is None and fused.v_new is None
-    assert staged.chunk_states.shape[0] == staged.chunks.capacity and staged.v_new.shape == x["v"].shape
+def test_state_pass_launch_by_program_count():
+    """Fewer state-pass programs than SMs at the default block_v: the narrower launch."""
+    launch = tri_prefill.DEFAULT_LAUNCH
+    programs = 48 * (128 // launch.state_pass.block_v)  # per sequence, Qwen3.5-27B's 48 heads × d_v 128
+    assert launch.state_pass_for(1, 48, 128, sm_count=programs + 1) is launch.state_pass_few_programs
+    assert launch.state_pass_for(1, 48, 128, sm_count=programs) is launch.state_pass
+    assert launch.state_pass_for(8, 48, 128, sm_count=132) is launch.state_pass
+    never = dataclasses.replace(launch, state_pass_few_programs=None)
+    assert never.state_pass_for(1, 1, 16, sm_count=132) is launch.state_pass
 
 
 def _launch_id(launch) -> str:
-    if launch.fused:
-        knobs = (launch.wy, launch.state_output)
-        parts = f"p{launch.state_output.key_parts}"
-        return "fused-" + "-".join(f"{k.block_v}.{k.num_warps}.{k.num_stages}" for k in knobs) + parts
-    knobs = (launch.wy, launch.state_pass, launch.output)
-    return "staged-" + "-".join(f"{k.block_v}.{k.num_warps}.{k.num_stages}" for k in knobs)
+    return "-".join(f"{k.block_v}.{k.num_warps}.{k.num_stages}" for k in (launch.wy, launch.state_pass, launch.output))
 
 
 @pytest.mark.parametrize("launch", MIXED_LAUNCHES, ids=_launch_id)
@@ -316,7 +282,7 @@ def _poisoned(work: tri_prefill.PrefillWork) -> tri_prefill.PrefillWork:
     """The plan with every buffer the kernels write (scratch and output) NaN-filled, so that an
     element a kernel fails to write shows up as NaN downstream."""
     scratch = {f.name: torch.full_like(getattr(work, f.name), float("nan"))
-               for f in dataclasses.fields(work) if f.name not in PLAN_INPUTS and getattr(work, f.name) is not None}
+               for f in dataclasses.fields(work) if f.name not in PLAN_INPUTS}
     return dataclasses.replace(work, **scratch)
 
 
@@ -329,8 +295,7 @@ def planned_through_wy():
     slots = _slots(len(lengths), DEVICE)
     expect_state = state.clone()
     expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
-    work = _poisoned(tri_prefill.plan_prefill(**x, state=state.clone(), slots=slots, cu_seqlens=cu,
-                                              launch=tri_prefill.STAGED_LAUNCH))
+    work = _poisoned(tri_prefill.plan_prefill(**x, state=state.clone(), slots=slots, cu_seqlens=cu))
     tri_prefill.run_wy(work, tri_prefill.DEFAULT_LAUNCH.wy)
     return work, state, expect, expect_state
 
@@ -353,33 +318,14 @@ def test_triton_state_pass_variants(planned_through_wy, variant):
     assert torch.equal(work.state[untouched], state0[untouched])
 
 
-# The fused kernel's variants: both key-part counts at block_v 16 / 32 / 64 (d_v = 48: a masked
-# tail, and a block wider than d_v).
-FUSED_VARIANTS = [tri_prefill.StatePassLaunch(block_v, 4, 2, key_parts=parts) for parts in (1, 2) for block_v in (16, 32, 64)]
-
-
-@pytest.mark.parametrize("variant", FUSED_VARIANTS, ids=lambda v: f"bv{v.block_v}-parts{v.key_parts}")
-def test_triton_fused_state_output_variants(planned_through_wy, variant):
-    """The fused kernel on the same WY output as the staged variants above, NaN-poisoned output."""
-    work, state0, expect, expect_state = planned_through_wy
-    work = dataclasses.replace(work, state=state0.clone(), out=_poisoned(work).out)
-    tri_prefill.run_state_output(work, variant)
-    torch.testing.assert_close(work.out, expect, rtol=2e-5, atol=2e-5)
-    torch.testing.assert_close(work.state, expect_state, rtol=2e-5, atol=2e-5)
-    untouched = _untouched(work.slots)
-    assert torch.equal(work.state[untouched], state0[untouched])
-
-
-@pytest.mark.parametrize("launch", [_FUSED, _STAGED], ids=["fused", "staged"])
-def test_triton_prefill_writes_every_output_element(launch):
+def test_triton_prefill_writes_every_output_element():
     """The whole op on NaN-poisoned buffers: any output element or intermediate the kernels leave
     unwritten (and a later stage reads) turns into NaN."""
     x, state, cu = make_inputs([63, 64, 1, 65], device=DEVICE, seed=19)
     slots = _slots(4, DEVICE)
     expect_state = state.clone()
     expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
-    work = _poisoned(tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=launch))
-    got = tri_prefill.run_prefill(work, launch)
+    got = tri_prefill.run_prefill(_poisoned(tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu)))
     torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
 
