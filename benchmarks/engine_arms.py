@@ -168,7 +168,9 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
                   max_running=engine.pool_plan.max_running, preemptions=stats.preemptions - before.preemptions,
                   flushes=stats.replayssm_flushes - before.replayssm_flushes,
                   discarded_kv=stats.discarded_kv_tokens - before.discarded_kv_tokens,
-                  sm_mhz=clocks.mean_mhz, power_w=clocks.mean_watts, **full_batch_steps(timer))
+                  sm_mhz=clocks.mean_mhz, power_w=clocks.mean_watts,
+                  **full_batch_steps(timer, lambda batch, context: 1e3 * decode_bytes(
+                      model, ARMS[arm]["replayssm"], batch, context) / COPY_BANDWIDTH))
     steps = stats.decode_steps - before.decode_steps
     if steps:
         batch = (stats.decode_seq_steps - before.decode_seq_steps) / steps
@@ -185,16 +187,21 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
     return result
 
 
-def full_batch_steps(timer: PhaseTimer) -> dict:
+def full_batch_steps(timer: PhaseTimer, roofline_ms) -> dict:
     """Median wall ms of the decode-only steps at the run's largest decode batch: a figure that
     prefill interleaving, the batch's ramp and tail, and the one step in L that flushes every
-    ring (lock-step admission) do not move, unlike the mean over all decode steps."""
+    ring (lock-step admission) do not move, unlike the mean over all decode steps. Beside it the
+    byte roofline of those steps, `roofline_ms(batch, context)` at their median context: the
+    mean step's roofline is at the mean batch and context, which these steps are not."""
     decode_only = [s for s in timer.steps if not s.get("prefill_seqs") and s.get("decode_batch")]
     if not decode_only:
         return {}
     full = max(s["decode_batch"] for s in decode_only)
-    times = [s["total"] for s in decode_only if s["decode_batch"] == full]
-    return dict(full_batch=full, full_batch_steps=len(times), full_batch_median_ms=1e3 * statistics.median(times))
+    picked = [s for s in decode_only if s["decode_batch"] == full]
+    median_ms = 1e3 * statistics.median(s["total"] for s in picked)
+    roofline = roofline_ms(full, statistics.median(s["decode_context"] for s in picked))
+    return dict(full_batch=full, full_batch_steps=len(picked), full_batch_median_ms=median_ms,
+                full_batch_roofline_ms=roofline, full_batch_x_roofline=median_ms / roofline)
 
 
 def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch: int) -> dict:
@@ -233,7 +240,7 @@ def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch
 def print_table(rows: list[dict]) -> None:
     header = (f"{'workload':<9} {'arm':<24} {'hit%':>6} {'ideal%':>7} {'prompt tok/s':>13} {'out tok/s':>10} "
               f"{'wall s':>8} {'peak GiB':>9} {'running':>8} {'preempt':>8} {'dec ms/step':>11} {'roofline ms':>11} "
-              f"{'once ms':>8} {'flop ms':>8} {'dec batch':>9} {'full-batch med ms':>17} {'SM MHz':>7}")
+              f"{'once ms':>8} {'flop ms':>8} {'dec batch':>9} {'full-batch med ms':>17} {'(x roofline)':>12} {'SM MHz':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -243,7 +250,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('roofline_ms', float('nan')):11.2f} {r.get('roofline_once_ms', float('nan')):8.2f} "
               f"{r.get('flop_floor_ms', float('nan')):8.2f} "
               f"{r.get('decode_batch', float('nan')):9.1f} "
-              f"{r.get('full_batch_median_ms', float('nan')):17.2f} {r.get('sm_mhz', float('nan')):7.0f}")
+              f"{r.get('full_batch_median_ms', float('nan')):17.2f} {r.get('full_batch_x_roofline', float('nan')):11.2f}x "
+              f"{r.get('sm_mhz', float('nan')):7.0f}")
 
 
 def main() -> None:

@@ -44,7 +44,8 @@ class StubModel(torch.nn.Module):
 class PhaseTimer:
     """Wraps engine methods to bill wall time to phases, per step: "schedule", "sample_stop",
     "forward" (`forward_owner.forward_name`: the model here, the runner's decode in
-    benchmarks/decode_profile.py) and "total", plus the step's "decode_batch" / "prefill_seqs".
+    benchmarks/decode_profile.py) and "total", plus the step's "decode_batch" / "prefill_seqs" and
+    "decode_context" (KV positions its decode rows attend over, the new tokens included).
     `sync` runs before and after each timed piece (a device sync on CUDA: GPU work is async) —
     which also stops decode overlap from hiding host work: use it for a breakdown, and a plain
     `sync` (no-op) timer for the time per step."""
@@ -78,6 +79,7 @@ class PhaseTimer:
             plan = plan_schedule()
             self.current["decode_batch"] = len(plan.decode)
             self.current["prefill_seqs"] = len(plan.prefill)
+            self.current["decode_context"] = sum(seq.computed + 1 for seq in plan.decode)
             return plan
 
         engine.scheduler.schedule = schedule_and_note

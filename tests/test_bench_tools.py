@@ -28,14 +28,22 @@ class _Timer:
 
 def test_full_batch_median_uses_only_decode_only_steps_at_the_largest_batch():
     steps = [
-        {"decode_batch": 4, "prefill_seqs": 2, "total": 9.0},  # mixed with prefill: out
-        {"decode_batch": 4, "prefill_seqs": 0, "total": 0.030},
-        {"decode_batch": 4, "prefill_seqs": 0, "total": 0.034},
-        {"decode_batch": 4, "prefill_seqs": 0, "total": 0.500},  # a flush step: the median ignores it
-        {"decode_batch": 3, "prefill_seqs": 0, "total": 0.001},  # the tail: smaller batch, out
-        {"decode_batch": 0, "prefill_seqs": 1, "total": 1.0},
+        {"decode_batch": 4, "prefill_seqs": 2, "total": 9.0, "decode_context": 1},  # mixed with prefill: out
+        {"decode_batch": 4, "prefill_seqs": 0, "total": 0.030, "decode_context": 400},
+        {"decode_batch": 4, "prefill_seqs": 0, "total": 0.034, "decode_context": 404},
+        {"decode_batch": 4, "prefill_seqs": 0, "total": 0.500, "decode_context": 408},  # a flush step: the median ignores it
+        {"decode_batch": 3, "prefill_seqs": 0, "total": 0.001, "decode_context": 2},  # the tail: smaller batch, out
+        {"decode_batch": 0, "prefill_seqs": 1, "total": 1.0, "decode_context": 0},
     ]
-    report = full_batch_steps(_Timer(steps))
+    asked = []
+
+    def roofline_ms(batch, context):
+        asked.append((batch, context))
+        return 17.0
+
+    report = full_batch_steps(_Timer(steps), roofline_ms)
     assert report["full_batch"] == 4 and report["full_batch_steps"] == 3
     assert math.isclose(report["full_batch_median_ms"], 34.0)
-    assert full_batch_steps(_Timer([{"decode_batch": 0, "prefill_seqs": 1, "total": 1.0}])) == {}
+    assert asked == [(4, 404)]  # the roofline of those steps: their batch, their median context
+    assert math.isclose(report["full_batch_x_roofline"], 2.0)
+    assert full_batch_steps(_Timer([{"decode_batch": 0, "prefill_seqs": 1, "total": 1.0}]), roofline_ms) == {}
