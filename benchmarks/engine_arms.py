@@ -182,7 +182,10 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
                       # KV that neighbouring rows share counted once (what the shared-prefix kernel reads)
                       roofline_once_ms=1e3 * decode_bytes(model, replay, batch, context - shared) / COPY_BANDWIDTH,
                       flop_floor_ms=1e3 * decode_flops(model, batch, context) / MATMUL_RATE)
-    del engine
+    # The timer wraps the engine's methods and holds it: both go before the memory is released,
+    # else the next arm's engine sizes its pools with this one's still allocated (c6abbbe's first
+    # GPU run: 28 requests fit instead of 256, then out of memory).
+    del engine, timer
     _free(args.device)
     return result
 

@@ -47,3 +47,29 @@ def test_full_batch_median_uses_only_decode_only_steps_at_the_largest_batch():
     assert asked == [(4, 404)]  # the roofline of those steps: their batch, their median context
     assert math.isclose(report["full_batch_x_roofline"], 2.0)
     assert full_batch_steps(_Timer([{"decode_batch": 0, "prefill_seqs": 1, "total": 1.0}]), roofline_ms) == {}
+
+
+def test_run_arm_releases_its_engine_before_freeing_memory(monkeypatch):
+    """The next arm's engine sizes its pools from the free memory, so run_arm must drop every
+    reference to its engine before it frees: c6abbbe's step timer kept one (wrapped methods hold
+    the engine), and the second arm on the H200 fit 28 requests instead of 256, then ran out."""
+    import argparse
+    import gc
+
+    from batchinfer.engine.engine import Engine
+    from benchmarks import engine_arms
+
+    alive_at_free = []
+
+    def checking_free(device):
+        gc.collect()
+        alive_at_free.append(sum(isinstance(o, Engine) for o in gc.get_objects()))
+
+    monkeypatch.setattr(engine_arms, "_free", checking_free)
+    model, _ = engine_arms.build_model("tiny", 4, "cpu")
+    args = argparse.Namespace(device="cpu", no_graphs=True, max_running=8, max_batch_tokens=256,
+                              budget_bytes=None, preset="tiny")
+    prompts = [list(range(3 + i, 40 + i)) for i in range(4)]
+    result = engine_arms.run_arm(model, "replay+extra_buffer", prompts, 3, args)
+    assert result["samples"] == 4
+    assert alive_at_free == [0]
