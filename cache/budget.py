@@ -96,17 +96,65 @@ def plan_pools(kv_shape: KVShape, state_shape: GdnStateShape, budget_bytes: int,
                     bytes_per_state_slot=state_slot)
 
 
-def memory_budget(device: torch.device | str, fraction: float, *, cpu_total_bytes: int | None = None) -> int:
-    """`fraction` of the device's free memory now (CUDA), or of `cpu_total_bytes` (CPU)."""
+def step_activation_bytes(config, dtype: torch.dtype, max_batch_tokens: int, max_running: int) -> int:
+    """An upper estimate of the transient memory of the largest step: what the pools must leave
+    free. `config` is a `batchinfer.models.config.ModelConfig`.
+
+    Per token of the step (max_batch_tokens prefill tokens, or max_running decode rows): the
+    residual stream (3 hidden rows) plus the largest layer's live tensors — GDN: its in-projection,
+    conv output and the chunked prefill's scratch (w, u, new values, outputs, G, key norms:
+    kernels/gdn_prefill.py); attention: q|gate, k, v and the output; MLP: gate|up and the
+    activation (MoE: each token's k sorted copies through their experts, the shared expert, the
+    router's probabilities and the fp32 sum). Per step: the prefill's chunk
+    states ((T/64 + B) chunks, each H_v·d_k·d_v) and fp32 logits for every running request twice
+    (the logits and one sampling temporary). Plus the decode graphs' private pool (one decode
+    step at max_running rows, held apart from the eager steps' memory).
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    tokens = max(max_batch_tokens, max_running)
+    h_k, h_v = config.linear_num_key_heads, config.linear_num_value_heads
+    d_k, d_v = config.linear_key_head_dim, config.linear_value_head_dim
+    gdn = (2 * config.conv_dim + 6 * h_v * d_v + h_v * d_k) * item + (h_v + h_k) * 4
+    attn = (4 * config.num_attention_heads * config.head_dim + 2 * config.num_kv_heads * config.head_dim) * item
+    mlp = 3 * config.intermediate_size * item
+    if config.num_experts:  # batchinfer/models/layers/mlp.py: inputs sorted by expert, fp32 output
+        k, hidden = config.num_experts_per_tok, config.hidden_size
+        moe = (k * (2 * hidden + 3 * config.moe_intermediate_size) + 3 * config.shared_expert_intermediate_size) * item
+        mlp = max(mlp, moe + 4 * hidden + 8 * config.num_experts + 24 * k)
+    per_token = 3 * config.hidden_size * item + max(gdn, attn, mlp)
+    chunk_states = (tokens // 64 + max_running) * h_v * d_k * d_v * item
+    logits = 2 * max_running * config.vocab_size * 4
+    # CUDA graphs of decode steps keep a private pool for the engine's life: a decode step's
+    # tensors at max_running rows, which eager prefill steps cannot reuse.
+    decode_graphs = max_running * (per_token + config.vocab_size * 4)
+    return tokens * per_token + chunk_states + logits + decode_graphs
+
+
+def memory_budget(device: torch.device | str, fraction: float, *, reserve_bytes: int = 0,
+                  cpu_total_bytes: int | None = None) -> int:
+    """`fraction` of the device's free memory now (CUDA), but never more than the free memory
+    less `reserve_bytes` (the steps' activations: `step_activation_bytes`); or `fraction` of
+    `cpu_total_bytes` (CPU). Raises ValueError when the reserve alone exceeds the free memory."""
     device = torch.device(device)
     if not 0 < fraction <= 1:
         raise ValueError("fraction must be in (0, 1]")
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free * fraction)
+        return pool_budget(free, fraction, reserve_bytes)
     if cpu_total_bytes is None:
         raise ValueError("on the CPU give cpu_total_bytes (there is no free-memory query)")
     return int(cpu_total_bytes * fraction)
+
+
+def pool_budget(free_bytes: int, fraction: float, reserve_bytes: int) -> int:
+    """min(fraction · free, free − reserve): on a big device the fraction leaves far more than the
+    activations need; on a nearly full one the reserve is what keeps a step from running out."""
+    left = free_bytes - reserve_bytes
+    if left <= 0:
+        raise ValueError(f"{free_bytes / 2**30:.2f} GiB of device memory free, but one step's activations "
+                         f"need ~{reserve_bytes / 2**30:.2f} GiB: lower max_batch_tokens or max_running, "
+                         f"or free the device")
+    return min(int(free_bytes * fraction), left)
 
 
 def build_pools(plan: PoolPlan, kv_shape: KVShape, state_shape: GdnStateShape,

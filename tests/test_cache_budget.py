@@ -117,3 +117,35 @@ def test_memory_budget_on_cpu_needs_a_total():
     assert memory_budget("cpu", 0.25, cpu_total_bytes=1000) == 250
     with pytest.raises(ValueError):
         memory_budget("cpu", 0.5)
+
+
+def test_pool_budget_leaves_the_step_activations_free():
+    from cache.budget import pool_budget
+
+    gib = 2 ** 30
+    # A big device: 90% of the free memory leaves far more than the activations need.
+    assert pool_budget(80 * gib, 0.9, reserve_bytes=2 * gib) == int(72 * gib)
+    # A nearly full one: the fraction would leave 0.6 GiB for a step that needs 2: the reserve wins.
+    assert pool_budget(6 * gib, 0.9, reserve_bytes=2 * gib) == 4 * gib
+    with pytest.raises(ValueError, match=r"6\.00 GiB of device memory free, but one step's activations need ~7\.00 GiB"):
+        pool_budget(6 * gib, 0.9, reserve_bytes=7 * gib)
+
+
+def test_step_activation_estimate_counts_its_terms():
+    """Hand count for TINY_CONFIG in bf16 (the largest layer is the GDN one here): the per-token
+    residual stream and GDN tensors, the chunk states, two fp32 logits rows per request, and a
+    decode step at max_running rows for the decode graphs' pool."""
+    from cache.budget import step_activation_bytes
+
+    config = model_config_from_dict(TINY_CONFIG)
+    conv_dim, h_k, h_v, d_k, d_v = 2 * 2 * 8 + 4 * 6, 2, 4, 8, 6
+    gdn = (2 * conv_dim + 6 * h_v * d_v + h_v * d_k) * 2 + (h_v + h_k) * 4
+    assert gdn > 3 * 64 * 2 and gdn > (4 * 4 * 8 + 2 * 2 * 8) * 2  # larger than the MLP and attention terms
+    per_token = 3 * 32 * 2 + gdn
+    tokens, running = 512, 16
+    expect = (tokens * per_token + (tokens // 64 + running) * h_v * d_k * d_v * 2 + 2 * running * 64 * 4
+              + running * (per_token + 64 * 4))  # the decode graphs' pool
+    assert step_activation_bytes(config, torch.bfloat16, tokens, running) == expect
+    # Decode rows count as tokens when there are more of them than prefill tokens.
+    assert step_activation_bytes(config, torch.bfloat16, 8, running) == step_activation_bytes(
+        config, torch.bfloat16, running, running)

@@ -24,7 +24,7 @@ class EngineConfig:
     max_running: int = 256               # sequences decoding at once
     max_batch_tokens: int = 8192         # prefill tokens per step
     max_model_len: Optional[int] = None  # None → the model's max_position_embeddings
-    memory_fraction: float = 0.9         # share of free device memory for weights + pools
+    memory_fraction: float = 0.9         # share of the free device memory for the pools (at most free − a step's activations)
     memory_budget_bytes: Optional[int] = None  # explicit pool budget (tests force eviction with it)
     plan_window: Optional[int] = None    # rows planned together; None → the whole input
     cuda_graphs: bool = True             # capture decode steps (CUDA only)

@@ -26,7 +26,7 @@ from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
 from batchinfer.engine.stats import EngineStats, StatsTally
 from batchinfer.engine.types import Request, RequestOutput
-from cache.budget import build_pools, memory_budget, plan_pools
+from cache.budget import build_pools, memory_budget, plan_pools, step_activation_bytes
 from cache.shapes import shapes_from_model_config
 from cache.state_cache import CacheConfig, StateCache
 
@@ -106,7 +106,11 @@ class Engine:
         if self.config.memory_budget_bytes is not None:
             return self.config.memory_budget_bytes
         if self.device.type == "cuda":
-            return memory_budget(self.device, self.config.memory_fraction)
+            # The pools take what the steps' activations leave: the fraction alone left 10% of
+            # the free memory, which on a nearly full device is less than one prefill step needs.
+            reserve = step_activation_bytes(self.model.config, self.config.resolved_dtype(),
+                                            self.config.max_batch_tokens, self.config.max_running)
+            return memory_budget(self.device, self.config.memory_fraction, reserve_bytes=reserve)
         return memory_budget(self.device, self.config.memory_fraction, cpu_total_bytes=_CPU_DEFAULT_BUDGET_BYTES)
 
     # ---- planning --------------------------------------------------------------------------
