@@ -3,14 +3,15 @@
     python -m benchmarks.memory_headroom [--preset qwen3.5-27b] [--layers 8] [--pools-gib 6]
 
 The engine sizes its pools from the free memory and must leave room for the largest step's
-transient tensors (cache/budget.py:step_activation_bytes). Three runs of one workload whose steps
+transient tensors (batchinfer/engine/engine.py:activation_reserve_bytes: the largest eager step
+and the decode graphs, from cache/budget.py, with a margin). Three runs of one workload whose steps
 are the largest the settings allow — prefill steps of max_batch_tokens, one of them ending
 max_running short prompts at once (logits for each), and decode at max_running:
 
 1. a plain engine: the peak memory above its baseline (weights, pools, decode graphs) during the
    workload, allocated and reserved, against the estimate;
-2. the device filled first so that `--pools-gib` plus the estimate is left free, with the old
-   budget (90% of the free memory, no reserve): does a step run out of memory?
+2. the device filled first so that `--pools-gib` plus the engine's reserve is left free, with
+   the old budget (90% of the free memory, no reserve): does a step run out of memory?
 3. the same fill with the reserve: every request should finish.
 """
 from __future__ import annotations
@@ -24,8 +25,11 @@ import torch
 
 from batchinfer.engine import Engine, EngineConfig
 from batchinfer.engine.types import Request, SamplingParams
+from batchinfer.engine.cuda_graphs import bucket_sizes
+from batchinfer.engine.engine import _GRAPH_CTX_CAP as GRAPH_CTX_CAP
+from batchinfer.engine.engine import activation_reserve_bytes
 from benchmarks.engine_arms import build_model
-from cache.budget import step_activation_bytes
+from cache.budget import decode_graph_bytes, step_activation_bytes
 
 GIB = 2 ** 30
 
@@ -42,14 +46,14 @@ def workload(vocab: int, max_running: int, max_batch_tokens: int) -> list[Reques
 def run(model, config: EngineConfig, requests: list[Request], without_reserve: bool = False) -> dict:
     import batchinfer.engine.engine as engine_module
 
-    real = engine_module.step_activation_bytes
+    real = engine_module.activation_reserve_bytes
     if without_reserve:  # the budget before the reserve: 90% of the free memory
-        engine_module.step_activation_bytes = lambda *args, **kwargs: 0
+        engine_module.activation_reserve_bytes = lambda *args, **kwargs: 0
     before = torch.cuda.memory_reserved()
     try:
         engine = Engine(model, config, model_name="memory_headroom")
     finally:
-        engine_module.step_activation_bytes = real
+        engine_module.activation_reserve_bytes = real
     torch.cuda.synchronize()
     base_alloc, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
@@ -85,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     model, _ = build_model(args.preset, args.layers, "cuda")
     config = EngineConfig(max_running=args.max_running, max_batch_tokens=args.max_batch_tokens)
-    estimate = step_activation_bytes(model.config, torch.bfloat16, args.max_batch_tokens, args.max_running)
+    max_model_len = model.config.max_position_embeddings
+    estimate = activation_reserve_bytes(model.config, config, max_model_len)  # what the engine leaves free
+    eager = step_activation_bytes(model.config, torch.bfloat16, args.max_batch_tokens, args.max_running)
+    graphs = decode_graph_bytes(model.config, torch.bfloat16, bucket_sizes(args.max_running),
+                                min(max_model_len, GRAPH_CTX_CAP))
     requests = workload(model.config.vocab_size, args.max_running, args.max_batch_tokens)
     rows = [("plain device", run(model, config, requests))]
 
@@ -98,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     del blocker
 
     print(f"\n{args.preset}, {args.layers} layers, max_batch_tokens {args.max_batch_tokens}, max_running "
-          f"{args.max_running}: estimated step activations {estimate / GIB:.2f} GiB")
+          f"{args.max_running}: estimated eager step {eager / GIB:.2f} GiB, decode graphs {graphs / GIB:.2f} GiB; "
+          f"reserve with the margin {estimate / GIB:.2f} GiB")
     print("peak alloc / reserved: above the memory after construction (weights, pools, graphs); graphs GiB: "
           "what construction reserved besides the pools")
     print(f"{'run':<34}{'running':>8}{'pools GiB':>10}{'graphs GiB':>11}{'finished':>9}{'peak alloc GiB':>15}"

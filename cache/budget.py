@@ -96,22 +96,12 @@ def plan_pools(kv_shape: KVShape, state_shape: GdnStateShape, budget_bytes: int,
                     bytes_per_state_slot=state_slot)
 
 
-def step_activation_bytes(config, dtype: torch.dtype, max_batch_tokens: int, max_running: int) -> int:
-    """An upper estimate of the transient memory of the largest step: what the pools must leave
-    free. `config` is a `batchinfer.models.config.ModelConfig`.
-
-    Per token of the step (max_batch_tokens prefill tokens, or max_running decode rows): the
-    residual stream (3 hidden rows) plus the largest layer's live tensors — GDN: its in-projection,
-    conv output and the chunked prefill's scratch (w, u, new values, outputs, G, key norms:
-    kernels/gdn_prefill.py); attention: q|gate, k, v and the output; MLP: gate|up and the
-    activation (MoE: each token's k sorted copies through their experts, the shared expert, the
-    router's probabilities and the fp32 sum). Per step: the prefill's chunk
-    states ((T/64 + B) chunks, each H_v·d_k·d_v) and fp32 logits for every running request twice
-    (the logits and one sampling temporary). Plus the decode graphs' private pool (one decode
-    step at max_running rows, held apart from the eager steps' memory).
-    """
-    item = torch.empty((), dtype=dtype).element_size()
-    tokens = max(max_batch_tokens, max_running)
+def _bytes_per_step_token(config, item: int) -> int:
+    """Transient bytes per token of a step: the residual stream (3 hidden rows) plus the largest
+    layer's live tensors — GDN: its in-projection, conv output and the chunked prefill's scratch
+    (w, u, new values, outputs, G, key norms: kernels/gdn_prefill.py); attention: q|gate, k, v
+    and the output; MLP: gate|up and the activation (MoE: each token's k sorted copies through
+    their experts, the shared expert, the router's probabilities and the fp32 sum)."""
     h_k, h_v = config.linear_num_key_heads, config.linear_num_value_heads
     d_k, d_v = config.linear_key_head_dim, config.linear_value_head_dim
     gdn = (2 * config.conv_dim + 6 * h_v * d_v + h_v * d_k) * item + (h_v + h_k) * 4
@@ -121,13 +111,36 @@ def step_activation_bytes(config, dtype: torch.dtype, max_batch_tokens: int, max
         k, hidden = config.num_experts_per_tok, config.hidden_size
         moe = (k * (2 * hidden + 3 * config.moe_intermediate_size) + 3 * config.shared_expert_intermediate_size) * item
         mlp = max(mlp, moe + 4 * hidden + 8 * config.num_experts + 24 * k)
-    per_token = 3 * config.hidden_size * item + max(gdn, attn, mlp)
+    return 3 * config.hidden_size * item + max(gdn, attn, mlp)
+
+
+def step_activation_bytes(config, dtype: torch.dtype, max_batch_tokens: int, max_running: int) -> int:
+    """An upper estimate of the transient memory of the largest eager step. `config` is a
+    `batchinfer.models.config.ModelConfig`.
+
+    Per token of the step (max_batch_tokens prefill tokens, or max_running decode rows):
+    `_bytes_per_step_token`. Per step: the prefill's chunk states ((T/64 + B) chunks, each
+    H_v·d_k·d_v) and fp32 logits for every running request twice (the logits and one sampling
+    temporary).
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    tokens = max(max_batch_tokens, max_running)
+    h_v, d_k, d_v = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     chunk_states = (tokens // 64 + max_running) * h_v * d_k * d_v * item
     logits = 2 * max_running * config.vocab_size * 4
-    # CUDA graphs of decode steps keep a private pool for the engine's life: a decode step's
-    # tensors at max_running rows, which eager prefill steps cannot reuse.
-    decode_graphs = max_running * (per_token + config.vocab_size * 4)
-    return tokens * per_token + chunk_states + logits + decode_graphs
+    return tokens * _bytes_per_step_token(config, item) + chunk_states + logits
+
+
+def decode_graph_bytes(config, dtype: torch.dtype, bucket_sizes: list[int], ctx_cap: int) -> int:
+    """What CUDA graphs of decode steps hold for the engine's life, apart from the eager steps'
+    memory (batchinfer/engine/cuda_graphs.py): each bucket's fp32 logits output [b, V] (kept
+    for its replays), the context-slot buffer [max b · ctx_cap] int64, and the largest capture's
+    other tensors (the smaller captures reuse them). Qwen3.5-27B, buckets up to 256: the logits
+    alone are 1.25 GiB."""
+    item = torch.empty((), dtype=dtype).element_size()
+    largest = max(bucket_sizes)
+    return (sum(bucket_sizes) * config.vocab_size * 4 + largest * ctx_cap * 8
+            + largest * _bytes_per_step_token(config, item))
 
 
 def memory_budget(device: torch.device | str, fraction: float, *, reserve_bytes: int = 0,

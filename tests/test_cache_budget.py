@@ -133,9 +133,9 @@ def test_pool_budget_leaves_the_step_activations_free():
 
 def test_step_activation_estimate_counts_its_terms():
     """Hand count for TINY_CONFIG in bf16 (the largest layer is the GDN one here): the per-token
-    residual stream and GDN tensors, the chunk states, two fp32 logits rows per request, and a
-    decode step at max_running rows for the decode graphs' pool."""
-    from cache.budget import step_activation_bytes
+    residual stream and GDN tensors, the chunk states, and two fp32 logits rows per request; the
+    decode graphs: every bucket's logits, the context buffer and the largest bucket's tensors."""
+    from cache.budget import decode_graph_bytes, step_activation_bytes
 
     config = model_config_from_dict(TINY_CONFIG)
     conv_dim, h_k, h_v, d_k, d_v = 2 * 2 * 8 + 4 * 6, 2, 4, 8, 6
@@ -143,9 +143,10 @@ def test_step_activation_estimate_counts_its_terms():
     assert gdn > 3 * 64 * 2 and gdn > (4 * 4 * 8 + 2 * 2 * 8) * 2  # larger than the MLP and attention terms
     per_token = 3 * 32 * 2 + gdn
     tokens, running = 512, 16
-    expect = (tokens * per_token + (tokens // 64 + running) * h_v * d_k * d_v * 2 + 2 * running * 64 * 4
-              + running * (per_token + 64 * 4))  # the decode graphs' pool
+    expect = tokens * per_token + (tokens // 64 + running) * h_v * d_k * d_v * 2 + 2 * running * 64 * 4
     assert step_activation_bytes(config, torch.bfloat16, tokens, running) == expect
+    assert decode_graph_bytes(config, torch.bfloat16, [1, 2, 4, 6], ctx_cap=100) == (
+        13 * 64 * 4 + 6 * 100 * 8 + 6 * per_token)
     # Decode rows count as tokens when there are more of them than prefill tokens.
     assert step_activation_bytes(config, torch.bfloat16, 8, running) == step_activation_bytes(
         config, torch.bfloat16, running, running)

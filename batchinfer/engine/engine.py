@@ -16,7 +16,7 @@ from typing import Iterable, Iterator, Optional, Sequence as Seq
 import torch
 
 from batchinfer.engine.config import EngineConfig, dtype_name
-from batchinfer.engine.cuda_graphs import DecodeGraphs
+from batchinfer.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from batchinfer.engine.decode_rows import InFlightDecode, decode_rows
 from batchinfer.engine.host_copy import Download
 from batchinfer.engine.model_runner import ModelRunner, SequenceChunk
@@ -26,13 +26,27 @@ from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
 from batchinfer.engine.stats import EngineStats, StatsTally
 from batchinfer.engine.types import Request, RequestOutput
-from cache.budget import build_pools, memory_budget, plan_pools, step_activation_bytes
+from cache.budget import build_pools, decode_graph_bytes, memory_budget, plan_pools, step_activation_bytes
 from cache.shapes import shapes_from_model_config
 from cache.state_cache import CacheConfig, StateCache
 
 log = logging.getLogger(__name__)
 _CPU_DEFAULT_BUDGET_BYTES = 256 << 20  # no free-memory query on the CPU: a modest fixed pool
 _GRAPH_CTX_CAP = 32768  # context slots per row in the decode graphs' buffer; longer steps run eagerly
+# Reserved over the activation estimate for the caching allocator's rounding and fragmentation.
+ACTIVATION_MARGIN = 1.25
+
+
+def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: int) -> int:
+    """Memory the pools must leave free on CUDA: the largest eager step plus the decode graphs,
+    with ACTIVATION_MARGIN for the allocator. The fraction alone left 10% of the free memory,
+    less than one prefill step needs on a nearly full device (docs/BENCHMARKS.md, session 7)."""
+    dtype = config.resolved_dtype()
+    reserve = step_activation_bytes(model_config, dtype, config.max_batch_tokens, config.max_running)
+    if config.cuda_graphs:
+        reserve += decode_graph_bytes(model_config, dtype, bucket_sizes(config.max_running),
+                                      min(max_model_len, _GRAPH_CTX_CAP))
+    return int(reserve * ACTIVATION_MARGIN)
 
 
 class Engine:
@@ -106,10 +120,7 @@ class Engine:
         if self.config.memory_budget_bytes is not None:
             return self.config.memory_budget_bytes
         if self.device.type == "cuda":
-            # The pools take what the steps' activations leave: the fraction alone left 10% of
-            # the free memory, which on a nearly full device is less than one prefill step needs.
-            reserve = step_activation_bytes(self.model.config, self.config.resolved_dtype(),
-                                            self.config.max_batch_tokens, self.config.max_running)
+            reserve = activation_reserve_bytes(self.model.config, self.config, self.max_model_len)
             return memory_budget(self.device, self.config.memory_fraction, reserve_bytes=reserve)
         return memory_budget(self.device, self.config.memory_fraction, cpu_total_bytes=_CPU_DEFAULT_BUDGET_BYTES)
 
