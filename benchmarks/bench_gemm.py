@@ -15,21 +15,16 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
+
+from benchmarks.bench_replay_attn import bench_graph
 
 M, HIDDEN, INTERMEDIATE, VOCAB = 256, 5120, 17408, 248320
 BLOCKS = 16
 
 
 def graph_us(fn, per: int = 1) -> float:
-    """Median µs of fn() replayed from a CUDA graph, divided by `per`."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1e3 * triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / per
+    """Median µs of fn() replayed from a CUDA graph (bench_replay_attn.bench_graph), divided by `per`."""
+    return 1e3 * bench_graph(fn) / per
 
 
 def logits_rows() -> None:

@@ -20,6 +20,7 @@ import argparse
 import gc
 import random
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -44,16 +45,11 @@ def workload(vocab: int, max_running: int, max_batch_tokens: int) -> list[Reques
 
 
 def run(model, config: EngineConfig, requests: list[Request], without_reserve: bool = False) -> dict:
-    import batchinfer.engine.engine as engine_module
-
-    real = engine_module.activation_reserve_bytes
-    if without_reserve:  # the budget before the reserve: 90% of the free memory
-        engine_module.activation_reserve_bytes = lambda *args, **kwargs: 0
+    if without_reserve:  # the budget before the reserve: the fraction of the free memory, nothing kept back
+        free, _ = torch.cuda.mem_get_info()
+        config = replace(config, memory_budget_bytes=int(free * config.memory_fraction))
     before = torch.cuda.memory_reserved()
-    try:
-        engine = Engine(model, config, model_name="memory_headroom")
-    finally:
-        engine_module.activation_reserve_bytes = real
+    engine = Engine(model, config, model_name="memory_headroom")
     torch.cuda.synchronize()
     base_alloc, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_pool import KVPool
-from .shapes import GdnStateShape, KVShape
+from .shapes import GdnStateShape, KVShape, _itemsize
 from .state_pool import GdnStatePool
 
 
@@ -96,6 +96,10 @@ def plan_pools(kv_shape: KVShape, state_shape: GdnStateShape, budget_bytes: int,
                     bytes_per_state_slot=state_slot)
 
 
+# kernels/gdn_prefill.py:CHUNK, the prefill's chunk length (not imported: cache/ loads no Triton).
+_PREFILL_CHUNK = 64
+
+
 def _bytes_per_step_token(config, item: int) -> int:
     """Transient bytes per token of a step: the residual stream (3 hidden rows) plus the largest
     layer's live tensors — GDN: its in-projection, conv output and the chunked prefill's scratch
@@ -123,10 +127,10 @@ def step_activation_bytes(config, dtype: torch.dtype, max_batch_tokens: int, max
     H_v·d_k·d_v) and fp32 logits for every running request twice (the logits and one sampling
     temporary).
     """
-    item = torch.empty((), dtype=dtype).element_size()
+    item = _itemsize(dtype)
     tokens = max(max_batch_tokens, max_running)
     h_v, d_k, d_v = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-    chunk_states = (tokens // 64 + max_running) * h_v * d_k * d_v * item
+    chunk_states = (tokens // _PREFILL_CHUNK + max_running) * h_v * d_k * d_v * item
     logits = 2 * max_running * config.vocab_size * 4
     return tokens * _bytes_per_step_token(config, item) + chunk_states + logits
 
@@ -137,7 +141,7 @@ def decode_graph_bytes(config, dtype: torch.dtype, bucket_sizes: list[int], ctx_
     for its replays), the context-slot buffer [max b · ctx_cap] int64, and the largest capture's
     other tensors (the smaller captures reuse them). Qwen3.5-27B, buckets up to 256: the logits
     alone are 1.25 GiB."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = _itemsize(dtype)
     largest = max(bucket_sizes)
     return (sum(bucket_sizes) * config.vocab_size * 4 + largest * ctx_cap * 8
             + largest * _bytes_per_step_token(config, item))
@@ -146,7 +150,8 @@ def decode_graph_bytes(config, dtype: torch.dtype, bucket_sizes: list[int], ctx_
 def memory_budget(device: torch.device | str, fraction: float, *, reserve_bytes: int = 0,
                   cpu_total_bytes: int | None = None) -> int:
     """`fraction` of the device's free memory now (CUDA), but never more than the free memory
-    less `reserve_bytes` (the steps' activations: `step_activation_bytes`); or `fraction` of
+    less `reserve_bytes` (what the steps need besides the pools: the engine passes
+    `batchinfer.engine.engine.activation_reserve_bytes`); or `fraction` of
     `cpu_total_bytes` (CPU). Raises ValueError when the reserve alone exceeds the free memory."""
     device = torch.device(device)
     if not 0 < fraction <= 1:

@@ -345,11 +345,12 @@ def replay_key_dots_kernel(
     L: tl.constexpr, D_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
     LIVE_RING_LOADS: tl.constexpr,
 ):
-    """Grid (sequence, key head): the raw ring-key dots [rk·k, rk·q] of all L entries, for the step.
+    """Grid (sequence, key head): the raw ring-key dots [rk·k, rk·q] for the step, of all L
+    entries or, with LIVE_RING_LOADS, of the live ones only (the others written as 0; the step
+    masks every entry that is not live either way).
 
     Its own small launch (one warp, few registers: many programs resident), so that the steps on
-    which no ring is full pay only this, not the fold's register footprint. Written whatever the
-    cursor: the step masks the entries that are not live.
+    which no ring is full pay only this, not the fold's register footprint.
     """
     pair = tl.program_id(0)
     key_head = tl.program_id(1)
@@ -377,8 +378,8 @@ def replay_flush_kernel(
     """Persistent grid (P,): fold every full ring (cursor == L) among `slots` into its checkpoint.
 
     Each program reads all B cursors (one small gather), ranks the full rows, and then takes
-    work items p, p + P, ... of (full row, key head) — the GROUP value heads × d_v blocks of that
-    key head in turn. The work is sized by the full rings, not the batch: on a step where no ring
+    work items p, p + P, ...: (full row, key head), folding the GROUP value heads × d_v blocks
+    of that key head in turn, or with TILE_ITEMS (full row, value head, d_v block). The work is sized by the full rings, not the batch: on a step where no ring
     is full (15 of 16 steps when a batch was admitted together) the launch is one wave of
     programs that read B cursors and exit.
     """
