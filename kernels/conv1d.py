@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import chunk_table
+from kernels._common import ChunkTables, chunk_table_for
 
 
 @dataclass(frozen=True)
@@ -128,20 +128,22 @@ def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_conv1d_prefill(x, weight, bias, conv_state, slots, cu_seqlens,
-                          launch: ConvLaunch = DEFAULT_PREFILL_LAUNCH) -> torch.Tensor:
+                          launch: ConvLaunch = DEFAULT_PREFILL_LAUNCH, chunk_tables: ChunkTables | None = None
+                          ) -> torch.Tensor:
     """SiLU(causal depthwise conv) per packed sequence; x [T, D], weight [D, K], conv_state [S, D, K-1]
-    (any strides; the pools store it entry-major, channels contiguous)."""
+    (any strides; the pools store it entry-major, channels contiguous). `chunk_tables`: the step's
+    shared tables for this cu_seqlens (built here if None)."""
     x = _unit_stride_rows(x)
     T, D = x.shape
     out = torch.empty((T, D), dtype=x.dtype, device=x.device)
     num_seqs = slots.numel()
     if num_seqs == 0:
         return out
+    tiles = chunk_table_for(cu_seqlens, launch.block_t, T, chunk_tables) if T > 0 else None
     cu = cu_seqlens.to(torch.int32)
     bias_arg = bias if bias is not None else weight
     K = weight.shape[1]
     if T > 0:
-        tiles = chunk_table(cu, launch.block_t, T)
         _conv_prefill_out_kernel[(tiles.capacity, triton.cdiv(D, launch.block_d))](
             x, weight, bias_arg, conv_state, out, slots, cu, tiles.start, tiles.seq_end, tiles.seq,
             D, x.stride(0), weight.stride(0), *conv_state.stride(), out.stride(0),

@@ -19,11 +19,12 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    LOOP_AS_WHILE, TRITON_DTYPES, ChunkTable, KernelLaunch, chunk_table, multiprocessor_count,
+    LOOP_AS_WHILE, TRITON_DTYPES, ChunkTable, ChunkTables, KernelLaunch, chunk_table_for, multiprocessor_count,
     next_pow2_at_least_16,
 )
 from kernels.gdn_prefill_kernels import chunk_output_kernel
 from kernels.gdn_prefill_state import state_pass_kernel
+from kernels.gdn_prefill_state_inverse import state_pass_inverse_kernel
 from kernels.gdn_prefill_wy import chunk_wy_kernel
 
 CHUNK = 64
@@ -43,6 +44,14 @@ class StatePassLaunch(KernelLaunch):
     def __post_init__(self):
         if self.key_parts not in (1, 2):
             raise ValueError(f"key_parts is 1 or 2, not {self.key_parts}")
+
+
+@dataclass(frozen=True)
+class WyLaunch(KernelLaunch):
+    """The WY kernel's knobs: KernelLaunch plus share_key_head (inverse form only) — one program
+    per key head computes the Gram blocks once and its value heads' inverses in turn."""
+
+    share_key_head: bool = False
 
 
 def as_state_pass_launch(launch: KernelLaunch) -> StatePassLaunch:
@@ -74,6 +83,15 @@ class PrefillLaunch:
     output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=128, num_warps=4, num_stages=3))
     state_pass_few_programs: KernelLaunch | None = field(
         default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=2))
+    # The WY stage stores M⁻¹·diag(beta) instead of W and U, and the state pass computes the new
+    # values from it (kernels/gdn_prefill_state_inverse.py); no transposed / prefetch variants.
+    inverse_form: bool = False
+
+    def __post_init__(self):
+        if self.inverse_form:
+            for launch in (self.state_pass, self.state_pass_few_programs):
+                if isinstance(launch, StatePassLaunch) and (launch.transposed or launch.prefetch):
+                    raise ValueError("the inverse form's state pass has no transposed or prefetch variant")
 
     def state_pass_for(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int) -> KernelLaunch:
         """The state-pass launch for this many sequences × value heads on `sm_count` SMs."""
@@ -110,8 +128,9 @@ class PrefillWork:
     chunks: ChunkTable
     G: torch.Tensor  # [T, H_v] fp32 cumulative log-decay within each chunk
     k_inv_norm: torch.Tensor  # [T, H_k] fp32: 1/‖k‖ (rsqrt(Σk² + eps)), written by the WY kernel
-    w: torch.Tensor  # [T, H_v, d_k]
-    u: torch.Tensor  # [T, H_v, d_v]
+    w: torch.Tensor | None  # [T, H_v, d_k]; None in the inverse form
+    u: torch.Tensor | None  # [T, H_v, d_v]; None in the inverse form
+    minv: torch.Tensor | None  # [N, H_v, C, C] M⁻¹·diag(beta) per chunk (lower blocks); inverse form only
     v_new: torch.Tensor  # [T, H_v, d_v]
     chunk_states: torch.Tensor  # [N, H_v, d_k, d_v]
     out: torch.Tensor  # [T, H_v, d_v]
@@ -122,12 +141,13 @@ class PrefillWork:
         return T, H_k, d_k, self.v.shape[1], self.v.shape[2]
 
 
-def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens) -> PrefillWork:
+def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, inverse_form: bool = False,
+                 chunk_tables: ChunkTables | None = None) -> PrefillWork:
     q, k, v, a, b = (_unit_inner(t) for t in (q, k, v, a, b))
     assert state.stride(3) == 1, "state must be contiguous in d_v"
     T, H_k, d_k = k.shape
     H_v, d_v = v.shape[1:]
-    chunks = chunk_table(cu_seqlens, CHUNK, T)
+    chunks = chunk_table_for(cu_seqlens, CHUNK, T, chunk_tables)
     # Chunks and sequences index grid dims 1-2 (CUDA caps them at 65535): ~4M tokens per call.
     assert chunks.capacity <= 65535 and slots.numel() <= 65535, "split the prefill into smaller calls"
     dev, inter = q.device, q.dtype
@@ -136,8 +156,9 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens) -> Pre
         cu=cu_seqlens.to(torch.int32), chunks=chunks,
         G=torch.empty((T, H_v), dtype=torch.float32, device=dev),
         k_inv_norm=torch.empty((T, H_k), dtype=torch.float32, device=dev),
-        w=torch.empty((T, H_v, d_k), dtype=inter, device=dev),
-        u=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
+        w=None if inverse_form else torch.empty((T, H_v, d_k), dtype=inter, device=dev),
+        u=None if inverse_form else torch.empty((T, H_v, d_v), dtype=inter, device=dev),
+        minv=torch.empty((chunks.capacity, H_v, CHUNK, CHUNK), dtype=inter, device=dev) if inverse_form else None,
         v_new=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
         chunk_states=torch.empty((chunks.capacity, H_v, d_k, d_v), dtype=inter, device=dev),
         out=torch.empty((T, H_v, d_v), dtype=q.dtype, device=dev),
@@ -148,16 +169,25 @@ def run_wy(work: PrefillWork, launch: KernelLaunch) -> None:
     T, H_k, d_k, H_v, d_v = work.dims
     dot_dtype = TRITON_DTYPES[work.q.dtype]
     block_k = next_pow2_at_least_16(d_k)
-    chunk_wy_kernel[(H_v, work.chunks.capacity)](
+    share = getattr(launch, "share_key_head", False)
+    if share and work.minv is None:
+        raise ValueError("the WY kernel shares a key head's Gram blocks in the inverse form only")
+    chunk_wy_kernel[(H_k if share else H_v, work.chunks.capacity)](
         work.k, work.v, work.a, work.b, work.A_log, work.dt_bias, work.chunks.start, work.chunks.seq_end,
-        work.G, work.k_inv_norm, work.w, work.u,
+        work.G, work.k_inv_norm, *_or_placeholder(work.G, work.w, work.u, work.minv),
         work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1), work.a.stride(0), work.b.stride(0),
         H_v, H_k, d_k,
         D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, K_STEP=min(WY_KEY_STEP, block_k),
         BLOCK_V=min(launch.block_v, next_pow2_at_least_16(d_v)), DOT_DTYPE=dot_dtype,
-        PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", STORE_INVERSE=work.minv is not None,
+        SHARE_KEY_HEAD=share,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
+
+
+def _or_placeholder(placeholder: torch.Tensor, *tensors):
+    """Pointer arguments a kernel variant never touches are passed as some other tensor."""
+    return [placeholder if t is None else t for t in tensors]
 
 
 def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
@@ -170,6 +200,19 @@ def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
     # Halves narrower than 16 columns cannot be tl.dot operands: small heads run in one part.
     key_parts = launch.key_parts if block_k // launch.key_parts >= 16 else 1
     state = work.state
+    if work.minv is not None:
+        if launch.transposed or launch.prefetch:
+            raise ValueError("the inverse form's state pass has no transposed or prefetch variant")
+        state_pass_inverse_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
+            work.k, work.v, work.k_inv_norm, work.minv, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
+            work.chunk_states, work.v_new,
+            work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1),
+            state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
+            D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, BLOCK_V=block_v,
+            KEY_PARTS=key_parts, DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
+        )
+        return
     state_pass_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
         work.k, work.k_inv_norm, work.w, work.u, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
         work.chunk_states, work.v_new,
@@ -208,7 +251,10 @@ def run_prefill(work: PrefillWork, launch: PrefillLaunch = DEFAULT_LAUNCH) -> to
 
 
 def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
-                launch: PrefillLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
+                launch: PrefillLaunch = DEFAULT_LAUNCH, chunk_tables: ChunkTables | None = None) -> torch.Tensor:
     """Chunked GDN: q, k [T, H_k, d_k]; v [T, H_v, d_v]; a, b [T, H_v]; state [S, H_v, d_k, d_v]
-    read and written by `slots` [B]; cu_seqlens [B+1]. Returns o [T, H_v, d_v] in q.dtype."""
-    return run_prefill(plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens), launch)
+    read and written by `slots` [B]; cu_seqlens [B+1]. Returns o [T, H_v, d_v] in q.dtype.
+    `chunk_tables`: the step's shared tables for this cu_seqlens (built here if None)."""
+    work = plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, inverse_form=launch.inverse_form,
+                        chunk_tables=chunk_tables)
+    return run_prefill(work, launch)

@@ -85,11 +85,11 @@ def _apply_inverse(x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, y0, y1, y2,
 @triton.jit
 def chunk_wy_kernel(
     k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_end_ptr,
-    G_ptr, k_inv_norm_ptr, w_ptr, u_ptr,
+    G_ptr, k_inv_norm_ptr, w_ptr, u_ptr, minv_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, H_V, H_K, D_K,
     D_V: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
     BLOCK_K: tl.constexpr, K_STEP: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STORE_INVERSE: tl.constexpr, SHARE_KEY_HEAD: tl.constexpr,
 ):
     """One (chunk, value head): G, then W and U, all in registers, by 16-row sub-blocks.
 
@@ -107,36 +107,57 @@ def chunk_wy_kernel(
     PRECISION is for products of fp32 operands: "ieee" for fp32 inputs (exact path throughout),
     "tf32" for 16-bit inputs, where only M⁻¹'s off-diagonal blocks take fp32 operands (and are
     rounded to 16 bits right after, as fla does); 16-bit operands ignore it.
+
+    STORE_INVERSE: store M⁻¹·diag(beta) ([N, H_v, C, C] in DOT_DTYPE, the 10 lower 16×16 blocks;
+    the upper ones are never written) instead of W and U: the state pass then computes the new
+    values from it and the raw keys and values (gdn_prefill_state_inverse.py), so W and U never
+    go through memory. SHARE_KEY_HEAD (with STORE_INVERSE): one program per (chunk, key head)
+    computes the Gram blocks once and the GROUP value heads' inverses in turn.
     """
     tl.static_assert(C == 4 * SUB)
-    # Grid (value head, chunk): the GROUP value heads sharing a key head read its keys together.
-    head, chunk = tl.program_id(0), tl.program_id(1)
+    tl.static_assert(STORE_INVERSE or not SHARE_KEY_HEAD)
+    # Grid (value head or key head, chunk): the GROUP value heads sharing a key head read its keys
+    # together.
+    chunk = tl.program_id(1)
     start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
     n_rows = tl.load(chunk_end_ptr + chunk) - start.to(tl.int32)
     if n_rows <= 0:  # an unused tail chunk of the table
         return
+    key_head = tl.program_id(0) if SHARE_KEY_HEAD else tl.program_id(0) // GROUP
     r0 = tl.arange(0, SUB)
     r1, r2, r3 = r0 + SUB, r0 + 2 * SUB, r0 + 3 * SUB
     ok0, ok1, ok2, ok3 = r0 < n_rows, r1 < n_rows, r2 < n_rows, r3 < n_rows
+    k_base = k_ptr + start * stride_kt + key_head * stride_kh
+    n0, n1, n2, n3, kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33 = _normalised_gram(
+        k_base, stride_kt, r0, r1, r2, r3, ok0, ok1, ok2, ok3, D_K, SUB, BLOCK_K, K_STEP, PRECISION)
+    if SHARE_KEY_HEAD or tl.program_id(0) % GROUP == 0:
+        n_base = k_inv_norm_ptr + start * H_K + key_head
+        tl.store(n_base + r0 * H_K, n0, mask=ok0)
+        tl.store(n_base + r1 * H_K, n1, mask=ok1)
+        tl.store(n_base + r2 * H_K, n2, mask=ok2)
+        tl.store(n_base + r3 * H_K, n3, mask=ok3)
+    if SHARE_KEY_HEAD:
+        for g in range(GROUP):
+            _head_inverse(key_head * GROUP + g, chunk, start, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, G_ptr, w_ptr,
+                          u_ptr, minv_ptr, v_ptr, k_base, stride_kt, stride_vt, stride_vh, stride_at, stride_bt,
+                          r0, r1, r2, r3, ok0, ok1, ok2, ok3, n0, n1, n2, n3,
+                          kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33, H_V, D_K, D_V, C, SUB,
+                          BLOCK_K, K_STEP, BLOCK_V, DOT_DTYPE, PRECISION, STORE_INVERSE)
+    else:
+        _head_inverse(tl.program_id(0), chunk, start, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, G_ptr, w_ptr,
+                      u_ptr, minv_ptr, v_ptr, k_base, stride_kt, stride_vt, stride_vh, stride_at, stride_bt,
+                      r0, r1, r2, r3, ok0, ok1, ok2, ok3, n0, n1, n2, n3,
+                      kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33, H_V, D_K, D_V, C, SUB,
+                      BLOCK_K, K_STEP, BLOCK_V, DOT_DTYPE, PRECISION, STORE_INVERSE)
 
-    # Gates and G, which is stored: the later kernels read it.
-    A_log = tl.load(A_log_ptr + head).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
-    a_base, b_base = a_ptr + start * stride_at + head, b_ptr + start * stride_bt + head
-    G0, beta0, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r0, ok0, 0.0)
-    G1, beta1, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r1, ok1, G_so_far)
-    G2, beta2, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r2, ok2, G_so_far)
-    G3, beta3, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r3, ok3, G_so_far)
-    G_base = G_ptr + start * H_V + head
-    tl.store(G_base + r0 * H_V, G0, mask=ok0)
-    tl.store(G_base + r1 * H_V, G1, mask=ok1)
-    tl.store(G_base + r2 * H_V, G2, mask=ok2)
-    tl.store(G_base + r3 * H_V, G3, mask=ok3)
 
-    # The 10 Gram blocks k_i k_jᵀ (j ≤ i) of the chunk's raw keys (input dtype), over d_k in
-    # K_STEP slices; missing rows and columns load as 0.
-    k_base = k_ptr + start * stride_kt + (head // GROUP) * stride_kh
-    k_row = stride_kt
+@triton.jit
+def _normalised_gram(k_base, k_row, r0, r1, r2, r3, ok0, ok1, ok2, ok3, D_K, SUB: tl.constexpr,
+                     BLOCK_K: tl.constexpr, K_STEP: tl.constexpr, PRECISION: tl.constexpr):
+    """The inverse key norms n0..n3 [SUB] and the 10 Gram blocks k̂_i k̂_jᵀ (j ≤ i) of the chunk's
+    normalised keys, from the raw keys (input dtype) over d_k in K_STEP slices; missing rows and
+    columns load as 0. Missing rows have norm 0 and an inverse norm of eps^-½: finite, and their
+    raw keys are 0, so every product with them stays 0."""
     kk00 = tl.zeros((SUB, SUB), dtype=tl.float32)
     kk10, kk11, kk20, kk21, kk22 = kk00, kk00, kk00, kk00, kk00
     kk30, kk31, kk32, kk33 = kk00, kk00, kk00, kk00
@@ -157,21 +178,36 @@ def chunk_wy_kernel(
         kk31 = tl.dot(k3, tl.trans(k1), kk31, input_precision=PRECISION)
         kk32 = tl.dot(k3, tl.trans(k2), kk32, input_precision=PRECISION)
         kk33 = tl.dot(k3, tl.trans(k3), kk33, input_precision=PRECISION)
-
-    # The normalised keys' Gram blocks. Missing rows have norm 0, and an inverse norm of
-    # eps^-½: finite, and their raw keys are 0, so every product with them stays 0.
     n0, n1 = _inverse_norms(kk00, SUB), _inverse_norms(kk11, SUB)
     n2, n3 = _inverse_norms(kk22, SUB), _inverse_norms(kk33, SUB)
-    if head % GROUP == 0:
-        n_base = k_inv_norm_ptr + start * H_K + head // GROUP
-        tl.store(n_base + r0 * H_K, n0, mask=ok0)
-        tl.store(n_base + r1 * H_K, n1, mask=ok1)
-        tl.store(n_base + r2 * H_K, n2, mask=ok2)
-        tl.store(n_base + r3 * H_K, n3, mask=ok3)
     kk00, kk11 = _normalised(kk00, n0, n0), _normalised(kk11, n1, n1)
     kk22, kk33 = _normalised(kk22, n2, n2), _normalised(kk33, n3, n3)
     kk10, kk20, kk30 = _normalised(kk10, n1, n0), _normalised(kk20, n2, n0), _normalised(kk30, n3, n0)
     kk21, kk31, kk32 = _normalised(kk21, n2, n1), _normalised(kk31, n3, n1), _normalised(kk32, n3, n2)
+    return n0, n1, n2, n3, kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33
+
+
+@triton.jit
+def _head_inverse(head, chunk, start, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, G_ptr, w_ptr, u_ptr, minv_ptr, v_ptr,
+                  k_base, k_row, stride_vt, stride_vh, stride_at, stride_bt, r0, r1, r2, r3, ok0, ok1, ok2, ok3,
+                  n0, n1, n2, n3, kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33, H_V, D_K,
+                  D_V: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+                  K_STEP: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                  STORE_INVERSE: tl.constexpr):
+    """One value head of the chunk, given its key head's normalised Gram blocks: the gates and G
+    (stored: the later kernels read it), M⁻¹ by blocks, then M⁻¹·diag(beta) or W and U stored."""
+    A_log = tl.load(A_log_ptr + head).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    a_base, b_base = a_ptr + start * stride_at + head, b_ptr + start * stride_bt + head
+    G0, beta0, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r0, ok0, 0.0)
+    G1, beta1, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r1, ok1, G_so_far)
+    G2, beta2, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r2, ok2, G_so_far)
+    G3, beta3, G_so_far = _sub_block_gates(a_base, b_base, stride_at, stride_bt, A_log, dt_bias, r3, ok3, G_so_far)
+    G_base = G_ptr + start * H_V + head
+    tl.store(G_base + r0 * H_V, G0, mask=ok0)
+    tl.store(G_base + r1 * H_V, G1, mask=ok1)
+    tl.store(G_base + r2 * H_V, G2, mask=ok2)
+    tl.store(G_base + r3 * H_V, G3, mask=ok3)
 
     # M⁻¹ of the block lower-triangular M = I + A: diagonal blocks X_ii by substitution, then
     # block row i as Inv_ij = −X_ii · Σ_{j≤m<i} A_im · Inv_mj, one block diagonal after the other.
@@ -194,6 +230,47 @@ def chunk_wy_kernel(
     a30 = _system_block(kk30, beta3, G3, G0)
     sum30 = tl.dot(a31, i10, tl.dot(a30, x00, input_precision=PRECISION), input_precision=PRECISION)
     i30 = -tl.dot(x33, tl.dot(a32, i20, sum30, input_precision=PRECISION), input_precision=PRECISION)
+    if STORE_INVERSE:
+        _store_inverse_times_beta(minv_ptr + (chunk.to(tl.int64) * H_V + head) * C * C, C, SUB,
+                                  x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, beta0, beta1, beta2, beta3)
+    else:
+        _store_w_u(x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, beta0, beta1, beta2, beta3, G0, G1, G2, G3,
+                   n0, n1, n2, n3, r0, r1, r2, r3, ok0, ok1, ok2, ok3, k_base, k_row, v_ptr, stride_vt, stride_vh,
+                   w_ptr, u_ptr, start, head, H_V, D_K, D_V, BLOCK_K, K_STEP, BLOCK_V, DOT_DTYPE, PRECISION)
+
+
+@triton.jit
+def _store_inverse_times_beta(base, C: tl.constexpr, SUB: tl.constexpr,
+                              x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, beta0, beta1, beta2, beta3):
+    """M⁻¹·diag(beta) as its 10 lower blocks at base [C, C] row-major, in base's dtype. Rows and
+    columns past the chunk end need no mask: beta is 0 there (zero columns) and those rows are
+    identity rows the state pass multiplies by zero values."""
+    r = tl.arange(0, SUB)
+    _store_block(base, r, 0, 0, C, SUB, x00 * beta0[None, :])
+    _store_block(base, r, 1, 0, C, SUB, i10 * beta0[None, :])
+    _store_block(base, r, 1, 1, C, SUB, x11 * beta1[None, :])
+    _store_block(base, r, 2, 0, C, SUB, i20 * beta0[None, :])
+    _store_block(base, r, 2, 1, C, SUB, i21 * beta1[None, :])
+    _store_block(base, r, 2, 2, C, SUB, x22 * beta2[None, :])
+    _store_block(base, r, 3, 0, C, SUB, i30 * beta0[None, :])
+    _store_block(base, r, 3, 1, C, SUB, i31 * beta1[None, :])
+    _store_block(base, r, 3, 2, C, SUB, i32 * beta2[None, :])
+    _store_block(base, r, 3, 3, C, SUB, x33 * beta3[None, :])
+
+
+@triton.jit
+def _store_block(base, r, row_block: tl.constexpr, col_block: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
+                 block):
+    offsets = (row_block * SUB + r)[:, None] * C + (col_block * SUB + r)[None, :]
+    tl.store(base + offsets, block.to(base.dtype.element_ty))
+
+
+@triton.jit
+def _store_w_u(x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, beta0, beta1, beta2, beta3, G0, G1, G2, G3,
+               n0, n1, n2, n3, r0, r1, r2, r3, ok0, ok1, ok2, ok3, k_base, k_row, v_ptr, stride_vt, stride_vh,
+               w_ptr, u_ptr, start, head, H_V, D_K, D_V: tl.constexpr, BLOCK_K: tl.constexpr,
+               K_STEP: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """W = M⁻¹ (k̂ ⊙ beta·exp(G)) and U = M⁻¹ (v ⊙ beta) from the blocks of M⁻¹, stored."""
     # M⁻¹ in the input dtype from here on: the operands of W's and U's products.
     x00, x11, x22, x33 = x00.to(DOT_DTYPE), x11.to(DOT_DTYPE), x22.to(DOT_DTYPE), x33.to(DOT_DTYPE)
     i10, i20, i30 = i10.to(DOT_DTYPE), i20.to(DOT_DTYPE), i30.to(DOT_DTYPE)

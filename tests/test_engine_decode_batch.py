@@ -33,6 +33,15 @@ def test_decode_batch_equals_the_general_builder():
     assert fast.is_decode and fast.replay
 
 
+def test_prefill_batches_carry_one_set_of_chunk_tables_for_their_cu_seqlens():
+    chunks = [SequenceChunk(token_ids=list(range(n)), start=0, state_slot=i, context_kv=torch.arange(n),
+                            wants_logits=True) for i, n in enumerate((70, 3))]
+    prefill = build_forward_batch(chunks, is_decode=False, replay=False, device=CPU)
+    assert prefill.chunk_tables.cu_seqlens is prefill.cu_seqlens and prefill.chunk_tables.num_tokens == 73
+    assert prefill.chunk_tables.get(64).seq_offsets.tolist() == [0, 2, 3]
+    assert build_forward_batch(chunks, is_decode=True, replay=False, device=CPU).chunk_tables is None
+
+
 def test_identity_keys_then_position_equal_the_full_row_keys():
     rng = random.Random(1)
     params = [SamplingParams(seed=rng.randrange(-2**63, 2**64)) for _ in range(9)]

@@ -87,6 +87,18 @@ def test_triton_conv_prefill_matches_reference(with_bias, entry_major):
     torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
 
 
+def test_triton_conv_prefill_with_shared_chunk_tables_matches_its_own():
+    from kernels._common import ChunkTables
+
+    x, weight, bias, state, slots, cu = _conv_case(D=40, device=DEVICE, entry_major=True)
+    tables = ChunkTables(cu, x.shape[0])
+    own_state, shared_state = state.clone(), state.clone()
+    own = tri_conv.causal_conv1d_prefill(x, weight, bias, own_state, slots, cu)
+    shared = tri_conv.causal_conv1d_prefill(x, weight, bias, shared_state, slots, cu, chunk_tables=tables)
+    assert torch.equal(own, shared) and torch.equal(own_state, shared_state)
+    assert list(tables._tables) == [tri_conv.DEFAULT_PREFILL_LAUNCH.block_t]
+
+
 def test_triton_conv_prefill_strided_input_and_bf16_state():
     """x as a column slice of a wider projection (the model splits q|k|v|z), bf16 everywhere,
     the state in the pools' entry-major layout."""

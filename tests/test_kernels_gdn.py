@@ -16,7 +16,7 @@ import torch
 
 from kernels import gdn_decode as tri_decode
 from kernels import gdn_prefill as tri_prefill
-from kernels._common import KernelLaunch, chunk_table
+from kernels._common import ChunkTables, KernelLaunch, chunk_table, chunk_table_for
 from kernels.ref import gdn as ref
 from tests.conftest import requires_cuda
 
@@ -164,6 +164,34 @@ def test_chunk_table_covers_every_token_once_without_sync():
     assert table.seq_offsets.tolist() == [0, 1, 1, 2, 3, 5, 8]
 
 
+def test_chunk_tables_are_built_once_per_size_for_their_own_batch():
+    cu = torch.tensor([0, 5, 70, 70, 200], dtype=torch.int32)
+    tables = ChunkTables(cu, 200)
+    first = chunk_table_for(cu, 64, 200, tables)
+    assert chunk_table_for(cu, 64, 200, tables) is first  # reused, not rebuilt
+    fresh = chunk_table(cu, 64, 200)
+    for name in ("start", "seq_end", "seq", "seq_offsets"):
+        assert torch.equal(getattr(first, name), getattr(fresh, name)), name
+    assert tables.get(16) is not first and tables.get(16).capacity == 200 // 16 + 4
+    with pytest.raises(ValueError, match="another batch"):
+        chunk_table_for(cu.clone(), 64, 200, tables)  # equal values, another tensor: refused
+    with pytest.raises(ValueError, match="another batch"):
+        chunk_table_for(cu, 64, 199, tables)
+
+
+def test_triton_prefill_with_shared_chunk_tables_matches_its_own():
+    """Two layers' prefills sharing one ChunkTables give what each gives with its own table."""
+    x, state, cu = make_inputs([65, 1, 64], device=DEVICE, seed=29)
+    slots = _slots(3, DEVICE)
+    tables = ChunkTables(cu, int(cu[-1]))
+    own_state, shared_state = state.clone(), state.clone()
+    for _ in range(2):
+        own = tri_prefill.gdn_prefill(**x, state=own_state, slots=slots, cu_seqlens=cu)
+        shared = tri_prefill.gdn_prefill(**x, state=shared_state, slots=slots, cu_seqlens=cu, chunk_tables=tables)
+        assert torch.equal(own, shared) and torch.equal(own_state, shared_state)
+    assert list(tables._tables) == [64]
+
+
 def test_triton_prefill_matches_reference():
     x, state, cu = make_inputs(LENGTHS, device=DEVICE)
     slots = _slots(len(LENGTHS), DEVICE)
@@ -241,6 +269,14 @@ STATE_VARIANTS_ON_CUDA = [
 ]
 
 
+# The inverse form at model shapes: its default-style launches for many and for few sequences.
+INVERSE_ON_CUDA = [
+    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, inverse_form=True),
+    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, inverse_form=True,
+                        state_pass=tri_prefill.DEFAULT_LAUNCH.state_pass_few_programs),
+]
+
+
 def test_state_pass_launch_by_program_count():
     """Fewer state-pass programs than SMs at the default block_v: the narrower launch."""
     launch = tri_prefill.DEFAULT_LAUNCH
@@ -282,7 +318,7 @@ def _poisoned(work: tri_prefill.PrefillWork) -> tri_prefill.PrefillWork:
     """The plan with every buffer the kernels write (scratch and output) NaN-filled, so that an
     element a kernel fails to write shows up as NaN downstream."""
     scratch = {f.name: torch.full_like(getattr(work, f.name), float("nan"))
-               for f in dataclasses.fields(work) if f.name not in PLAN_INPUTS}
+               for f in dataclasses.fields(work) if f.name not in PLAN_INPUTS and getattr(work, f.name) is not None}
     return dataclasses.replace(work, **scratch)
 
 
@@ -330,6 +366,69 @@ def test_triton_prefill_writes_every_output_element():
     torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
 
 
+# The inverse form (the WY stage stores M⁻¹·diag(beta), the state pass forms the new values):
+# both key-part layouts, block_v 32 (d_v = 48 leaves a masked tail), at d_k = 32 for key_parts=2.
+# The second one also takes the WY kernel's key-head-shared variant.
+INVERSE_LAUNCHES = [
+    tri_prefill.PrefillLaunch(wy=tri_prefill.WyLaunch(64, 1, 1, share_key_head=share),
+                              state_pass=tri_prefill.StatePassLaunch(32, 4, 2, key_parts=parts),
+                              output=KernelLaunch(64, 4, 2),
+                              state_pass_few_programs=None, inverse_form=True)
+    for parts, share in ((1, False), (2, True))
+]
+
+
+def _inverse_id(launch) -> str:
+    return f"parts{launch.state_pass.key_parts}-share{int(launch.wy.share_key_head)}"
+
+
+@pytest.mark.parametrize("launch", INVERSE_LAUNCHES, ids=_inverse_id)
+def test_triton_prefill_inverse_form_writes_every_output(launch):
+    """The inverse form on NaN-poisoned buffers (unwritten lower blocks of M⁻¹, new values or chunk
+    states would turn into NaN), an empty sequence and a partial last chunk, in fp32 against the
+    token recurrence; slots outside the batch stay untouched."""
+    lengths = [65, 1, 0, 64, 3]
+    x, state, cu = make_inputs(lengths, d_k=32, d_v=48, device=DEVICE, seed=23)
+    slots = _slots(len(lengths), DEVICE)
+    expect_state, original = state.clone(), state.clone()
+    expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
+    work = _poisoned(tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu, inverse_form=True))
+    assert work.w is None and work.u is None and work.minv.shape[-2:] == (64, 64)
+    got = tri_prefill.run_prefill(work, launch)
+    torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
+    assert torch.equal(state[_untouched(slots)], original[_untouched(slots)])
+
+
+@pytest.mark.parametrize("launch", INVERSE_LAUNCHES, ids=_inverse_id)
+@pytest.mark.parametrize("correlated_keys", [False, True], ids=["random_keys", "correlated_keys"])
+def test_triton_prefill_inverse_form_half_precision(correlated_keys, launch):
+    """The inverse form's 16-bit path (M⁻¹·diag(beta) and the new values' operands rounded to fp16),
+    strided q|k|v views, stable for nearly parallel keys."""
+    lengths = [70, 5]
+    x, state, cu = make_inputs(lengths, H_k=1, H_v=2, device=DEVICE, dtype=torch.float16, seed=11,
+                               correlated_keys=correlated_keys)
+    T = sum(lengths)
+    packed = torch.cat([x["q"].reshape(T, -1), x["k"].reshape(T, -1), x["v"].reshape(T, -1)], dim=1)
+    views = dict(x, q=packed[:, :16].view(T, 1, 16), k=packed[:, 16:32].view(T, 1, 16), v=packed[:, 32:].view(T, 2, 32))
+    slots = _slots(2, DEVICE)
+    expect_state = state.clone()
+    expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=expect_state, slots=slots, cu_seqlens=cu)
+    got = tri_prefill.gdn_prefill(**views, state=state, slots=slots, cu_seqlens=cu, launch=launch)
+    assert got.dtype == torch.float16
+    assert _rel_err(got, expect) < 2e-3
+    assert _rel_err(state, expect_state) < 2e-3
+
+
+def test_inverse_form_refuses_the_w_u_variants():
+    with pytest.raises(ValueError, match="inverse form"):
+        tri_prefill.PrefillLaunch(state_pass=tri_prefill.StatePassLaunch(32, 4, 2, transposed=True), inverse_form=True)
+    x, state, cu = make_inputs([3], device=DEVICE)
+    work = tri_prefill.plan_prefill(**x, state=state, slots=_slots(1, DEVICE), cu_seqlens=cu)  # W/U form
+    with pytest.raises(ValueError, match="inverse form"):
+        tri_prefill.run_wy(work, tri_prefill.WyLaunch(64, 1, 1, share_key_head=True))
+
+
 def _check_launches_at_model_shapes(launches, repeats: int = 3) -> None:
     """CUDA worker (run in a child process: an illegal access is sticky and would fail every later
     test). Prints each launch before running it, so the parent can name the one that crashed."""
@@ -360,7 +459,7 @@ def _run_launches_in_child(which: str, expected: int) -> None:
 
 @requires_cuda
 def test_triton_prefill_launches_at_model_shapes_cuda():
-    _run_launches_in_child("good-launches", len(GOOD_ON_H200))
+    _run_launches_in_child("good-launches", len(GOOD_ON_H200) + len(INVERSE_ON_CUDA))
 
 
 @requires_cuda
@@ -427,7 +526,7 @@ def test_triton_decode_model_shapes_bf16():
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["good-launches"]:
-    _check_launches_at_model_shapes(GOOD_ON_H200)
+    _check_launches_at_model_shapes(GOOD_ON_H200 + INVERSE_ON_CUDA)
 elif __name__ == "__main__" and sys.argv[1:] == ["state-variants"]:
     _check_launches_at_model_shapes(STATE_VARIANTS_ON_CUDA)
 elif __name__ == "__main__" and sys.argv[1:] == ["formerly-crashing-launch"]:

@@ -15,6 +15,7 @@ import torch
 from batchinfer.engine.cuda_graphs import DecodeGraphs, select_tokens
 from batchinfer.engine.host_copy import upload_packed
 from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
+from kernels._common import ChunkTables
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,13 @@ def _forward_batch(input_ids, positions, cu_seqlens, state_slots, out_kv, kv_ind
     extra = dict(zip(optional, rest))
     if prior_tokens is not None:
         input_ids = select_tokens(input_ids, extra["token_from"], prior_tokens)
+    cu_seqlens = cu_seqlens.to(torch.int32)
     return ForwardBatch(
-        input_ids=input_ids, positions=positions, cu_seqlens=cu_seqlens.to(torch.int32), is_decode=is_decode,
+        input_ids=input_ids, positions=positions, cu_seqlens=cu_seqlens, is_decode=is_decode,
         state_slots=state_slots, out_kv_slots=out_kv, kv_indices=kv_indices,
         kv_indptr=kv_indptr.to(torch.int32), logits_indices=logits_indices, replay=replay and is_decode,
-        shared_with_prev=extra["shared"].to(torch.int32) if "shared" in extra else None)
+        shared_with_prev=extra["shared"].to(torch.int32) if "shared" in extra else None,
+        chunk_tables=None if is_decode else ChunkTables(cu_seqlens, input_ids.shape[0]))
 
 
 def build_forward_batch(chunks: Sequence[SequenceChunk], *, is_decode: bool, replay: bool,

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from batchinfer.models.config import ModelConfig
+from kernels._common import ChunkTables
 from kernels.ref.conv1d import conv_state_zeros
 
 
@@ -31,6 +32,9 @@ class ForwardBatch:
     # Decode only, optional: [B] int32, leading context positions whose KV slots row r shares
     # with row r-1 (a promise; may understate): attention reads a shared prefix's KV once.
     shared_with_prev: Optional[torch.Tensor] = None
+    # Prefill only, optional: the chunk tables of cu_seqlens, built once for all layers by the
+    # first kernel that asks (kernels/_common.py:ChunkTables); None: each kernel builds its own.
+    chunk_tables: Optional[ChunkTables] = None
 
     @property
     def num_tokens(self) -> int:

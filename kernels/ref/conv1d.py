@@ -36,6 +36,7 @@ def causal_conv1d_prefill(
     conv_state: torch.Tensor,  # [S, D, K-1], updated in place
     slots: torch.Tensor,  # [B]
     cu_seqlens: torch.Tensor,  # [B+1]
+    chunk_tables=None,  # the Triton kernel's shared chunk tables of the step; ignored here
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) per sequence, each starting from and ending in `conv_state[slot]`."""
     out = torch.empty_like(x)  # [T, D]

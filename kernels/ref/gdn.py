@@ -78,8 +78,9 @@ def _chunked_scan(q, k, v, g, beta, state):
     return out.reshape(B, H, P, -1), state
 
 
-def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens) -> torch.Tensor:
+def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, chunk_tables=None) -> torch.Tensor:
     """Chunked GDN over packed sequences; `state[slots]` in, final states written back.
+    (`chunk_tables` is the Triton kernels' shared chunk tables of the step; ignored here.)
 
     q, k: [T, H_k, d_k]; v: [T, H_v, d_v]; a, b: [T, H_v]; state: [S, H_v, d_k, d_v];
     slots: [B]; cu_seqlens: [B+1]. Returns o: [T, H_v, d_v] in q.dtype.

@@ -51,7 +51,7 @@ class GatedDeltaNet(nn.Module):
             mixed_qkv = ops.causal_conv1d_decode(mixed_qkv, self.conv_weight, None, caches.conv[j], slots)
         else:
             mixed_qkv = ops.causal_conv1d_prefill(mixed_qkv, self.conv_weight, None, caches.conv[j], slots,
-                                                  batch.cu_seqlens)
+                                                  batch.cu_seqlens, chunk_tables=batch.chunk_tables)
         q, k, v = mixed_qkv.split([H_k * d_k, H_k * d_k, H_v * d_v], dim=-1)
         q = q.reshape(T, H_k, d_k)
         k = k.reshape(T, H_k, d_k)
@@ -64,7 +64,8 @@ class GatedDeltaNet(nn.Module):
         elif batch.is_decode:
             o = ops.gdn_decode(*gdn_args, caches.ssm[j], slots)
         else:
-            o = ops.gdn_prefill(*gdn_args, caches.ssm[j], slots, batch.cu_seqlens)  # [T, H_v, d_v]
+            o = ops.gdn_prefill(*gdn_args, caches.ssm[j], slots, batch.cu_seqlens,
+                                chunk_tables=batch.chunk_tables)  # [T, H_v, d_v]
 
         o = ops.gated_rms_norm(o, z.reshape(T, H_v, d_v), self.norm_weight, self.eps)  # [T, H_v, d_v]
         return F.linear(o.reshape(T, H_v * d_v), self.out_proj)  # [T, hidden]

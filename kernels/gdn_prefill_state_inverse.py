@@ -1,0 +1,125 @@
+"""The sequential state pass of the chunked GDN prefill in the inverse form: W and U are never
+stored. The WY kernel (STORE_INVERSE) leaves each chunk's M⁻¹·diag(beta) ([C, C], 8 KB in bf16,
+against 32 KB of W and U rows per chunk and value head at d = 128), and this pass computes the
+new values from it with the raw keys and values:
+
+    u = U − W·S0 = M⁻¹·diag(beta)·(V − diag(exp(G)/‖k‖)·(K·S0))
+
+(W = M⁻¹ diag(beta·exp(G)/‖k‖) K and U = M⁻¹ diag(beta) V share the left factor). Per chunk:
+save S0, P = K·S0, X = V − e ⊙ P, u = (M⁻¹·diag(beta))·X (saved), then as in the W/U form
+S ← S0·exp(G_C) + kᵀ·(u ⊙ exp(G_C − G)/‖k‖). One more product on the sequential chain (the
+[C, C]·[C, BV] one), in exchange for 3 × 403 MB fewer bytes at 1×32768 on the 27B shapes (W
+and U written and read back, v read twice): the WY stage shrinks to the gates, the Gram blocks
+and the inverse.
+
+Layout knobs as the W/U pass's untransposed path (kernels/gdn_prefill_state.py): KEY_PARTS = 1
+or 2 (the state as two d_k halves); the transposed and prefetch variants were slower there
+(docs/BENCHMARKS.md, session 3) and are not offered here.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.gdn_prefill_state import _accumulate, _key_cols, _load_state, _store_state
+from kernels.gdn_prefill_tiles import _mm
+
+
+@triton.jit
+def _inverse_chunk_tiles(chunk, chunk_start, seq_end, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
+                         k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok, H_V, H_K, D_K,
+                         GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+                         KEY_PARTS: tl.constexpr):
+    """What chunk `chunk` needs besides the state: (M⁻¹·diag(beta) [C, C], raw k parts [C, KP],
+    raw v [C, BV], e = exp(G)/‖k‖ [C], to_end = exp(G_C − G)/‖k‖ [C], exp(G_C)); none of it
+    depends on the state. Missing rows load k = v = 0 and inverse norm 0, so they add nothing."""
+    i = tl.arange(0, C)
+    row_ok = chunk_start + i < seq_end
+    # Only the lower blocks are written by the WY kernel; the upper ones load as 0.
+    lower = (i[:, None] // SUB) >= (i[None, :] // SUB)
+    minv = tl.load(minv_ptr + (chunk.to(tl.int64) * H_V + head) * C * C + i[:, None] * C + i[None, :],
+                   mask=lower, other=0.0)  # [C, C]
+    k_base = k_ptr + chunk_start * stride_kt + (head // GROUP) * stride_kh
+    cols, k_ok = _key_cols(0, D_K, BLOCK_K, KEY_PARTS)
+    k0 = tl.load(k_base + i[:, None] * stride_kt + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if KEY_PARTS == 2:
+        cols, k_ok = _key_cols(1, D_K, BLOCK_K, KEY_PARTS)
+        k1 = tl.load(k_base + i[:, None] * stride_kt + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        k = (k0, k1)
+    else:
+        k = (k0,)
+    v = tl.load(v_ptr + chunk_start * stride_vt + head * stride_vh + i[:, None] * stride_vt + vv[None, :],
+                mask=row_ok[:, None] & v_ok[None, :], other=0.0)  # [C, BV] raw
+    G = tl.load(G_ptr + chunk_start * H_V + head + i * H_V, mask=row_ok, other=0.0)  # [C]
+    G_end = tl.load(G_ptr + (tl.minimum(chunk_start + C, seq_end) - 1) * H_V + head,
+                    mask=chunk_start < seq_end, other=0.0)  # guarded: an empty sequence has no last row
+    inv_norm = tl.load(k_inv_norm_ptr + chunk_start * H_K + head // GROUP + i * H_K, mask=row_ok, other=0.0)
+    return minv, k, v, tl.exp(G) * inv_norm, tl.exp(G_end - G) * inv_norm, tl.exp(G_end)
+
+
+@triton.jit
+def _inverse_chunk_step(S, tiles, chunk, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv, v_ok, H_V, D_K, D_V,
+                        C: tl.constexpr, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One chunk: save S0; u = M⁻¹·diag(beta)·(V − e ⊙ K·S0) (saved); S ← S0·exp(G_C) + kᵀ·(u ⊙ to_end)."""
+    minv, k, v, e, to_end, decay = tiles
+    _store_state(h_ptr + (chunk.to(tl.int64) * H_V + head) * D_K * D_V, S, vv, v_ok, D_V, 1, D_K,
+                 BLOCK_K, KEY_PARTS, False)
+    projected = _mm(k[0], S[0], DOT_DTYPE)  # [C, BV]: raw K·S0
+    if KEY_PARTS == 2:
+        projected += _mm(k[1], S[1], DOT_DTYPE)
+    v_new = _mm(minv, v.to(tl.float32) - e[:, None] * projected, DOT_DTYPE)  # [C, BV]
+    i = tl.arange(0, C)
+    tl.store(vnew_ptr + (chunk_start * H_V + head) * D_V + i[:, None] * (H_V * D_V) + vv[None, :],
+             v_new.to(vnew_ptr.dtype.element_ty), mask=(chunk_start + i < seq_end)[:, None] & v_ok[None, :])
+    v_to_end = v_new * to_end[:, None]  # [C, BV]: decay to the chunk end and key norms on the values
+    if KEY_PARTS == 2:
+        return (_accumulate(S[0], k[0], v_to_end, decay, False, DOT_DTYPE),
+                _accumulate(S[1], k[1], v_to_end, decay, False, DOT_DTYPE))
+    else:
+        return (_accumulate(S[0], k[0], v_to_end, decay, False, DOT_DTYPE),)
+
+
+@triton.jit
+def state_pass_inverse_kernel(
+    k_ptr, v_ptr, k_inv_norm_ptr, minv_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr, h_ptr, vnew_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_s0, stride_s1, stride_s2, H_V, H_K,
+    D_K: tl.constexpr, D_V: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_PARTS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
+):
+    """k, v raw (k_inv_norm [T, H_k] from the WY kernel normalises k); M⁻¹·diag(beta)
+    [N, H_v, C, C] and G from the WY kernel. Writes the chunk states h [N, H_v, d_k, d_v], the new
+    values and the final state. Grid (d_v block, value head, sequence), as the W/U pass."""
+    seq, head = tl.program_id(2), tl.program_id(1)
+    vv = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = vv < D_V
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    state_base = state_ptr + slot * stride_s0 + head * stride_s1
+    S = _load_state(state_base, vv, v_ok, stride_s2, 1, D_K, BLOCK_K, KEY_PARTS, False)
+
+    seq_start = tl.load(cu_ptr + seq).to(tl.int64)
+    seq_end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    first_chunk = tl.load(seq_offsets_ptr + seq)
+    n_chunks = tl.load(seq_offsets_ptr + seq + 1) - first_chunk
+    # A sequence's chunks are consecutive in the table and in the tokens: row addresses are
+    # arithmetic in the loop index (no table load on the sequential path).
+    if LOOP_AS_WHILE:
+        j = 0
+        while j < n_chunks:
+            chunk_start = seq_start + j * C
+            tiles = _inverse_chunk_tiles(first_chunk + j, chunk_start, seq_end, k_ptr, stride_kt, stride_kh, v_ptr,
+                                         stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok,
+                                         H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
+            S = _inverse_chunk_step(S, tiles, first_chunk + j, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv, v_ok,
+                                    H_V, D_K, D_V, C, BLOCK_K, KEY_PARTS, DOT_DTYPE)
+            j += 1
+    else:
+        for j in range(0, n_chunks):
+            chunk_start = seq_start + j * C
+            tiles = _inverse_chunk_tiles(first_chunk + j, chunk_start, seq_end, k_ptr, stride_kt, stride_kh, v_ptr,
+                                         stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok,
+                                         H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
+            S = _inverse_chunk_step(S, tiles, first_chunk + j, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv, v_ok,
+                                    H_V, D_K, D_V, C, BLOCK_K, KEY_PARTS, DOT_DTYPE)
+    _store_state(state_base, S, vv, v_ok, stride_s2, 1, D_K, BLOCK_K, KEY_PARTS, False)
