@@ -41,6 +41,9 @@ class Row:
     rate: str  # tokens/s or GB/s
     pct_peak: str
     check: str
+    # prefill: our time with the step's chunk tables built once, as a model step shares them
+    # across its layers (fla caches its chunk indices per cu_seqlens tensor the same way)
+    shared_tables_ms: float | None = None
 
 
 def _bench(fn, quick: bool) -> float:
@@ -142,34 +145,33 @@ def _compare_fla(make_runner, ours_out, quick: bool):
 def _prefill_sweeps(quick: bool, big: bool):
     """Launch configs per prefill stage (fewer for the biggest shape: compile time dominates).
 
-    State pass: StatePassLaunch(block_v, warps, stages, transposed=, key_parts=, prefetch=), most
-    promising first (kernels/gdn_prefill_state.py says what each variant changes; sm_90 registers
-    per thread from benchmarks/sm90_compile.py in the comments; only the default spills). For 1
-    sequence the pass is latency-bound (≤ 1 program per SM), so the big shape keeps more of them.
+    State pass: StatePassLaunch(block_v, warps, stages, key_parts=), most promising first (sm_90a
+    registers per thread from benchmarks/sm90_compile.py in the comments). For 1 sequence the pass
+    is latency-bound (≤ 1 program per SM), so the big shape keeps the narrow blocks.
     """
     from kernels._common import KernelLaunch as L
     from kernels.gdn_prefill import StatePassLaunch as S
 
-    wy = [L(32, 1, 1), L(64, 1, 1), L(64, 2, 1), L(32, 2, 1), L(128, 1, 1), L(64, 4, 1)]
+    wy = [L(64, 1, 1), L(64, 2, 1)]  # the WY kernel has no d_v block; 1 warp: 255 regs, 160 B spill
     state = [
-        S(64, 4, 2),  # the default (255 regs, 80 B spill)
-        S(32, 4, 2, transposed=True),  # 255 regs, 8 barriers per chunk (untransposed: 19-21)
-        S(32, 8, 2, transposed=True),  # 171 regs, 8 barriers
-        S(64, 8, 2, key_parts=2),  # 210 regs
-        S(64, 8, 1, prefetch=True),  # 251 regs
-        S(32, 4, 2),  # 186 regs, 2x the programs
-        S(32, 4, 3, transposed=True, key_parts=2),  # 246 regs
-        S(64, 4, 2, key_parts=2),  # 248 regs
+        S(64, 4, 2, key_parts=2),  # the default (255 regs, 104 B spill)
+        S(32, 4, 3),  # the default for a few long sequences
+        S(32, 4, 2),  # 176 regs
+        S(32, 4, 2, key_parts=2),  # 194
+        S(64, 8, 2, key_parts=2),  # 254
+        S(64, 8, 2),  # 218
+        S(16, 4, 2),
     ]
     out = [L(128, 4, 3), L(64, 4, 2), L(128, 4, 2), L(64, 4, 3), L(128, 8, 2)]
     if quick or big:
-        wy, state, out = wy[:2], state[:4 if quick else 6], out[:3]
+        wy, state, out = wy[:1], state[:4 if quick else 5], out[:3]
     return wy, state, out
 
 
 def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
     """(row at the default launch, sweep closure returning the row with its tuned time)."""
     from kernels import gdn_prefill as ours
+    from kernels._common import ChunkTables
     from kernels.ref import gdn as ref
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -185,13 +187,16 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
     expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=ref_state, slots=slots, cu_seqlens=cu)
     check = f"ref {_rel_err(out, expect):.1e}/{_rel_err(state, ref_state):.1e}"
     ours_ms = _bench(lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu), quick)
+    tables = ChunkTables(cu, T)
+    tables_ms = _bench(lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, chunk_tables=tables),
+                       quick)
     fla_ms = None
     if fla is not None:
         runner = lambda: _fla_runner(fla[0], x, state0[slots].clone(), (1, T), cu.long())  # noqa: E731
         fla_ms, fla_check = _compare_fla(runner, out, quick)
         check += fla_check
     row = Row("gdn_prefill", f"{num_seqs}x{seq_len}", ours_ms, None, fla_ms, f"{T / ours_ms / 1e3:.2f} Mtok/s", "",
-              check)
+              check, shared_tables_ms=tables_ms)
 
     def sweep() -> Row:
         # Stages in launch order (wy, state_pass, output; q/k normalisation is folded into them),
@@ -206,7 +211,8 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
         tuned = ours.DEFAULT_LAUNCH
         tuned = replace(tuned, wy=best_wy or tuned.wy, state_pass=best_state or tuned.state_pass,
                         output=best_out or tuned.output)
-        run_tuned = lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=tuned)  # noqa: E731
+        run_tuned = lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=tuned,  # noqa: E731
+                                             chunk_tables=tables)
         _, tuned_ms = _sweep("end to end", [tuned], lambda _: run_tuned(), quick)  # guarded like any config
         if tuned_ms is None:  # out of time budget, or the combination failed (printed)
             return row
@@ -352,8 +358,12 @@ def print_table(rows: list[Row]) -> None:
         tuned = f"{r.tuned_ms:9.3f}" if r.tuned_ms is not None else f"{'—':>9}"
         best = min(r.ours_ms, r.tuned_ms or r.ours_ms)  # speedup and rate: our best launch
         speedup = f"{r.fla_ms / best:8.2f}x" if r.fla_ms is not None else f"{'—':>9}"
+        shared = ""
+        if r.shared_tables_ms is not None:
+            ratio = f", {r.fla_ms / r.shared_tables_ms:.2f}x fla" if r.fla_ms is not None else ""
+            shared = f"  [step's chunk tables: {r.shared_tables_ms:.3f} ms{ratio}]"
         print(f"{r.kernel:<15}{r.shape:<11}{r.ours_ms:9.3f}{tuned}{fla}{speedup}  {r.rate:<15}{r.pct_peak:>6}  "
-              f"{r.check}")
+              f"{r.check}{shared}")
 
 
 def main(argv: list[str] | None = None) -> int:

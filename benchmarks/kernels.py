@@ -46,10 +46,12 @@ def _gdn_targets(quick: bool, sweep: bool) -> list[Target]:
         row, sweep_fn = measured
         if sweep:
             row = sweep_fn()
-        best = min(row.ours_ms, row.tuned_ms or row.ours_ms)
-        ratio = row.fla_ms / best if row.fla_ms else float("nan")
+        # "ours": each call builds its chunk table; "best": the step's shared tables (as the model
+        # calls it, and as fla caches its chunk indices per cu_seqlens), at the default or tuned launch.
+        best = min(row.shared_tables_ms, row.tuned_ms or row.shared_tables_ms)
+        own, ratio = (row.fla_ms / row.ours_ms, row.fla_ms / best) if row.fla_ms else (float("nan"),) * 2
         out.append(Target("gdn_prefill", f"{n}x{length}", row.ours_ms, best, row.fla_ms,
-                          f"{ratio:.2f}x fla", ">= 1.3x fla", ratio >= 1.3))
+                          f"{ratio:.2f}x fla ({own:.2f}x own table)", ">= 1.3x fla", ratio >= 1.3))
     for batch in ([128] if quick else [1, 32, 128, 512]):
         measured = gdn._guarded(gdn.bench_decode, batch, fla, quick)
         if measured is None:
@@ -99,10 +101,10 @@ def _attention_targets(quick: bool) -> list[Target]:
 
 
 def print_targets(rows: list[Target]) -> None:
-    print(f"\n{'kernel':<24}{'shape':<16}{'ours ms':>9}{'best ms':>9}{'fla ms':>9}  {'measure':<22}{'target':<20}met")
+    print(f"\n{'kernel':<24}{'shape':<16}{'ours ms':>9}{'best ms':>9}{'fla ms':>9}  {'measure':<34}{'target':<20}met")
     for r in rows:
         fla = f"{r.fla_ms:9.3f}" if r.fla_ms is not None else f"{'—':>9}"
-        print(f"{r.kernel:<24}{r.shape:<16}{r.ours_ms:9.3f}{r.best_ms:9.3f}{fla}  {r.measure:<22}{r.target:<20}"
+        print(f"{r.kernel:<24}{r.shape:<16}{r.ours_ms:9.3f}{r.best_ms:9.3f}{fla}  {r.measure:<34}{r.target:<20}"
               f"{'yes' if r.met else 'NO'}")
 
 

@@ -2,12 +2,10 @@
 launch config, with no GPU (Triton compiles to PTX for a given target; the ptxas bundled with
 Triton assembles it for sm_90a and reports the resources).
 
-    python -m benchmarks.sm90_compile wy                 # num_warps 2/4/8 × block_v 32/64/128
-    python -m benchmarks.sm90_compile wy_inverse --warps 1 2 --block-v 64   # the inverse form's two kernels
-    STATE_KEY_PARTS=2 python -m benchmarks.sm90_compile state_inverse --warps 4 8 --block-v 32 64 --stages 2
+    python -m benchmarks.sm90_compile wy --block-v 64    # num_warps 2/4/8 (the WY kernel has no block_v)
     python -m benchmarks.sm90_compile output --warps 4 --block-v 64 --stages 2
     WY_KEY_STEP=16 python -m benchmarks.sm90_compile wy --warps 4 --maxnreg 168
-    STATE_TRANSPOSED=1 STATE_KEY_PARTS=2 STATE_PREFETCH=1 python -m benchmarks.sm90_compile state_pass  # variants
+    STATE_KEY_PARTS=2 python -m benchmarks.sm90_compile state_pass --warps 4 8 --block-v 32 64 --stages 2 3
 
 Shapes are the model's (H_k 16, H_v 48, d_k = d_v = 128, bf16 inputs, fp32 G / state pool).
 Integer arguments are specialised as Triton's launcher would at those values (divisible by 16),
@@ -31,7 +29,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels import gdn_prefill_kernels as K
-from kernels.gdn_prefill_state_inverse import state_pass_inverse_kernel
 from kernels.gdn_prefill import CHUNK, SUB, WY_KEY_STEP
 
 H_K, H_V, D_K, D_V = 16, 48, 128, 128
@@ -68,16 +65,10 @@ def _common(block_v: int) -> dict:
 
 KERNELS = {
     "wy": KernelSpec(K.chunk_wy_kernel, lambda bv: dict(
-        _common(bv), D_V=D_V, SUB=SUB, K_STEP=KEY_STEP, PRECISION="tf32", STORE_INVERSE=False, SHARE_KEY_HEAD=False)),
-    "wy_inverse": KernelSpec(K.chunk_wy_kernel, lambda bv: dict(
-        _common(bv), D_V=D_V, SUB=SUB, K_STEP=KEY_STEP, PRECISION="tf32", STORE_INVERSE=True,
-        SHARE_KEY_HEAD=os.environ.get("WY_SHARE_KEY_HEAD") == "1")),
-    "state_inverse": KernelSpec(state_pass_inverse_kernel, lambda bv: dict(
+        GROUP=H_V // H_K, C=CHUNK, SUB=SUB, BLOCK_K=D_K, K_STEP=KEY_STEP, DOT_DTYPE=tl.bfloat16, PRECISION="tf32")),
+    "state_pass": KernelSpec(K.state_pass_kernel, lambda bv: dict(
         _common(bv), D_K=D_K, D_V=D_V, SUB=SUB, LOOP_AS_WHILE=False,
         KEY_PARTS=int(os.environ.get("STATE_KEY_PARTS", 1)))),
-    "state_pass": KernelSpec(K.state_pass_kernel, lambda bv: dict(
-        _common(bv), D_K=D_K, D_V=D_V, LOOP_AS_WHILE=False, KEY_PARTS=int(os.environ.get("STATE_KEY_PARTS", 1)),
-        TRANSPOSED=os.environ.get("STATE_TRANSPOSED") == "1", PREFETCH=os.environ.get("STATE_PREFETCH") == "1")),
     "output": KernelSpec(K.chunk_output_kernel, _common),
 }
 

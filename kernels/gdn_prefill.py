@@ -24,7 +24,6 @@ from kernels._common import (
 )
 from kernels.gdn_prefill_kernels import chunk_output_kernel
 from kernels.gdn_prefill_state import state_pass_kernel
-from kernels.gdn_prefill_state_inverse import state_pass_inverse_kernel
 from kernels.gdn_prefill_wy import chunk_wy_kernel
 
 CHUNK = 64
@@ -34,24 +33,14 @@ WY_KEY_STEP = 32  # d_k columns per step of the WY kernel's key products (sm90_c
 
 @dataclass(frozen=True)
 class StatePassLaunch(KernelLaunch):
-    """The state pass's knobs: KernelLaunch plus its code variants (kernels/gdn_prefill_state.py
-    says what each changes). A plain KernelLaunch means all three off."""
+    """The state pass's knobs: KernelLaunch plus key_parts — 1, or 2: the state as two d_k halves
+    (d_k < 32 runs in one part). A plain KernelLaunch means one part."""
 
-    transposed: bool = False  # carry Sᵀ [block_v, d_k]: the state is the products' register operand
-    key_parts: int = 1  # 1, or 2: the state as two d_k halves (d_k < 32 runs in one part)
-    prefetch: bool = False  # next chunk's tiles loaded into registers a whole chunk ahead (use num_stages=1)
+    key_parts: int = 1
 
     def __post_init__(self):
         if self.key_parts not in (1, 2):
             raise ValueError(f"key_parts is 1 or 2, not {self.key_parts}")
-
-
-@dataclass(frozen=True)
-class WyLaunch(KernelLaunch):
-    """The WY kernel's knobs: KernelLaunch plus share_key_head (inverse form only) — one program
-    per key head computes the Gram blocks once and its value heads' inverses in turn."""
-
-    share_key_head: bool = False
 
 
 def as_state_pass_launch(launch: KernelLaunch) -> StatePassLaunch:
@@ -62,19 +51,20 @@ def as_state_pass_launch(launch: KernelLaunch) -> StatePassLaunch:
 
 @dataclass(frozen=True)
 class PrefillLaunch:
-    """Knobs per kernel (block_v = d_v block; for `wy` the d_v step of its U loop).
+    """Knobs per kernel (block_v = d_v block; the WY kernel has no d_v dimension and ignores it).
 
     Stages share no block_v-dependent buffer or grid: every intermediate is allocated at full d_v
     (plan_prefill) and each launch sizes its own grid, so any mix of per-stage knobs is valid
-    (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the H200 sweep's fastest end-to-end
-    combination (docs/BENCHMARKS.md, 2026-11-29, session 3: the state pass as two d_k halves,
-    0.37 / 0.82 ms at 8×2048 / 64×512 against 0.38 / 0.83 in one; WY block_v 64). The
-    register-resident WY kernel wins with ONE warp: at ~240 registers per thread a 16-row tile is
-    replicated in every warp, so more warps add work.
+    (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the H200 sweeps' fastest
+    (docs/BENCHMARKS.md, session 8 for the WY kernel and the state pass, session 3 for the output
+    kernel). The register-resident WY kernel wins with ONE warp (0.43 against 0.80 ms at 2 warps,
+    1×32768): at ~200+ registers per thread a 16-row tile is replicated in every warp, so more
+    warps add work. The state pass as two d_k halves at block_v 64 for many sequences (0.38 ms at
+    8×2048 against 0.46–0.67 for the others swept).
     `state_pass_few_programs` replaces `state_pass` when its grid would have fewer programs than
     the GPU has SMs (a few long sequences): each program then walks a long chain of chunks and
-    the pass is latency-bound, so narrower d_v blocks (more programs) win — 1×32768: 1.20 ms at
-    block_v 32 against 1.36 ms at 64. None: always `state_pass`.
+    the pass is latency-bound, so narrower d_v blocks (more programs) win — 1×32768: 1.21 ms at
+    block_v 32 with 3 stages against 1.27 with 2 and 1.47 at block_v 64. None: always `state_pass`.
     """
 
     wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=1, num_stages=1))
@@ -82,16 +72,7 @@ class PrefillLaunch:
         default_factory=lambda: StatePassLaunch(block_v=64, num_warps=4, num_stages=2, key_parts=2))
     output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=128, num_warps=4, num_stages=3))
     state_pass_few_programs: KernelLaunch | None = field(
-        default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=2))
-    # The WY stage stores M⁻¹·diag(beta) instead of W and U, and the state pass computes the new
-    # values from it (kernels/gdn_prefill_state_inverse.py); no transposed / prefetch variants.
-    inverse_form: bool = False
-
-    def __post_init__(self):
-        if self.inverse_form:
-            for launch in (self.state_pass, self.state_pass_few_programs):
-                if isinstance(launch, StatePassLaunch) and (launch.transposed or launch.prefetch):
-                    raise ValueError("the inverse form's state pass has no transposed or prefetch variant")
+        default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=3))
 
     def state_pass_for(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int) -> KernelLaunch:
         """The state-pass launch for this many sequences × value heads on `sm_count` SMs."""
@@ -128,9 +109,7 @@ class PrefillWork:
     chunks: ChunkTable
     G: torch.Tensor  # [T, H_v] fp32 cumulative log-decay within each chunk
     k_inv_norm: torch.Tensor  # [T, H_k] fp32: 1/‖k‖ (rsqrt(Σk² + eps)), written by the WY kernel
-    w: torch.Tensor | None  # [T, H_v, d_k]; None in the inverse form
-    u: torch.Tensor | None  # [T, H_v, d_v]; None in the inverse form
-    minv: torch.Tensor | None  # [N, H_v, C, C] M⁻¹·diag(beta) per chunk (lower blocks); inverse form only
+    minv: torch.Tensor  # [N, H_v, C, C] M⁻¹·diag(beta) per chunk (its 10 lower 16×16 blocks)
     v_new: torch.Tensor  # [T, H_v, d_v]
     chunk_states: torch.Tensor  # [N, H_v, d_k, d_v]
     out: torch.Tensor  # [T, H_v, d_v]
@@ -141,7 +120,7 @@ class PrefillWork:
         return T, H_k, d_k, self.v.shape[1], self.v.shape[2]
 
 
-def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, inverse_form: bool = False,
+def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
                  chunk_tables: ChunkTables | None = None) -> PrefillWork:
     q, k, v, a, b = (_unit_inner(t) for t in (q, k, v, a, b))
     assert state.stride(3) == 1, "state must be contiguous in d_v"
@@ -156,9 +135,7 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, invers
         cu=cu_seqlens.to(torch.int32), chunks=chunks,
         G=torch.empty((T, H_v), dtype=torch.float32, device=dev),
         k_inv_norm=torch.empty((T, H_k), dtype=torch.float32, device=dev),
-        w=None if inverse_form else torch.empty((T, H_v, d_k), dtype=inter, device=dev),
-        u=None if inverse_form else torch.empty((T, H_v, d_v), dtype=inter, device=dev),
-        minv=torch.empty((chunks.capacity, H_v, CHUNK, CHUNK), dtype=inter, device=dev) if inverse_form else None,
+        minv=torch.empty((chunks.capacity, H_v, CHUNK, CHUNK), dtype=inter, device=dev),
         v_new=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
         chunk_states=torch.empty((chunks.capacity, H_v, d_k, d_v), dtype=inter, device=dev),
         out=torch.empty((T, H_v, d_v), dtype=q.dtype, device=dev),
@@ -169,30 +146,19 @@ def run_wy(work: PrefillWork, launch: KernelLaunch) -> None:
     T, H_k, d_k, H_v, d_v = work.dims
     dot_dtype = TRITON_DTYPES[work.q.dtype]
     block_k = next_pow2_at_least_16(d_k)
-    share = getattr(launch, "share_key_head", False)
-    if share and work.minv is None:
-        raise ValueError("the WY kernel shares a key head's Gram blocks in the inverse form only")
-    chunk_wy_kernel[(H_k if share else H_v, work.chunks.capacity)](
-        work.k, work.v, work.a, work.b, work.A_log, work.dt_bias, work.chunks.start, work.chunks.seq_end,
-        work.G, work.k_inv_norm, *_or_placeholder(work.G, work.w, work.u, work.minv),
-        work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1), work.a.stride(0), work.b.stride(0),
-        H_v, H_k, d_k,
-        D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, K_STEP=min(WY_KEY_STEP, block_k),
-        BLOCK_V=min(launch.block_v, next_pow2_at_least_16(d_v)), DOT_DTYPE=dot_dtype,
-        PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", STORE_INVERSE=work.minv is not None,
-        SHARE_KEY_HEAD=share,
+    chunk_wy_kernel[(H_k, work.chunks.capacity)](
+        work.k, work.a, work.b, work.A_log, work.dt_bias, work.chunks.start, work.chunks.seq_end,
+        work.G, work.k_inv_norm, work.minv,
+        work.k.stride(0), work.k.stride(1), work.a.stride(0), work.b.stride(0), H_v, H_k, d_k,
+        GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, K_STEP=min(WY_KEY_STEP, block_k),
+        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
 
 
-def _or_placeholder(placeholder: torch.Tensor, *tensors):
-    """Pointer arguments a kernel variant never touches are passed as some other tensor."""
-    return [placeholder if t is None else t for t in tensors]
-
-
 def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
     """Runs even for empty sequences: their state is read and written back unchanged. `launch`: a
-    StatePassLaunch, or a plain KernelLaunch (no variant)."""
+    StatePassLaunch, or a plain KernelLaunch (one d_k part)."""
     T, H_k, d_k, H_v, d_v = work.dims
     launch = as_state_pass_launch(launch)
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
@@ -200,26 +166,13 @@ def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
     # Halves narrower than 16 columns cannot be tl.dot operands: small heads run in one part.
     key_parts = launch.key_parts if block_k // launch.key_parts >= 16 else 1
     state = work.state
-    if work.minv is not None:
-        if launch.transposed or launch.prefetch:
-            raise ValueError("the inverse form's state pass has no transposed or prefetch variant")
-        state_pass_inverse_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
-            work.k, work.v, work.k_inv_norm, work.minv, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
-            work.chunk_states, work.v_new,
-            work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1),
-            state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
-            D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, BLOCK_V=block_v,
-            KEY_PARTS=key_parts, DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
-            num_warps=launch.num_warps, num_stages=launch.num_stages,
-        )
-        return
     state_pass_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
-        work.k, work.k_inv_norm, work.w, work.u, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
+        work.k, work.v, work.k_inv_norm, work.minv, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
         work.chunk_states, work.v_new,
-        work.k.stride(0), work.k.stride(1), state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
-        D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v,
-        KEY_PARTS=key_parts, TRANSPOSED=launch.transposed, PREFETCH=launch.prefetch,
-        DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
+        work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1),
+        state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
+        D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, BLOCK_V=block_v,
+        KEY_PARTS=key_parts, DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
 
@@ -255,6 +208,5 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
     """Chunked GDN: q, k [T, H_k, d_k]; v [T, H_v, d_v]; a, b [T, H_v]; state [S, H_v, d_k, d_v]
     read and written by `slots` [B]; cu_seqlens [B+1]. Returns o [T, H_v, d_v] in q.dtype.
     `chunk_tables`: the step's shared tables for this cu_seqlens (built here if None)."""
-    work = plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, inverse_form=launch.inverse_form,
-                        chunk_tables=chunk_tables)
+    work = plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, chunk_tables=chunk_tables)
     return run_prefill(work, launch)

@@ -10,13 +10,16 @@ collapse into one triangular system (the WY / UT transform):
 so that for the chunk's initial state S0 the new values are u = U − W·S0, the outputs are
 o = (q·exp(G))·S0 + causal(q·kᵀ · exp(G_i − G_j))·u, and the final state is
 S0·exp(G_C) + kᵀ·(u · exp(G_C − G)), with q and k L2-normalised (q also scaled by d_k^-½).
+W and U are never stored: since they share the factor M⁻¹, u = M⁻¹·diag(beta)·(v − exp(G)·k·S0),
+and only M⁻¹·diag(beta) goes through memory (the "inverse form").
 No kernel normalises q or k on its own: each runs its products on the raw input rows and folds
 the inverse norms into row scales (the WY kernel gets the key norms from its Gram blocks and
 stores them, [T, H_k] fp32). One kernel per stage, in launch order:
 
-1. `chunk_wy_kernel`      (kernels/gdn_prefill_wy.py) per (chunk, value head), all in registers by
-                          16-row sub-blocks: gates and G, the system's blocks, M⁻¹ by blocks
-                          (substitution on the diagonal, products below), then W and U.
+1. `chunk_wy_kernel`      (kernels/gdn_prefill_wy.py) per (chunk, key head), all in registers by
+                          16-row sub-blocks: the keys' Gram blocks once, then per value head the
+                          gates and G, the system's blocks and M⁻¹ by blocks (substitution on the
+                          diagonal, products below), stored as M⁻¹·diag(beta).
 2. `state_pass_kernel`    (kernels/gdn_prefill_state.py) per (sequence, value head, d_v block): the
                           only sequential part — carries S in fp32 registers across chunks, saves
                           each chunk's S0 and u.

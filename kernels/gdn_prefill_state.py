@@ -1,25 +1,25 @@
 """The sequential state pass of the chunked GDN prefill: one program per (d_v block, value head,
 sequence) carries the fp32 state across the sequence's chunks (kernels/gdn_prefill_kernels.py has
-the maths). Per chunk with initial state S0:
+the maths). W and U are never stored: the WY kernel leaves each chunk's M⁻¹·diag(beta) ([C, C],
+8 KB in bf16 against 32 KB of W and U rows per chunk and value head at d = 128), and the pass
+forms the new values from it with the raw keys and values, since W = M⁻¹ diag(beta·exp(G)/‖k‖) K
+and U = M⁻¹ diag(beta) V share their left factor:
 
-    save S0 (the output kernel reads it);   u = U − W·S0 (saved);
-    S ← S0·exp(G_C) + kᵀ·(u ⊙ exp(G_C − G))
+    u = U − W·S0 = M⁻¹·diag(beta)·(V − diag(exp(G)/‖k‖)·(K·S0))
 
-The pass is latency-bound (one program per SM at most for a long sequence: each chunk waits on
-the previous one), so its variants trade registers for a shorter dependent chain per chunk; all
-are selected by constexprs that kernels/gdn_prefill.py:StatePassLaunch sets:
+Per chunk with initial state S0:
 
-- TRANSPOSED: hold Sᵀ [BV, d_k] instead of S [d_k, BV]. Both products then take the state side
-  as their LEFT operand (u = U − (Sᵀ·Wᵀ)ᵀ, Sᵀ += (u·decay)ᵀ·k), which the tensor cores read from
-  registers; the right operands (W, k) come straight from the pipelined loads. Untransposed, the
-  state and the new values are right operands and go through shared memory every chunk.
-- KEY_PARTS = 2: the state as two d_k halves (two accumulators, two smaller products whose
-  instructions interleave), as fla does.
-- PREFETCH: the next chunk's w, k, u, G are loaded into registers at the top of the current
-  chunk, so their latency hides behind a whole chunk of work (Triton's own pipelining, num_stages,
-  issues the next loads after the current chunk's products and waits for them at once).
+    save S0 (the output kernel reads it);   P = K·S0;   u = (M⁻¹·diag(beta))·(V − e ⊙ P) (saved);
+    S ← S0·exp(G_C) + kᵀ·(u ⊙ exp(G_C − G)/‖k‖)
 
-Every layout stores the chunk states in the same [N, H_v, d_k, d_v] layout.
+That is one product more on the sequential chain than with stored W and U, for 3 × 403 MB fewer
+bytes at 1×32768 on the 27B shapes (W and U written and read back, v read twice): the whole op
+went 0.96 → 1.11× fla there, 1.04 → 1.26× at 8×2048 (docs/BENCHMARKS.md, session 8).
+
+The pass is latency-bound for a few long sequences (one program per SM at most: each chunk waits
+on the previous one). KEY_PARTS = 2 holds the state as two d_k halves (two accumulators, two
+smaller products whose instructions interleave), as fla does; the launch knobs are in
+kernels/gdn_prefill.py:StatePassLaunch.
 """
 from __future__ import annotations
 
@@ -30,214 +30,134 @@ from kernels.gdn_prefill_tiles import _mm
 
 
 @triton.jit
-def _state_offsets(key_cols, vv, stride_k, stride_v, TRANSPOSED: tl.constexpr):
-    """Offsets of one d_k part of a state tile: [KP, BV], or [BV, KP] when TRANSPOSED."""
-    if TRANSPOSED:
-        return vv[:, None] * stride_v + key_cols[None, :] * stride_k
-    else:
-        return key_cols[:, None] * stride_k + vv[None, :] * stride_v
-
-
-@triton.jit
-def _state_mask(k_ok, v_ok, TRANSPOSED: tl.constexpr):
-    if TRANSPOSED:
-        return v_ok[:, None] & k_ok[None, :]
-    else:
-        return k_ok[:, None] & v_ok[None, :]
-
-
-@triton.jit
 def _key_cols(part, D_K, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr):
     cols = part * (BLOCK_K // KEY_PARTS) + tl.arange(0, BLOCK_K // KEY_PARTS)
     return cols, cols < D_K
 
 
 @triton.jit
-def _load_state(base, vv, v_ok, stride_k, stride_v, D_K,
-                BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The state tile as a tuple of KEY_PARTS fp32 parts."""
+def _load_state(base, vv, v_ok, stride_k, D_K, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr):
+    """The state tile [d_k, BV] at base (unit d_v stride) as a tuple of KEY_PARTS fp32 parts [KP, BV]."""
     cols, k_ok = _key_cols(0, D_K, BLOCK_K, KEY_PARTS)
-    part0 = tl.load(base + _state_offsets(cols, vv, stride_k, stride_v, TRANSPOSED),
-                    mask=_state_mask(k_ok, v_ok, TRANSPOSED), other=0.0).to(tl.float32)
+    part0 = tl.load(base + cols[:, None] * stride_k + vv[None, :], mask=k_ok[:, None] & v_ok[None, :],
+                    other=0.0).to(tl.float32)
     if KEY_PARTS == 2:
         cols, k_ok = _key_cols(1, D_K, BLOCK_K, KEY_PARTS)
-        part1 = tl.load(base + _state_offsets(cols, vv, stride_k, stride_v, TRANSPOSED),
-                        mask=_state_mask(k_ok, v_ok, TRANSPOSED), other=0.0).to(tl.float32)
+        part1 = tl.load(base + cols[:, None] * stride_k + vv[None, :], mask=k_ok[:, None] & v_ok[None, :],
+                        other=0.0).to(tl.float32)
         return part0, part1
     else:
         return (part0,)
 
 
 @triton.jit
-def _store_state(base, S, vv, v_ok, stride_k, stride_v, D_K,
-                 BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _store_state(base, S, vv, v_ok, stride_k, D_K, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr):
     for part in tl.static_range(KEY_PARTS):
         cols, k_ok = _key_cols(part, D_K, BLOCK_K, KEY_PARTS)
-        tl.store(base + _state_offsets(cols, vv, stride_k, stride_v, TRANSPOSED), S[part].to(base.dtype.element_ty),
-                 mask=_state_mask(k_ok, v_ok, TRANSPOSED))
+        tl.store(base + cols[:, None] * stride_k + vv[None, :], S[part].to(base.dtype.element_ty),
+                 mask=k_ok[:, None] & v_ok[None, :])
 
 
 @triton.jit
-def _value_tile(i, vv, row_ok, v_ok, row_stride, TRANSPOSED: tl.constexpr):
-    """Offsets and mask of a chunk's [C, BV] value tile (u, new values), [BV, C] when TRANSPOSED."""
-    if TRANSPOSED:
-        return i[None, :] * row_stride + vv[:, None], row_ok[None, :] & v_ok[:, None]
-    else:
-        return i[:, None] * row_stride + vv[None, :], row_ok[:, None] & v_ok[None, :]
-
-
-@triton.jit
-def _chunk_tiles(chunk_start, seq_end, k_ptr, stride_kt, stride_kh, k_inv_norm_ptr, w_ptr, u_ptr, G_ptr, head,
-                 vv, v_ok, H_V, H_K, D_K, D_V, GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
-                 KEY_PARTS: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """What one chunk needs besides the state: (w parts, raw k parts, u, to_end [C], decay) with
-    to_end = exp(G_C − G)/‖k‖ (the decay to the chunk end and the key normalisation, folded into
-    the values' rows) and decay = exp(G_C). All of it is independent of the state, so none of it
-    is on the sequential path. A chunk past the sequence end loads nothing (every row masked) and
-    is never used.
+def _chunk_tiles(chunk, chunk_start, seq_end, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
+                 k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok, H_V, H_K, D_K,
+                 GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+                 KEY_PARTS: tl.constexpr):
+    """What chunk `chunk` needs besides the state: (M⁻¹·diag(beta) [C, C], raw k parts [C, KP],
+    raw v [C, BV], e = exp(G)/‖k‖ [C], to_end = exp(G_C − G)/‖k‖ [C], exp(G_C)). None of it
+    depends on the state, so none of it is on the sequential path. Missing rows load k = v = 0 and
+    inverse norm 0, so they add nothing.
 
     Addresses are a scalar int64 base plus int32 tile offsets: int64 offset tiles would double
-    the registers of every [C, d] address tile (the pass ran at 255 registers with spills)."""
+    the registers of every [C, d] address tile."""
     i = tl.arange(0, C)
     row_ok = chunk_start + i < seq_end
-    w_base = w_ptr + (chunk_start * H_V + head) * D_K
+    # Only the lower blocks are written by the WY kernel; the upper ones load as 0.
+    lower = (i[:, None] // SUB) >= (i[None, :] // SUB)
+    minv = tl.load(minv_ptr + (chunk.to(tl.int64) * H_V + head) * C * C + i[:, None] * C + i[None, :],
+                   mask=lower, other=0.0)  # [C, C]
     k_base = k_ptr + chunk_start * stride_kt + (head // GROUP) * stride_kh
     cols, k_ok = _key_cols(0, D_K, BLOCK_K, KEY_PARTS)
-    mask = row_ok[:, None] & k_ok[None, :]
-    w0 = tl.load(w_base + i[:, None] * (H_V * D_K) + cols[None, :], mask=mask, other=0.0)  # [C, KP]
-    k0 = tl.load(k_base + i[:, None] * stride_kt + cols[None, :], mask=mask, other=0.0)  # [C, KP] raw
+    k0 = tl.load(k_base + i[:, None] * stride_kt + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     if KEY_PARTS == 2:
         cols, k_ok = _key_cols(1, D_K, BLOCK_K, KEY_PARTS)
-        mask = row_ok[:, None] & k_ok[None, :]
-        w1 = tl.load(w_base + i[:, None] * (H_V * D_K) + cols[None, :], mask=mask, other=0.0)
-        k1 = tl.load(k_base + i[:, None] * stride_kt + cols[None, :], mask=mask, other=0.0)
-        w, k = (w0, w1), (k0, k1)
+        k1 = tl.load(k_base + i[:, None] * stride_kt + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        k = (k0, k1)
     else:
-        w, k = (w0,), (k0,)
-    offsets, mask = _value_tile(i, vv, row_ok, v_ok, H_V * D_V, TRANSPOSED)
-    u = tl.load(u_ptr + (chunk_start * H_V + head) * D_V + offsets, mask=mask, other=0.0)
+        k = (k0,)
+    v = tl.load(v_ptr + chunk_start * stride_vt + head * stride_vh + i[:, None] * stride_vt + vv[None, :],
+                mask=row_ok[:, None] & v_ok[None, :], other=0.0)  # [C, BV] raw
     G = tl.load(G_ptr + chunk_start * H_V + head + i * H_V, mask=row_ok, other=0.0)  # [C]
     G_end = tl.load(G_ptr + (tl.minimum(chunk_start + C, seq_end) - 1) * H_V + head,
                     mask=chunk_start < seq_end, other=0.0)  # guarded: an empty sequence has no last row
-    # Missing rows: inverse norm 0 (and k = 0), so they add nothing.
     inv_norm = tl.load(k_inv_norm_ptr + chunk_start * H_K + head // GROUP + i * H_K, mask=row_ok, other=0.0)
-    return w, k, u, tl.exp(G_end - G) * inv_norm, tl.exp(G_end)
-
-
-@triton.jit
-def _project(S, w, KEY_PARTS: tl.constexpr, TRANSPOSED: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """W·S0 over the d_k parts: [C, BV], or (W·S0)ᵀ = S0ᵀ·Wᵀ [BV, C] when TRANSPOSED."""
-    if TRANSPOSED:
-        out = _mm(S[0], tl.trans(w[0]), DOT_DTYPE)
-        if KEY_PARTS == 2:
-            out += _mm(S[1], tl.trans(w[1]), DOT_DTYPE)
-    else:
-        out = _mm(w[0], S[0], DOT_DTYPE)
-        if KEY_PARTS == 2:
-            out += _mm(w[1], S[1], DOT_DTYPE)
-    return out
-
-
-@triton.jit
-def _accumulate(S_part, k_part, v_to_end, decay, TRANSPOSED: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """S·exp(G_C) + kᵀ·v_to_end for one d_k part (transposed: Sᵀ·exp(G_C) + v_to_endᵀ·k)."""
-    if TRANSPOSED:
-        return S_part * decay + _mm(v_to_end, k_part, DOT_DTYPE)
-    else:
-        return S_part * decay + _mm(tl.trans(k_part), v_to_end, DOT_DTYPE)
+    return minv, k, v, tl.exp(G) * inv_norm, tl.exp(G_end - G) * inv_norm, tl.exp(G_end)
 
 
 @triton.jit
 def _chunk_step(S, tiles, chunk, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv, v_ok, H_V, D_K, D_V,
-                C: tl.constexpr, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr, TRANSPOSED: tl.constexpr,
-                DOT_DTYPE: tl.constexpr):
-    """One chunk: save S0, u = U − W·S0 (saved), S ← S0·exp(G_C) + kᵀ·(u·exp(G_C − G))."""
-    w, k, u, to_end, decay = tiles
-    _store_state(h_ptr + (chunk.to(tl.int64) * H_V + head) * D_K * D_V, S, vv, v_ok, D_V, 1, D_K,
-                 BLOCK_K, KEY_PARTS, TRANSPOSED)
+                C: tl.constexpr, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One chunk: save S0; u = M⁻¹·diag(beta)·(V − e ⊙ K·S0) (saved); S ← S0·exp(G_C) + kᵀ·(u ⊙ to_end)."""
+    minv, k, v, e, to_end, decay = tiles
+    _store_state(h_ptr + (chunk.to(tl.int64) * H_V + head) * D_K * D_V, S, vv, v_ok, D_V, D_K, BLOCK_K, KEY_PARTS)
+    projected = _mm(k[0], S[0], DOT_DTYPE)  # [C, BV]: raw K·S0
+    if KEY_PARTS == 2:
+        projected += _mm(k[1], S[1], DOT_DTYPE)
+    v_new = _mm(minv, v.to(tl.float32) - e[:, None] * projected, DOT_DTYPE)  # [C, BV]
     i = tl.arange(0, C)
-    offsets, mask = _value_tile(i, vv, chunk_start + i < seq_end, v_ok, H_V * D_V, TRANSPOSED)
-    v_new = u.to(tl.float32) - _project(S, w, KEY_PARTS, TRANSPOSED, DOT_DTYPE)
-    tl.store(vnew_ptr + (chunk_start * H_V + head) * D_V + offsets, v_new.to(vnew_ptr.dtype.element_ty), mask=mask)
+    tl.store(vnew_ptr + (chunk_start * H_V + head) * D_V + i[:, None] * (H_V * D_V) + vv[None, :],
+             v_new.to(vnew_ptr.dtype.element_ty), mask=(chunk_start + i < seq_end)[:, None] & v_ok[None, :])
     # Decay and key norms folded into the values rather than the keys (fewer multiplies on the
     # sequential path).
-    if TRANSPOSED:
-        v_to_end = v_new * to_end[None, :]  # [BV, C]
-    else:
-        v_to_end = v_new * to_end[:, None]  # [C, BV]
+    v_to_end = v_new * to_end[:, None]  # [C, BV]
     if KEY_PARTS == 2:
-        return (_accumulate(S[0], k[0], v_to_end, decay, TRANSPOSED, DOT_DTYPE),
-                _accumulate(S[1], k[1], v_to_end, decay, TRANSPOSED, DOT_DTYPE))
+        return (S[0] * decay + _mm(tl.trans(k[0]), v_to_end, DOT_DTYPE),
+                S[1] * decay + _mm(tl.trans(k[1]), v_to_end, DOT_DTYPE))
     else:
-        return (_accumulate(S[0], k[0], v_to_end, decay, TRANSPOSED, DOT_DTYPE),)
-
-
-@triton.jit
-def _loop_body(S, prefetched, j, first_chunk, seq_start, seq_end, k_ptr, stride_kt, stride_kh, k_inv_norm_ptr,
-               w_ptr, u_ptr, G_ptr, h_ptr, vnew_ptr, head, vv, v_ok, H_V, H_K, D_K, D_V,
-               GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr,
-               TRANSPOSED: tl.constexpr, PREFETCH: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Chunk j of the sequence; with PREFETCH, `prefetched` holds its tiles and chunk j + 1's are
-    loaded first (before any maths of chunk j), else `prefetched` is an unused placeholder."""
-    # A sequence's chunks are consecutive in the table and in the tokens: row addresses are
-    # arithmetic in the loop index (no table load on the sequential path).
-    chunk_start = seq_start + j * C
-    if PREFETCH:
-        tiles = prefetched
-        load_start = chunk_start + C
-    else:
-        load_start = chunk_start
-    loaded = _chunk_tiles(load_start, seq_end, k_ptr, stride_kt, stride_kh, k_inv_norm_ptr, w_ptr, u_ptr, G_ptr,
-                          head, vv, v_ok, H_V, H_K, D_K, D_V, GROUP, C, BLOCK_K, KEY_PARTS, TRANSPOSED)
-    if PREFETCH:
-        prefetched = loaded
-    else:
-        tiles = loaded
-    S = _chunk_step(S, tiles, first_chunk + j, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv, v_ok, H_V, D_K, D_V,
-                    C, BLOCK_K, KEY_PARTS, TRANSPOSED, DOT_DTYPE)
-    return S, prefetched
+        return (S[0] * decay + _mm(tl.trans(k[0]), v_to_end, DOT_DTYPE),)
 
 
 @triton.jit
 def state_pass_kernel(
-    k_ptr, k_inv_norm_ptr, w_ptr, u_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr, h_ptr, vnew_ptr,
-    stride_kt, stride_kh, stride_s0, stride_s1, stride_s2, H_V, H_K, D_K: tl.constexpr, D_V: tl.constexpr,
-    GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    KEY_PARTS: tl.constexpr, TRANSPOSED: tl.constexpr, PREFETCH: tl.constexpr,
+    k_ptr, v_ptr, k_inv_norm_ptr, minv_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr, h_ptr, vnew_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_s0, stride_s1, stride_s2, H_V, H_K,
+    D_K: tl.constexpr, D_V: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_PARTS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
 ):
-    """k is raw (k_inv_norm [T, H_k] from the WY kernel normalises it); u, w, G from the WY
-    kernel. Writes the chunk states h [N, H_v, d_k, d_v], the new values and the final state."""
-    # Grid (d_v block, value head, sequence): the sibling programs that read the same w / k tiles
-    # every chunk are launched together, so those reads hit L2 (sequence-first, they did not).
+    """k, v raw (k_inv_norm [T, H_k] from the WY kernel normalises k); M⁻¹·diag(beta)
+    [N, H_v, C, C] and G from the WY kernel. Writes the chunk states h [N, H_v, d_k, d_v], the new
+    values and the final state."""
+    # Grid (d_v block, value head, sequence): the sibling programs that read the same k tiles
+    # every chunk are launched together, so those reads hit L2.
     seq, head = tl.program_id(2), tl.program_id(1)
     vv = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = vv < D_V
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     state_base = state_ptr + slot * stride_s0 + head * stride_s1
-    S = _load_state(state_base, vv, v_ok, stride_s2, 1, D_K, BLOCK_K, KEY_PARTS, TRANSPOSED)
+    S = _load_state(state_base, vv, v_ok, stride_s2, D_K, BLOCK_K, KEY_PARTS)
 
     seq_start = tl.load(cu_ptr + seq).to(tl.int64)
     seq_end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     first_chunk = tl.load(seq_offsets_ptr + seq)
     n_chunks = tl.load(seq_offsets_ptr + seq + 1) - first_chunk
-    if PREFETCH:
-        prefetched = _chunk_tiles(seq_start, seq_end, k_ptr, stride_kt, stride_kh, k_inv_norm_ptr, w_ptr, u_ptr,
-                                  G_ptr, head, vv, v_ok, H_V, H_K, D_K, D_V, GROUP, C, BLOCK_K, KEY_PARTS, TRANSPOSED)
-    else:
-        prefetched = 0  # placeholder loop value (Triton cannot carry None through a loop)
+    # A sequence's chunks are consecutive in the table and in the tokens: row addresses are
+    # arithmetic in the loop index (no table load on the sequential path).
     if LOOP_AS_WHILE:
         j = 0
         while j < n_chunks:
-            S, prefetched = _loop_body(S, prefetched, j, first_chunk, seq_start, seq_end, k_ptr, stride_kt, stride_kh,
-                                       k_inv_norm_ptr, w_ptr, u_ptr, G_ptr, h_ptr, vnew_ptr, head, vv, v_ok,
-                                       H_V, H_K, D_K, D_V, GROUP, C, BLOCK_K, KEY_PARTS, TRANSPOSED, PREFETCH,
-                                       DOT_DTYPE)
+            tiles = _chunk_tiles(first_chunk + j, seq_start + j * C, seq_end, k_ptr, stride_kt, stride_kh, v_ptr,
+                                 stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok,
+                                 H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
+            S = _chunk_step(S, tiles, first_chunk + j, seq_start + j * C, seq_end, h_ptr, vnew_ptr, head, vv, v_ok,
+                            H_V, D_K, D_V, C, BLOCK_K, KEY_PARTS, DOT_DTYPE)
             j += 1
     else:
         for j in range(0, n_chunks):
-            S, prefetched = _loop_body(S, prefetched, j, first_chunk, seq_start, seq_end, k_ptr, stride_kt, stride_kh,
-                                       k_inv_norm_ptr, w_ptr, u_ptr, G_ptr, h_ptr, vnew_ptr, head, vv, v_ok,
-                                       H_V, H_K, D_K, D_V, GROUP, C, BLOCK_K, KEY_PARTS, TRANSPOSED, PREFETCH,
-                                       DOT_DTYPE)
-    _store_state(state_base, S, vv, v_ok, stride_s2, 1, D_K, BLOCK_K, KEY_PARTS, TRANSPOSED)
+            tiles = _chunk_tiles(first_chunk + j, seq_start + j * C, seq_end, k_ptr, stride_kt, stride_kh, v_ptr,
+                                 stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok,
+                                 H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
+            S = _chunk_step(S, tiles, first_chunk + j, seq_start + j * C, seq_end, h_ptr, vnew_ptr, head, vv, v_ok,
+                            H_V, D_K, D_V, C, BLOCK_K, KEY_PARTS, DOT_DTYPE)
+    _store_state(state_base, S, vv, v_ok, stride_s2, D_K, BLOCK_K, KEY_PARTS)

@@ -1,6 +1,8 @@
 """The WY transform of the chunked GDN prefill (kernels/gdn_prefill_kernels.py has the maths): one
-program per (chunk, value head) computes the gates and G, the chunk's triangular system from the
-keys' Gram blocks, its inverse by 16-row blocks, and W, U, all in registers.
+program per (chunk, key head) computes the Gram blocks of the chunk's keys once, then for each of
+the key head's value heads in turn the gates and G, the chunk's triangular system and its inverse
+by 16-row blocks, all in registers, and stores M⁻¹·diag(beta). W and U are never formed here: the
+state pass applies the inverse to its own products (kernels/gdn_prefill_state.py).
 """
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import L2NORM_EPS, gdn_gate_terms
-from kernels.gdn_prefill_tiles import _load_rows, _store_rows
+from kernels.gdn_prefill_tiles import _load_rows
 
 
 @triton.jit
@@ -70,85 +72,56 @@ def _inverse_diagonal_block(gram, beta, G, SUB: tl.constexpr):
 
 
 @triton.jit
-def _apply_inverse(x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, y0, y1, y2, y3, PRECISION: tl.constexpr):
-    """M⁻¹·Y by blocks, Y given as its 4 sub-block tiles [SUB, n] in the dtype of the blocks of
-    M⁻¹: row block i is Σ_{j≤i} Inv_ij·y_j, accumulated in fp32."""
-    z0 = tl.dot(x00, y0, input_precision=PRECISION)
-    z1 = tl.dot(x11, y1, tl.dot(i10, y0, input_precision=PRECISION), input_precision=PRECISION)
-    z2 = tl.dot(i20, y0, input_precision=PRECISION)
-    z2 = tl.dot(x22, y2, tl.dot(i21, y1, z2, input_precision=PRECISION), input_precision=PRECISION)
-    z3 = tl.dot(i31, y1, tl.dot(i30, y0, input_precision=PRECISION), input_precision=PRECISION)
-    z3 = tl.dot(x33, y3, tl.dot(i32, y2, z3, input_precision=PRECISION), input_precision=PRECISION)
-    return z0, z1, z2, z3
-
-
-@triton.jit
 def chunk_wy_kernel(
-    k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_end_ptr,
-    G_ptr, k_inv_norm_ptr, w_ptr, u_ptr, minv_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, H_V, H_K, D_K,
-    D_V: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
-    BLOCK_K: tl.constexpr, K_STEP: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STORE_INVERSE: tl.constexpr, SHARE_KEY_HEAD: tl.constexpr,
+    k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_end_ptr, G_ptr, k_inv_norm_ptr, minv_ptr,
+    stride_kt, stride_kh, stride_at, stride_bt, H_V, H_K, D_K,
+    GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, K_STEP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One (chunk, value head): G, then W and U, all in registers, by 16-row sub-blocks.
+    """One (chunk, key head): its normalised keys' Gram blocks and inverse norms (stored, [T, H_k]
+    fp32, for the later kernels), then for each of its GROUP value heads G (stored) and
+    M⁻¹·diag(beta) ([N, H_v, C, C] in DOT_DTYPE: the 10 lower 16×16 blocks; the upper ones are
+    never written and never read). The GROUP value heads differ only in their gates, so the keys
+    are loaded and multiplied once for all of them (per value head: 0.43 against 0.61 ms at
+    1×32768 on the H200, docs/BENCHMARKS.md session 8).
 
     Keys are raw (not normalised): the kernel works on the raw keys' Gram blocks and rescales them
-    by the inverse key norms, which their diagonal blocks give; the first value head of each key
-    head stores those norms (k_inv_norm [T, H_k] fp32) for the later kernels, which fold them into
-    their products too. No separate normalisation launch, and no normalised copy of q or k.
+    by the inverse key norms, which their diagonal blocks give. No separate normalisation launch,
+    and no normalised copy of q or k.
 
     A register tile cannot be sliced, so the C = 4·SUB rows are four named sub-blocks (suffix
-    0..3, local rows r0..r3) from the start. Every product sweeps its long dimension in steps
-    (d_k by K_STEP, d_v by BLOCK_V): every warp holds the whole left operand of a 16-row product,
-    so whole [16, d_k] key tiles would cost far more registers than the maths needs.
+    0..3, local rows r0..r3) from the start; the Gram products sweep d_k in K_STEP slices (every
+    warp holds the whole left operand of a 16-row product: whole [16, d_k] key tiles would cost
+    far more registers than the maths needs).
 
-    DOT_DTYPE is the input dtype: keys, values and the rounded M⁻¹ enter the tensor cores in it.
-    PRECISION is for products of fp32 operands: "ieee" for fp32 inputs (exact path throughout),
-    "tf32" for 16-bit inputs, where only M⁻¹'s off-diagonal blocks take fp32 operands (and are
-    rounded to 16 bits right after, as fla does); 16-bit operands ignore it.
-
-    STORE_INVERSE: store M⁻¹·diag(beta) ([N, H_v, C, C] in DOT_DTYPE, the 10 lower 16×16 blocks;
-    the upper ones are never written) instead of W and U: the state pass then computes the new
-    values from it and the raw keys and values (gdn_prefill_state_inverse.py), so W and U never
-    go through memory. SHARE_KEY_HEAD (with STORE_INVERSE): one program per (chunk, key head)
-    computes the Gram blocks once and the GROUP value heads' inverses in turn.
+    DOT_DTYPE is the input dtype: the keys enter the tensor cores in it and M⁻¹·diag(beta) is
+    stored in it. PRECISION is for products of fp32 operands (M⁻¹'s off-diagonal blocks): "ieee"
+    for fp32 inputs (exact path throughout), "tf32" for 16-bit inputs, where the blocks are
+    rounded to 16 bits when stored anyway (as fla does).
     """
     tl.static_assert(C == 4 * SUB)
-    tl.static_assert(STORE_INVERSE or not SHARE_KEY_HEAD)
-    # Grid (value head or key head, chunk): the GROUP value heads sharing a key head read its keys
-    # together.
-    chunk = tl.program_id(1)
+    # Grid (key head, chunk): a chunk's key heads run together.
+    key_head, chunk = tl.program_id(0), tl.program_id(1)
     start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
     n_rows = tl.load(chunk_end_ptr + chunk) - start.to(tl.int32)
     if n_rows <= 0:  # an unused tail chunk of the table
         return
-    key_head = tl.program_id(0) if SHARE_KEY_HEAD else tl.program_id(0) // GROUP
     r0 = tl.arange(0, SUB)
     r1, r2, r3 = r0 + SUB, r0 + 2 * SUB, r0 + 3 * SUB
     ok0, ok1, ok2, ok3 = r0 < n_rows, r1 < n_rows, r2 < n_rows, r3 < n_rows
-    k_base = k_ptr + start * stride_kt + key_head * stride_kh
     n0, n1, n2, n3, kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33 = _normalised_gram(
-        k_base, stride_kt, r0, r1, r2, r3, ok0, ok1, ok2, ok3, D_K, SUB, BLOCK_K, K_STEP, PRECISION)
-    if SHARE_KEY_HEAD or tl.program_id(0) % GROUP == 0:
-        n_base = k_inv_norm_ptr + start * H_K + key_head
-        tl.store(n_base + r0 * H_K, n0, mask=ok0)
-        tl.store(n_base + r1 * H_K, n1, mask=ok1)
-        tl.store(n_base + r2 * H_K, n2, mask=ok2)
-        tl.store(n_base + r3 * H_K, n3, mask=ok3)
-    if SHARE_KEY_HEAD:
-        for g in range(GROUP):
-            _head_inverse(key_head * GROUP + g, chunk, start, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, G_ptr, w_ptr,
-                          u_ptr, minv_ptr, v_ptr, k_base, stride_kt, stride_vt, stride_vh, stride_at, stride_bt,
-                          r0, r1, r2, r3, ok0, ok1, ok2, ok3, n0, n1, n2, n3,
-                          kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33, H_V, D_K, D_V, C, SUB,
-                          BLOCK_K, K_STEP, BLOCK_V, DOT_DTYPE, PRECISION, STORE_INVERSE)
-    else:
-        _head_inverse(tl.program_id(0), chunk, start, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, G_ptr, w_ptr,
-                      u_ptr, minv_ptr, v_ptr, k_base, stride_kt, stride_vt, stride_vh, stride_at, stride_bt,
-                      r0, r1, r2, r3, ok0, ok1, ok2, ok3, n0, n1, n2, n3,
-                      kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33, H_V, D_K, D_V, C, SUB,
-                      BLOCK_K, K_STEP, BLOCK_V, DOT_DTYPE, PRECISION, STORE_INVERSE)
+        k_ptr + start * stride_kt + key_head * stride_kh, stride_kt, r0, r1, r2, r3, ok0, ok1, ok2, ok3, D_K, SUB,
+        BLOCK_K, K_STEP, PRECISION)
+    n_base = k_inv_norm_ptr + start * H_K + key_head
+    tl.store(n_base + r0 * H_K, n0, mask=ok0)
+    tl.store(n_base + r1 * H_K, n1, mask=ok1)
+    tl.store(n_base + r2 * H_K, n2, mask=ok2)
+    tl.store(n_base + r3 * H_K, n3, mask=ok3)
+    # A loop, not unrolled: one value head's inverse at a time keeps the registers of one.
+    for g in range(GROUP):
+        _head_inverse(key_head * GROUP + g, chunk, start, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, G_ptr, minv_ptr,
+                      stride_at, stride_bt, r0, r1, r2, r3, ok0, ok1, ok2, ok3,
+                      kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33, H_V, C, SUB, PRECISION)
 
 
 @triton.jit
@@ -188,14 +161,11 @@ def _normalised_gram(k_base, k_row, r0, r1, r2, r3, ok0, ok1, ok2, ok3, D_K, SUB
 
 
 @triton.jit
-def _head_inverse(head, chunk, start, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, G_ptr, w_ptr, u_ptr, minv_ptr, v_ptr,
-                  k_base, k_row, stride_vt, stride_vh, stride_at, stride_bt, r0, r1, r2, r3, ok0, ok1, ok2, ok3,
-                  n0, n1, n2, n3, kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33, H_V, D_K,
-                  D_V: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
-                  K_STEP: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                  STORE_INVERSE: tl.constexpr):
+def _head_inverse(head, chunk, start, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, G_ptr, minv_ptr, stride_at, stride_bt,
+                  r0, r1, r2, r3, ok0, ok1, ok2, ok3, kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33,
+                  H_V, C: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
     """One value head of the chunk, given its key head's normalised Gram blocks: the gates and G
-    (stored: the later kernels read it), M⁻¹ by blocks, then M⁻¹·diag(beta) or W and U stored."""
+    (stored: the later kernels read it), M⁻¹ by blocks, and M⁻¹·diag(beta) stored."""
     A_log = tl.load(A_log_ptr + head).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     a_base, b_base = a_ptr + start * stride_at + head, b_ptr + start * stride_bt + head
@@ -230,13 +200,8 @@ def _head_inverse(head, chunk, start, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, G_pt
     a30 = _system_block(kk30, beta3, G3, G0)
     sum30 = tl.dot(a31, i10, tl.dot(a30, x00, input_precision=PRECISION), input_precision=PRECISION)
     i30 = -tl.dot(x33, tl.dot(a32, i20, sum30, input_precision=PRECISION), input_precision=PRECISION)
-    if STORE_INVERSE:
-        _store_inverse_times_beta(minv_ptr + (chunk.to(tl.int64) * H_V + head) * C * C, C, SUB,
-                                  x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, beta0, beta1, beta2, beta3)
-    else:
-        _store_w_u(x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, beta0, beta1, beta2, beta3, G0, G1, G2, G3,
-                   n0, n1, n2, n3, r0, r1, r2, r3, ok0, ok1, ok2, ok3, k_base, k_row, v_ptr, stride_vt, stride_vh,
-                   w_ptr, u_ptr, start, head, H_V, D_K, D_V, BLOCK_K, K_STEP, BLOCK_V, DOT_DTYPE, PRECISION)
+    _store_inverse_times_beta(minv_ptr + (chunk.to(tl.int64) * H_V + head) * C * C, C, SUB,
+                              x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, beta0, beta1, beta2, beta3)
 
 
 @triton.jit
@@ -263,55 +228,3 @@ def _store_block(base, r, row_block: tl.constexpr, col_block: tl.constexpr, C: t
                  block):
     offsets = (row_block * SUB + r)[:, None] * C + (col_block * SUB + r)[None, :]
     tl.store(base + offsets, block.to(base.dtype.element_ty))
-
-
-@triton.jit
-def _store_w_u(x00, i10, x11, i20, i21, x22, i30, i31, i32, x33, beta0, beta1, beta2, beta3, G0, G1, G2, G3,
-               n0, n1, n2, n3, r0, r1, r2, r3, ok0, ok1, ok2, ok3, k_base, k_row, v_ptr, stride_vt, stride_vh,
-               w_ptr, u_ptr, start, head, H_V, D_K, D_V: tl.constexpr, BLOCK_K: tl.constexpr,
-               K_STEP: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """W = M⁻¹ (k̂ ⊙ beta·exp(G)) and U = M⁻¹ (v ⊙ beta) from the blocks of M⁻¹, stored."""
-    # M⁻¹ in the input dtype from here on: the operands of W's and U's products.
-    x00, x11, x22, x33 = x00.to(DOT_DTYPE), x11.to(DOT_DTYPE), x22.to(DOT_DTYPE), x33.to(DOT_DTYPE)
-    i10, i20, i30 = i10.to(DOT_DTYPE), i20.to(DOT_DTYPE), i30.to(DOT_DTYPE)
-    i21, i31, i32 = i21.to(DOT_DTYPE), i31.to(DOT_DTYPE), i32.to(DOT_DTYPE)
-
-    # W = M⁻¹ (k̂ ⊙ beta·exp(G)), K_STEP columns at a time (the key slices come again, from
-    # L1/L2), the normalisation folded into the row scales.
-    w_base = w_ptr + (start * H_V + head) * D_K
-    scale0, scale1 = beta0 * tl.exp(G0) * n0, beta1 * tl.exp(G1) * n1
-    scale2, scale3 = beta2 * tl.exp(G2) * n2, beta3 * tl.exp(G3) * n3
-    for k_step in range(0, BLOCK_K, K_STEP):
-        cols = k_step + tl.arange(0, K_STEP)
-        col_ok = cols < D_K
-        w0, w1, w2, w3 = _apply_inverse(
-            x00, i10, x11, i20, i21, x22, i30, i31, i32, x33,
-            (_load_rows(k_base, r0, ok0, k_row, cols, col_ok).to(tl.float32) * scale0[:, None]).to(DOT_DTYPE),
-            (_load_rows(k_base, r1, ok1, k_row, cols, col_ok).to(tl.float32) * scale1[:, None]).to(DOT_DTYPE),
-            (_load_rows(k_base, r2, ok2, k_row, cols, col_ok).to(tl.float32) * scale2[:, None]).to(DOT_DTYPE),
-            (_load_rows(k_base, r3, ok3, k_row, cols, col_ok).to(tl.float32) * scale3[:, None]).to(DOT_DTYPE),
-            PRECISION)
-        _store_rows(w_base, r0, ok0, H_V * D_K, cols, col_ok, w0)
-        _store_rows(w_base, r1, ok1, H_V * D_K, cols, col_ok, w1)
-        _store_rows(w_base, r2, ok2, H_V * D_K, cols, col_ok, w2)
-        _store_rows(w_base, r3, ok3, H_V * D_K, cols, col_ok, w3)
-
-    # U = M⁻¹ (v ⊙ beta), BLOCK_V columns at a time.
-    v_base = v_ptr + start * stride_vt + head * stride_vh
-    u_base = u_ptr + (start * H_V + head) * D_V
-    for v_step in range(0, D_V, BLOCK_V):
-        cols = v_step + tl.arange(0, BLOCK_V)
-        col_ok = cols < D_V
-        u0, u1, u2, u3 = _apply_inverse(
-            x00, i10, x11, i20, i21, x22, i30, i31, i32, x33,
-            (_load_rows(v_base, r0, ok0, stride_vt, cols, col_ok).to(tl.float32) * beta0[:, None]).to(DOT_DTYPE),
-            (_load_rows(v_base, r1, ok1, stride_vt, cols, col_ok).to(tl.float32) * beta1[:, None]).to(DOT_DTYPE),
-            (_load_rows(v_base, r2, ok2, stride_vt, cols, col_ok).to(tl.float32) * beta2[:, None]).to(DOT_DTYPE),
-            (_load_rows(v_base, r3, ok3, stride_vt, cols, col_ok).to(tl.float32) * beta3[:, None]).to(DOT_DTYPE),
-            PRECISION)
-        _store_rows(u_base, r0, ok0, H_V * D_V, cols, col_ok, u0)
-        _store_rows(u_base, r1, ok1, H_V * D_V, cols, col_ok, u1)
-        _store_rows(u_base, r2, ok2, H_V * D_V, cols, col_ok, u2)
-        _store_rows(u_base, r3, ok3, H_V * D_V, cols, col_ok, u3)
-
-

@@ -224,15 +224,20 @@ def test_triton_prefill_strided_views_empty_sequence_bf16_pool():
 
 @pytest.mark.parametrize("correlated_keys", [False, True], ids=["random_keys", "correlated_keys"])
 def test_triton_prefill_half_precision_path(correlated_keys):
-    """16-bit inputs take the tensor-core path (operands and intermediates in the input dtype).
-    fp16 here because the interpreter cannot multiply bf16; CUDA covers bf16 at model shapes.
-    Correlated keys: the WY kernel's triangular inverse must stay stable with 16-bit operands."""
-    x, state, cu = make_inputs([70, 5], H_k=1, H_v=2, device=DEVICE, dtype=torch.float16, seed=11,
+    """16-bit inputs take the tensor-core path (operands, M⁻¹·diag(beta) and the other
+    intermediates in the input dtype), from strided q|k|v views. fp16 here because the interpreter
+    cannot multiply bf16; CUDA covers bf16 at model shapes. Correlated keys: the WY kernel's
+    triangular inverse must stay stable with 16-bit operands."""
+    lengths = [70, 5]
+    x, state, cu = make_inputs(lengths, H_k=1, H_v=2, device=DEVICE, dtype=torch.float16, seed=11,
                                correlated_keys=correlated_keys)
+    T = sum(lengths)
+    packed = torch.cat([x["q"].reshape(T, -1), x["k"].reshape(T, -1), x["v"].reshape(T, -1)], dim=1)
+    views = dict(x, q=packed[:, :16].view(T, 1, 16), k=packed[:, 16:32].view(T, 1, 16), v=packed[:, 32:].view(T, 2, 32))
     slots = _slots(2, DEVICE)
     expect_state = state.clone()
     expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=expect_state, slots=slots, cu_seqlens=cu)
-    got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
+    got = tri_prefill.gdn_prefill(**views, state=state, slots=slots, cu_seqlens=cu)
     assert got.dtype == torch.float16
     assert _rel_err(got, expect) < 2e-3
     assert _rel_err(state, expect_state) < 2e-3
@@ -258,22 +263,12 @@ GOOD_ON_H200 = [
 FORMERLY_CRASHING_ON_H200 = tri_prefill.PrefillLaunch(wy=KernelLaunch(32, 4, 1), state_pass=KernelLaunch(64, 4, 2),
                                                       output=KernelLaunch(128, 4, 3))
 MIXED_LAUNCHES = GOOD_ON_H200 + [FORMERLY_CRASHING_ON_H200]
-# Every state-pass variant at the model's shapes, at the block_v / warps / stages the sweep tries.
+# State-pass launches at the model's shapes: both key-part layouts at the block_v / warps / stages
+# the sweeps try.
 STATE_VARIANTS_ON_CUDA = [
-    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, state_pass=tri_prefill.StatePassLaunch(*knobs, **variant))
-    for knobs, variant in [
-        ((64, 4, 2), dict(key_parts=2)), ((64, 8, 2), dict(key_parts=2)), ((32, 4, 2), dict(transposed=True)),
-        ((32, 8, 2), dict(transposed=True)), ((64, 8, 1), dict(prefetch=True)),
-        ((64, 8, 1), dict(key_parts=2, prefetch=True)), ((32, 4, 3), dict(transposed=True, key_parts=2)),
-    ]
-]
-
-
-# The inverse form at model shapes: its default-style launches for many and for few sequences.
-INVERSE_ON_CUDA = [
-    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, inverse_form=True),
-    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, inverse_form=True,
-                        state_pass=tri_prefill.DEFAULT_LAUNCH.state_pass_few_programs),
+    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, state_pass=tri_prefill.StatePassLaunch(*knobs, key_parts=parts))
+    for knobs, parts in [((64, 4, 2), 2), ((64, 8, 2), 2), ((32, 4, 3), 1), ((32, 4, 2), 2), ((16, 4, 2), 1),
+                         ((64, 8, 2), 1)]
 ]
 
 
@@ -305,12 +300,9 @@ def test_triton_prefill_mixed_launches(launch):
     assert torch.equal(state[_untouched(slots)], original[_untouched(slots)])
 
 
-# State-pass code variants (kernels/gdn_prefill_state.py): every combination, at block_v 32 (d_v =
+# State-pass layouts (kernels/gdn_prefill_state.py): one and two d_k parts, at block_v 32 (d_v =
 # 48 leaves a masked tail). key_parts=2 needs d_k ≥ 32, so these run at d_k = 32.
-STATE_VARIANTS = [
-    tri_prefill.StatePassLaunch(32, 4, 2, transposed=transposed, key_parts=parts, prefetch=prefetch)
-    for transposed in (False, True) for parts in (1, 2) for prefetch in (False, True)
-]
+STATE_VARIANTS = [tri_prefill.StatePassLaunch(32, 4, 2, key_parts=parts) for parts in (1, 2)]
 PLAN_INPUTS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "slots", "cu", "chunks")
 
 
@@ -318,7 +310,7 @@ def _poisoned(work: tri_prefill.PrefillWork) -> tri_prefill.PrefillWork:
     """The plan with every buffer the kernels write (scratch and output) NaN-filled, so that an
     element a kernel fails to write shows up as NaN downstream."""
     scratch = {f.name: torch.full_like(getattr(work, f.name), float("nan"))
-               for f in dataclasses.fields(work) if f.name not in PLAN_INPUTS and getattr(work, f.name) is not None}
+               for f in dataclasses.fields(work) if f.name not in PLAN_INPUTS}
     return dataclasses.replace(work, **scratch)
 
 
@@ -337,7 +329,7 @@ def planned_through_wy():
 
 
 def _variant_id(launch) -> str:
-    return f"transposed{int(launch.transposed)}-parts{launch.key_parts}-prefetch{int(launch.prefetch)}"
+    return f"parts{launch.key_parts}"
 
 
 @pytest.mark.parametrize("variant", STATE_VARIANTS, ids=_variant_id)
@@ -364,69 +356,6 @@ def test_triton_prefill_writes_every_output_element():
     got = tri_prefill.run_prefill(_poisoned(tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu)))
     torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
-
-
-# The inverse form (the WY stage stores M⁻¹·diag(beta), the state pass forms the new values):
-# both key-part layouts, block_v 32 (d_v = 48 leaves a masked tail), at d_k = 32 for key_parts=2.
-# The second one also takes the WY kernel's key-head-shared variant.
-INVERSE_LAUNCHES = [
-    tri_prefill.PrefillLaunch(wy=tri_prefill.WyLaunch(64, 1, 1, share_key_head=share),
-                              state_pass=tri_prefill.StatePassLaunch(32, 4, 2, key_parts=parts),
-                              output=KernelLaunch(64, 4, 2),
-                              state_pass_few_programs=None, inverse_form=True)
-    for parts, share in ((1, False), (2, True))
-]
-
-
-def _inverse_id(launch) -> str:
-    return f"parts{launch.state_pass.key_parts}-share{int(launch.wy.share_key_head)}"
-
-
-@pytest.mark.parametrize("launch", INVERSE_LAUNCHES, ids=_inverse_id)
-def test_triton_prefill_inverse_form_writes_every_output(launch):
-    """The inverse form on NaN-poisoned buffers (unwritten lower blocks of M⁻¹, new values or chunk
-    states would turn into NaN), an empty sequence and a partial last chunk, in fp32 against the
-    token recurrence; slots outside the batch stay untouched."""
-    lengths = [65, 1, 0, 64, 3]
-    x, state, cu = make_inputs(lengths, d_k=32, d_v=48, device=DEVICE, seed=23)
-    slots = _slots(len(lengths), DEVICE)
-    expect_state, original = state.clone(), state.clone()
-    expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
-    work = _poisoned(tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu, inverse_form=True))
-    assert work.w is None and work.u is None and work.minv.shape[-2:] == (64, 64)
-    got = tri_prefill.run_prefill(work, launch)
-    torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
-    torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
-    assert torch.equal(state[_untouched(slots)], original[_untouched(slots)])
-
-
-@pytest.mark.parametrize("launch", INVERSE_LAUNCHES, ids=_inverse_id)
-@pytest.mark.parametrize("correlated_keys", [False, True], ids=["random_keys", "correlated_keys"])
-def test_triton_prefill_inverse_form_half_precision(correlated_keys, launch):
-    """The inverse form's 16-bit path (M⁻¹·diag(beta) and the new values' operands rounded to fp16),
-    strided q|k|v views, stable for nearly parallel keys."""
-    lengths = [70, 5]
-    x, state, cu = make_inputs(lengths, H_k=1, H_v=2, device=DEVICE, dtype=torch.float16, seed=11,
-                               correlated_keys=correlated_keys)
-    T = sum(lengths)
-    packed = torch.cat([x["q"].reshape(T, -1), x["k"].reshape(T, -1), x["v"].reshape(T, -1)], dim=1)
-    views = dict(x, q=packed[:, :16].view(T, 1, 16), k=packed[:, 16:32].view(T, 1, 16), v=packed[:, 32:].view(T, 2, 32))
-    slots = _slots(2, DEVICE)
-    expect_state = state.clone()
-    expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=expect_state, slots=slots, cu_seqlens=cu)
-    got = tri_prefill.gdn_prefill(**views, state=state, slots=slots, cu_seqlens=cu, launch=launch)
-    assert got.dtype == torch.float16
-    assert _rel_err(got, expect) < 2e-3
-    assert _rel_err(state, expect_state) < 2e-3
-
-
-def test_inverse_form_refuses_the_w_u_variants():
-    with pytest.raises(ValueError, match="inverse form"):
-        tri_prefill.PrefillLaunch(state_pass=tri_prefill.StatePassLaunch(32, 4, 2, transposed=True), inverse_form=True)
-    x, state, cu = make_inputs([3], device=DEVICE)
-    work = tri_prefill.plan_prefill(**x, state=state, slots=_slots(1, DEVICE), cu_seqlens=cu)  # W/U form
-    with pytest.raises(ValueError, match="inverse form"):
-        tri_prefill.run_wy(work, tri_prefill.WyLaunch(64, 1, 1, share_key_head=True))
 
 
 def _check_launches_at_model_shapes(launches, repeats: int = 3) -> None:
@@ -459,7 +388,7 @@ def _run_launches_in_child(which: str, expected: int) -> None:
 
 @requires_cuda
 def test_triton_prefill_launches_at_model_shapes_cuda():
-    _run_launches_in_child("good-launches", len(GOOD_ON_H200) + len(INVERSE_ON_CUDA))
+    _run_launches_in_child("good-launches", len(GOOD_ON_H200))
 
 
 @requires_cuda
@@ -508,7 +437,7 @@ def test_triton_prefill_model_shapes_bf16():
     got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
     assert got.dtype == torch.bfloat16
     # Rounding the output to bf16 alone costs ~2e-3 (RMS, relative); the bf16 matmul operands
-    # (W, U, new values, chunk states) add about as much again.
+    # (M⁻¹·diag(beta), new values, chunk states) add about as much again.
     assert _rel_err(got, expect) < 1e-2
     assert _rel_err(state[slots], expect_state[slots]) < 5e-3
 
@@ -526,7 +455,7 @@ def test_triton_decode_model_shapes_bf16():
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["good-launches"]:
-    _check_launches_at_model_shapes(GOOD_ON_H200 + INVERSE_ON_CUDA)
+    _check_launches_at_model_shapes(GOOD_ON_H200)
 elif __name__ == "__main__" and sys.argv[1:] == ["state-variants"]:
     _check_launches_at_model_shapes(STATE_VARIANTS_ON_CUDA)
 elif __name__ == "__main__" and sys.argv[1:] == ["formerly-crashing-launch"]:
