@@ -31,9 +31,3 @@ def _load_rows(base, rows, ok, row_stride, cols, col_ok):
     """Tile [rows, cols] at base + row·row_stride + col, masked-out entries 0. int32 offsets on a
     scalar int64 base: int64 offset tiles would double the registers of every address tile."""
     return tl.load(base + rows[:, None] * row_stride + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _store_rows(base, rows, ok, row_stride, cols, col_ok, tile):
-    tl.store(base + rows[:, None] * row_stride + cols[None, :], tile.to(base.dtype.element_ty),
-             mask=ok[:, None] & col_ok[None, :])
