@@ -58,7 +58,7 @@ class PrefillLaunch:
     (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the H200 sweeps' fastest
     (docs/BENCHMARKS.md, session 8 for the WY kernel and the state pass, session 3 for the output
     kernel). The register-resident WY kernel wins with ONE warp (0.43 against 0.80 ms at 2 warps,
-    1×32768): at ~200+ registers per thread a 16-row tile is replicated in every warp, so more
+    1×32768): at 255 registers per thread a 16-row tile is replicated in every warp, so more
     warps add work. The state pass as two d_k halves at block_v 64 for many sequences (0.38 ms at
     8×2048 against 0.46–0.67 for the others swept).
     `state_pass_few_programs` replaces `state_pass` when its grid would have fewer programs than
