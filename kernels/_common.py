@@ -116,9 +116,10 @@ class ChunkTables:
         return self._tables[chunk]
 
 
-def chunk_table_for(cu_seqlens: torch.Tensor, chunk: int, num_tokens: int,
-                    tables: "ChunkTables | None") -> ChunkTable:
-    """`tables`' table of this chunk size when it describes this very batch, else a fresh one."""
+def chunk_table_for(cu_seqlens: torch.Tensor, chunk: int, num_tokens: int, tables: ChunkTables | None) -> ChunkTable:
+    """The table of this chunk size: from `tables` (built once there), or a fresh one when `tables`
+    is None. Raises ValueError when `tables` describes another batch (another cu_seqlens tensor —
+    identity, not values, so no device sync — or another token count)."""
     if tables is None:
         return chunk_table(cu_seqlens, chunk, num_tokens)
     if tables.cu_seqlens is not cu_seqlens or tables.num_tokens != num_tokens:

@@ -139,11 +139,11 @@ def causal_conv1d_prefill(x, weight, bias, conv_state, slots, cu_seqlens,
     num_seqs = slots.numel()
     if num_seqs == 0:
         return out
-    tiles = chunk_table_for(cu_seqlens, launch.block_t, T, chunk_tables) if T > 0 else None
     cu = cu_seqlens.to(torch.int32)
     bias_arg = bias if bias is not None else weight
     K = weight.shape[1]
     if T > 0:
+        tiles = chunk_table_for(cu_seqlens, launch.block_t, T, chunk_tables)  # the tables know the caller's tensor
         _conv_prefill_out_kernel[(tiles.capacity, triton.cdiv(D, launch.block_d))](
             x, weight, bias_arg, conv_state, out, slots, cu, tiles.start, tiles.seq_end, tiles.seq,
             D, x.stride(0), weight.stride(0), *conv_state.stride(), out.stride(0),
