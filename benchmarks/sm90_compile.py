@@ -63,16 +63,12 @@ def _common(block_v: int) -> dict:
     return dict(GROUP=H_V // H_K, C=CHUNK, BLOCK_K=D_K, BLOCK_V=block_v, DOT_DTYPE=tl.bfloat16)
 
 
-def _state_pass_constexprs(block_v: int, fuse_output: bool) -> dict:
-    return dict(_common(block_v), D_K=D_K, D_V=D_V, SUB=SUB, LOOP_AS_WHILE=False, FUSE_OUTPUT=fuse_output,
-                KEY_PARTS=int(os.environ.get("STATE_KEY_PARTS", 1)))
-
-
 KERNELS = {
     "wy": KernelSpec(K.chunk_wy_kernel, lambda bv: dict(  # no d_v block: BLOCK_V dropped
         {n: v for n, v in _common(bv).items() if n != "BLOCK_V"}, SUB=SUB, K_STEP=KEY_STEP, PRECISION="tf32")),
-    "state_pass": KernelSpec(K.state_pass_kernel, lambda bv: _state_pass_constexprs(bv, fuse_output=False)),
-    "fused": KernelSpec(K.state_pass_kernel, lambda bv: _state_pass_constexprs(bv, fuse_output=True)),
+    "state_pass": KernelSpec(K.state_pass_kernel, lambda bv: dict(
+        _common(bv), D_K=D_K, D_V=D_V, SUB=SUB, LOOP_AS_WHILE=False,
+        KEY_PARTS=int(os.environ.get("STATE_KEY_PARTS", 1)))),
     "output": KernelSpec(K.chunk_output_kernel, _common),
 }
 

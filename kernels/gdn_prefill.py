@@ -73,20 +73,11 @@ class PrefillLaunch:
     output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=128, num_warps=4, num_stages=3))
     state_pass_few_programs: KernelLaunch | None = field(
         default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=3))
-    fused_few_programs: KernelLaunch | None = field(
-        default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=2))
-
-    def few_programs(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int) -> bool:
-        """Would the state pass at its default block_v have fewer programs than `sm_count` SMs?"""
-        return num_seqs * num_heads * triton.cdiv(d_v, self.state_pass.block_v) < sm_count
-
-    def fuses(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int) -> bool:
-        """Run state pass and outputs as one kernel (`fused_few_programs`) for this batch?"""
-        return self.fused_few_programs is not None and self.few_programs(num_seqs, num_heads, d_v, sm_count)
 
     def state_pass_for(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int) -> KernelLaunch:
-        """The (unfused) state-pass launch for this many sequences × value heads on `sm_count` SMs."""
-        if self.state_pass_few_programs is not None and self.few_programs(num_seqs, num_heads, d_v, sm_count):
+        """The state-pass launch for this many sequences × value heads on `sm_count` SMs."""
+        programs = num_seqs * num_heads * triton.cdiv(d_v, self.state_pass.block_v)
+        if self.state_pass_few_programs is not None and programs < sm_count:
             return self.state_pass_few_programs
         return self.state_pass
 
@@ -119,10 +110,9 @@ class PrefillWork:
     G: torch.Tensor  # [T, H_v] fp32 cumulative log-decay within each chunk
     k_inv_norm: torch.Tensor  # [T, H_k] fp32: 1/‖k‖ (rsqrt(Σk² + eps)), written by the WY kernel
     minv: torch.Tensor  # [N, H_v, C, C] M⁻¹·diag(beta) per chunk (its 10 lower 16×16 blocks)
-    v_new: torch.Tensor  # [T, H_v, d_v]; empty when fused
-    chunk_states: torch.Tensor  # [N, H_v, d_k, d_v]; empty when fused
+    v_new: torch.Tensor  # [T, H_v, d_v]
+    chunk_states: torch.Tensor  # [N, H_v, d_k, d_v]
     out: torch.Tensor  # [T, H_v, d_v]
-    fused: bool = False  # state pass and outputs in one kernel (run_fused): no h or u in memory
 
     @property
     def dims(self):
@@ -131,9 +121,7 @@ class PrefillWork:
 
 
 def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
-                 chunk_tables: ChunkTables | None = None, fused: bool = False) -> PrefillWork:
-    """The intermediates of one call. `fused`: plan for run_fused, which needs no chunk states or
-    new values in memory (not allocated)."""
+                 chunk_tables: ChunkTables | None = None) -> PrefillWork:
     q, k, v, a, b = (_unit_inner(t) for t in (q, k, v, a, b))
     assert state.stride(3) == 1, "state must be contiguous in d_v"
     T, H_k, d_k = k.shape
@@ -148,10 +136,9 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
         G=torch.empty((T, H_v), dtype=torch.float32, device=dev),
         k_inv_norm=torch.empty((T, H_k), dtype=torch.float32, device=dev),
         minv=torch.empty((chunks.capacity, H_v, CHUNK, CHUNK), dtype=inter, device=dev),
-        v_new=torch.empty((0 if fused else T, H_v, d_v), dtype=inter, device=dev),
-        chunk_states=torch.empty((0 if fused else chunks.capacity, H_v, d_k, d_v), dtype=inter, device=dev),
+        v_new=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
+        chunk_states=torch.empty((chunks.capacity, H_v, d_k, d_v), dtype=inter, device=dev),
         out=torch.empty((T, H_v, d_v), dtype=q.dtype, device=dev),
-        fused=fused,
     )
 
 
@@ -171,22 +158,7 @@ def run_wy(work: PrefillWork, launch: KernelLaunch) -> None:
 
 def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
     """Runs even for empty sequences: their state is read and written back unchanged. `launch`: a
-    StatePassLaunch, or a plain KernelLaunch (one d_k part). Writes the chunk states and new
-    values for run_output."""
-    assert not work.fused, "planned for run_fused: no chunk states or new values to write"
-    _launch_state_pass(work, launch, fuse_output=False)
-
-
-def run_fused(work: PrefillWork, launch: KernelLaunch) -> None:
-    """The state pass writing the outputs itself (replaces run_state_pass + run_output; after
-    run_wy). Each program also multiplies q by its state and the chunk's keys, work that the
-    output kernel spreads over every chunk in parallel: worth it where the pass is latency-bound
-    (few sequences, PrefillLaunch.fuses), as it saves writing and re-reading every chunk's state
-    and new values."""
-    _launch_state_pass(work, launch, fuse_output=True)
-
-
-def _launch_state_pass(work: PrefillWork, launch: KernelLaunch, fuse_output: bool) -> None:
+    StatePassLaunch, or a plain KernelLaunch (one d_k part)."""
     T, H_k, d_k, H_v, d_v = work.dims
     launch = as_state_pass_launch(launch)
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
@@ -195,13 +167,13 @@ def _launch_state_pass(work: PrefillWork, launch: KernelLaunch, fuse_output: boo
     key_parts = launch.key_parts if block_k // launch.key_parts >= 16 else 1
     state = work.state
     state_pass_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
-        work.q, work.k, work.v, work.k_inv_norm, work.minv, work.G, state, work.slots, work.cu,
-        work.chunks.seq_offsets, work.chunk_states, work.v_new, work.out,
-        work.q.stride(0), work.q.stride(1), work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1),
-        work.out.stride(0), work.out.stride(1), state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
-        d_k ** -0.5, D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, BLOCK_V=block_v,
-        KEY_PARTS=key_parts, DOT_DTYPE=TRITON_DTYPES[work.q.dtype], FUSE_OUTPUT=fuse_output,
-        LOOP_AS_WHILE=LOOP_AS_WHILE, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        work.k, work.v, work.k_inv_norm, work.minv, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
+        work.chunk_states, work.v_new,
+        work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1),
+        state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
+        D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, BLOCK_V=block_v,
+        KEY_PARTS=key_parts, DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
 
 
@@ -218,16 +190,12 @@ def run_output(work: PrefillWork, launch: KernelLaunch) -> None:
 
 
 def run_prefill(work: PrefillWork, launch: PrefillLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
-    """Every stage, in order, on a planned PrefillWork (fused or not, as planned); returns work.out."""
+    """Every stage, in order, on a planned PrefillWork; returns work.out."""
     if work.slots.numel() == 0:
         return work.out
     has_tokens = work.chunks.capacity > 0 and work.q.shape[0] > 0
     if has_tokens:
         run_wy(work, launch.wy)
-    if work.fused:
-        assert launch.fused_few_programs is not None, "planned fused, but the launch has no fused knobs"
-        run_fused(work, launch.fused_few_programs)
-        return work.out
     T, H_k, d_k, H_v, d_v = work.dims
     run_state_pass(work, launch.state_pass_for(work.slots.numel(), H_v, d_v, multiprocessor_count(work.q.device)))
     if has_tokens:
@@ -239,10 +207,6 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
                 launch: PrefillLaunch = DEFAULT_LAUNCH, chunk_tables: ChunkTables | None = None) -> torch.Tensor:
     """Chunked GDN: q, k [T, H_k, d_k]; v [T, H_v, d_v]; a, b [T, H_v]; state [S, H_v, d_k, d_v]
     read and written by `slots` [B]; cu_seqlens [B+1]. Returns o [T, H_v, d_v] in q.dtype.
-    `chunk_tables`: the step's shared tables for this cu_seqlens (built here if None). A few
-    long sequences (PrefillLaunch.fuses) take the fused state pass."""
-    H_v, d_v = v.shape[1:]
-    fused = launch.fuses(slots.numel(), H_v, d_v, multiprocessor_count(q.device))
-    work = plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, chunk_tables=chunk_tables,
-                        fused=fused)
+    `chunk_tables`: the step's shared tables for this cu_seqlens (built here if None)."""
+    work = plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, chunk_tables=chunk_tables)
     return run_prefill(work, launch)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels._common import L2NORM_EPS
 from kernels.gdn_prefill_tiles import _mm
 
 
@@ -60,28 +59,12 @@ def _store_state(base, S, vv, v_ok, stride_k, D_K, BLOCK_K: tl.constexpr, KEY_PA
 
 
 @triton.jit
-def _key_row_parts(base, stride_t, i, row_ok, D_K, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr):
-    """Rows i of a [C, d_k] key (or query) tile at base, raw, as a tuple of KEY_PARTS column parts
-    [C, KP]; missing rows and columns load as 0."""
-    cols, k_ok = _key_cols(0, D_K, BLOCK_K, KEY_PARTS)
-    part0 = tl.load(base + i[:, None] * stride_t + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    if KEY_PARTS == 2:
-        cols, k_ok = _key_cols(1, D_K, BLOCK_K, KEY_PARTS)
-        part1 = tl.load(base + i[:, None] * stride_t + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-        return part0, part1
-    else:
-        return (part0,)
-
-
-@triton.jit
 def _chunk_tiles(chunk, chunk_start, seq_end, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
                  k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok, H_V, H_K, D_K,
                  GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
                  KEY_PARTS: tl.constexpr):
     """What chunk `chunk` needs besides the state: (M⁻¹·diag(beta) [C, C], raw k parts [C, KP],
-    raw v [C, BV], e = exp(G)/‖k‖ [C], to_end = exp(G_C − G)/‖k‖ [C], exp(G_C), G [C], 1/‖k‖ [C];
-    the last two only the fused pass uses: kernels/gdn_prefill_fused.py). None of it
+    raw v [C, BV], e = exp(G)/‖k‖ [C], to_end = exp(G_C − G)/‖k‖ [C], exp(G_C)). None of it
     depends on the state, so none of it is on the sequential path. Missing rows load k = v = 0 and
     inverse norm 0, so they add nothing.
 
@@ -93,22 +76,30 @@ def _chunk_tiles(chunk, chunk_start, seq_end, k_ptr, stride_kt, stride_kh, v_ptr
     lower = (i[:, None] // SUB) >= (i[None, :] // SUB)
     minv = tl.load(minv_ptr + (chunk.to(tl.int64) * H_V + head) * C * C + i[:, None] * C + i[None, :],
                    mask=lower, other=0.0)  # [C, C]
-    k = _key_row_parts(k_ptr + chunk_start * stride_kt + (head // GROUP) * stride_kh, stride_kt, i, row_ok, D_K,
-                       BLOCK_K, KEY_PARTS)
+    k_base = k_ptr + chunk_start * stride_kt + (head // GROUP) * stride_kh
+    cols, k_ok = _key_cols(0, D_K, BLOCK_K, KEY_PARTS)
+    k0 = tl.load(k_base + i[:, None] * stride_kt + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if KEY_PARTS == 2:
+        cols, k_ok = _key_cols(1, D_K, BLOCK_K, KEY_PARTS)
+        k1 = tl.load(k_base + i[:, None] * stride_kt + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        k = (k0, k1)
+    else:
+        k = (k0,)
     v = tl.load(v_ptr + chunk_start * stride_vt + head * stride_vh + i[:, None] * stride_vt + vv[None, :],
                 mask=row_ok[:, None] & v_ok[None, :], other=0.0)  # [C, BV] raw
     G = tl.load(G_ptr + chunk_start * H_V + head + i * H_V, mask=row_ok, other=0.0)  # [C]
     G_end = tl.load(G_ptr + (tl.minimum(chunk_start + C, seq_end) - 1) * H_V + head,
                     mask=chunk_start < seq_end, other=0.0)  # guarded: an empty sequence has no last row
     inv_norm = tl.load(k_inv_norm_ptr + chunk_start * H_K + head // GROUP + i * H_K, mask=row_ok, other=0.0)
-    return minv, k, v, tl.exp(G) * inv_norm, tl.exp(G_end - G) * inv_norm, tl.exp(G_end), G, inv_norm
+    return minv, k, v, tl.exp(G) * inv_norm, tl.exp(G_end - G) * inv_norm, tl.exp(G_end)
 
 
 @triton.jit
 def _chunk_step(S, tiles, chunk, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv, v_ok, H_V, D_K, D_V,
                 C: tl.constexpr, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """One chunk: save S0; u = M⁻¹·diag(beta)·(V − e ⊙ K·S0) (saved); S ← S0·exp(G_C) + kᵀ·(u ⊙ to_end)."""
-    minv, k, v, e, to_end, decay, _, _ = tiles
+    minv, k, v, e, to_end, decay = tiles
     _store_state(h_ptr + (chunk.to(tl.int64) * H_V + head) * D_K * D_V, S, vv, v_ok, D_V, D_K, BLOCK_K, KEY_PARTS)
     projected = _mm(k[0], S[0], DOT_DTYPE)  # [C, BV]: raw K·S0
     if KEY_PARTS == 2:
@@ -128,81 +119,16 @@ def _chunk_step(S, tiles, chunk, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv
 
 
 @triton.jit
-def _chunk_step_with_output(S, tiles, q, chunk_start, seq_end, out_ptr, stride_ot, stride_oh, head, vv, v_ok, scale,
-                            C: tl.constexpr, KEY_PARTS: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One chunk of the fused pass: u as in _chunk_step, kept in registers, and the chunk's outputs
-    o = (q̂·exp(G))·S0 + causal(q̂·k̂ᵀ·exp(G_i − G_j))·u written directly (the output kernel's maths,
-    kernels/gdn_prefill_kernels.py), then the same state update. Neither S0 nor u goes through
-    memory. The output's products do not feed the next chunk: they fill the tensor cores while the
-    sequential chain (K·S0 → M⁻¹·(…) → kᵀ·(…)) waits."""
-    minv, k, v, e, to_end, decay, G, k_inv_norm = tiles
-    # The output's q products first, so that q is dead (and the scores down to 16 bits) before the
-    # chain's tiles are live: registers, not order of execution (sm90_compile: spills).
-    q_projected = _mm(q[0], S[0], DOT_DTYPE)  # [C, BV]: raw Q·S0
-    scores = _mm(q[0], tl.trans(k[0]), DOT_DTYPE)  # [C, C]: raw Q·Kᵀ
-    q32 = q[0].to(tl.float32)
-    q_sq = tl.sum(q32 * q32, axis=1)  # [C]
-    if KEY_PARTS == 2:
-        q_projected += _mm(q[1], S[1], DOT_DTYPE)
-        scores += _mm(q[1], tl.trans(k[1]), DOT_DTYPE)
-        q32 = q[1].to(tl.float32)
-        q_sq += tl.sum(q32 * q32, axis=1)
-    i = tl.arange(0, C)
-    row_ok = chunk_start + i < seq_end
-    q_scale = tl.rsqrt(q_sq + L2NORM_EPS) * scale  # [C]: 1/‖q‖ · d_k^-½
-    causal = (i[:, None] >= i[None, :]) & row_ok[:, None]  # missing rows have G = 0: keep exp finite
-    scores = (scores * (q_scale[:, None] * k_inv_norm[None, :]) * tl.exp(
-        tl.where(causal, G[:, None] - G[None, :], float("-inf")))).to(DOT_DTYPE)
-    q_projected = q_projected * (q_scale * tl.exp(G))[:, None]
-
-    projected = _mm(k[0], S[0], DOT_DTYPE)  # [C, BV]: raw K·S0
-    if KEY_PARTS == 2:
-        projected += _mm(k[1], S[1], DOT_DTYPE)
-    v_new = _mm(minv, v.to(tl.float32) - e[:, None] * projected, DOT_DTYPE)  # [C, BV]
-    o = q_projected + _mm(scores, v_new, DOT_DTYPE)  # [C, BV]
-    tl.store(out_ptr + (chunk_start + i)[:, None] * stride_ot + head * stride_oh + vv[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
-    v_to_end = v_new * to_end[:, None]  # [C, BV]
-    if KEY_PARTS == 2:
-        return (S[0] * decay + _mm(tl.trans(k[0]), v_to_end, DOT_DTYPE),
-                S[1] * decay + _mm(tl.trans(k[1]), v_to_end, DOT_DTYPE))
-    else:
-        return (S[0] * decay + _mm(tl.trans(k[0]), v_to_end, DOT_DTYPE),)
-
-
-@triton.jit
-def _advance(S, chunk, chunk_start, seq_end, q_ptr, k_ptr, v_ptr, k_inv_norm_ptr, minv_ptr, G_ptr, h_ptr, vnew_ptr,
-             out_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, scale,
-             head, vv, v_ok, H_V, H_K, D_K, D_V, GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
-             BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr, DOT_DTYPE: tl.constexpr, FUSE_OUTPUT: tl.constexpr):
-    """S after chunk `chunk`, with that chunk's h and u saved, or (FUSE_OUTPUT) its outputs written."""
-    tiles = _chunk_tiles(chunk, chunk_start, seq_end, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
-                         k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok, H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K,
-                         KEY_PARTS)
-    if FUSE_OUTPUT:
-        i = tl.arange(0, C)
-        q = _key_row_parts(q_ptr + chunk_start * stride_qt + (head // GROUP) * stride_qh, stride_qt, i,
-                           chunk_start + i < seq_end, D_K, BLOCK_K, KEY_PARTS)
-        return _chunk_step_with_output(S, tiles, q, chunk_start, seq_end, out_ptr, stride_ot, stride_oh, head, vv,
-                                       v_ok, scale, C, KEY_PARTS, DOT_DTYPE)
-    else:
-        return _chunk_step(S, tiles, chunk, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv, v_ok, H_V, D_K, D_V,
-                           C, BLOCK_K, KEY_PARTS, DOT_DTYPE)
-
-
-@triton.jit
 def state_pass_kernel(
-    q_ptr, k_ptr, v_ptr, k_inv_norm_ptr, minv_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr, h_ptr,
-    vnew_ptr, out_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_s0, stride_s1, stride_s2, H_V, H_K, scale,
+    k_ptr, v_ptr, k_inv_norm_ptr, minv_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr, h_ptr, vnew_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_s0, stride_s1, stride_s2, H_V, H_K,
     D_K: tl.constexpr, D_V: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_PARTS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FUSE_OUTPUT: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
 ):
     """k, v raw (k_inv_norm [T, H_k] from the WY kernel normalises k); M⁻¹·diag(beta)
-    [N, H_v, C, C] and G from the WY kernel. Writes the final state, and per chunk either its
-    state h [N, H_v, d_k, d_v] and new values (for the output kernel), or with FUSE_OUTPUT its
-    outputs [T, H_v, d_v] (q raw, scale = d_k^-½; h and the new values are then not touched)."""
+    [N, H_v, C, C] and G from the WY kernel. Writes the chunk states h [N, H_v, d_k, d_v], the new
+    values and the final state."""
     # Grid (d_v block, value head, sequence): the sibling programs that read the same k tiles
     # every chunk are launched together, so those reads hit L2.
     seq, head = tl.program_id(2), tl.program_id(1)
@@ -221,15 +147,17 @@ def state_pass_kernel(
     if LOOP_AS_WHILE:
         j = 0
         while j < n_chunks:
-            S = _advance(S, first_chunk + j, seq_start + j * C, seq_end, q_ptr, k_ptr, v_ptr, k_inv_norm_ptr,
-                         minv_ptr, G_ptr, h_ptr, vnew_ptr, out_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                         stride_vt, stride_vh, stride_ot, stride_oh, scale, head, vv, v_ok, H_V, H_K, D_K, D_V,
-                         GROUP, C, SUB, BLOCK_K, KEY_PARTS, DOT_DTYPE, FUSE_OUTPUT)
+            tiles = _chunk_tiles(first_chunk + j, seq_start + j * C, seq_end, k_ptr, stride_kt, stride_kh, v_ptr,
+                                 stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok,
+                                 H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
+            S = _chunk_step(S, tiles, first_chunk + j, seq_start + j * C, seq_end, h_ptr, vnew_ptr, head, vv, v_ok,
+                            H_V, D_K, D_V, C, BLOCK_K, KEY_PARTS, DOT_DTYPE)
             j += 1
     else:
         for j in range(0, n_chunks):
-            S = _advance(S, first_chunk + j, seq_start + j * C, seq_end, q_ptr, k_ptr, v_ptr, k_inv_norm_ptr,
-                         minv_ptr, G_ptr, h_ptr, vnew_ptr, out_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                         stride_vt, stride_vh, stride_ot, stride_oh, scale, head, vv, v_ok, H_V, H_K, D_K, D_V,
-                         GROUP, C, SUB, BLOCK_K, KEY_PARTS, DOT_DTYPE, FUSE_OUTPUT)
+            tiles = _chunk_tiles(first_chunk + j, seq_start + j * C, seq_end, k_ptr, stride_kt, stride_kh, v_ptr,
+                                 stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok,
+                                 H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
+            S = _chunk_step(S, tiles, first_chunk + j, seq_start + j * C, seq_end, h_ptr, vnew_ptr, head, vv, v_ok,
+                            H_V, D_K, D_V, C, BLOCK_K, KEY_PARTS, DOT_DTYPE)
     _store_state(state_base, S, vv, v_ok, stride_s2, D_K, BLOCK_K, KEY_PARTS)

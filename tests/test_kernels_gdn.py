@@ -283,16 +283,6 @@ def test_state_pass_launch_by_program_count():
     assert never.state_pass_for(1, 1, 16, sm_count=132) is launch.state_pass
 
 
-def test_prefill_fuses_for_few_programs_only():
-    """The fused pass runs exactly where the staged one would take its few-programs launch."""
-    launch = tri_prefill.DEFAULT_LAUNCH
-    programs = 48 * (128 // launch.state_pass.block_v)
-    assert launch.fuses(1, 48, 128, sm_count=programs + 1)
-    assert not launch.fuses(1, 48, 128, sm_count=programs)
-    assert not launch.fuses(8, 48, 128, sm_count=132)
-    assert not dataclasses.replace(launch, fused_few_programs=None).fuses(1, 48, 128, sm_count=132)
-
-
 def _launch_id(launch) -> str:
     return "-".join(f"{k.block_v}.{k.num_warps}.{k.num_stages}" for k in (launch.wy, launch.state_pass, launch.output))
 
@@ -313,7 +303,7 @@ def test_triton_prefill_mixed_launches(launch):
 # State-pass layouts (kernels/gdn_prefill_state.py): one and two d_k parts, at block_v 32 (d_v =
 # 48 leaves a masked tail). key_parts=2 needs d_k ≥ 32, so these run at d_k = 32.
 STATE_VARIANTS = [tri_prefill.StatePassLaunch(32, 4, 2, key_parts=parts) for parts in (1, 2)]
-PLAN_INPUTS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "slots", "cu", "chunks", "fused")
+PLAN_INPUTS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "slots", "cu", "chunks")
 
 
 def _poisoned(work: tri_prefill.PrefillWork) -> tri_prefill.PrefillWork:
@@ -356,40 +346,21 @@ def test_triton_state_pass_variants(planned_through_wy, variant):
     assert torch.equal(work.state[untouched], state0[untouched])
 
 
-@pytest.mark.parametrize("variant", STATE_VARIANTS, ids=_variant_id)
-def test_triton_fused_pass_variants(planned_through_wy, variant):
-    """The fused pass after the same WY stage: outputs and final state as the staged path's, with
-    no chunk-state or new-value buffer at all (empty: any access to them would fault or read
-    garbage) and the output NaN-poisoned (an unwritten element fails)."""
-    work, state0, expect, expect_state = planned_through_wy
-    empty = torch.empty(0, device=work.out.device, dtype=work.out.dtype)
-    work = dataclasses.replace(work, state=state0.clone(), v_new=empty, chunk_states=empty, fused=True,
-                               out=torch.full_like(work.out, float("nan")))
-    tri_prefill.run_fused(work, variant)
-    torch.testing.assert_close(work.out, expect, rtol=2e-5, atol=2e-5)
-    torch.testing.assert_close(work.state, expect_state, rtol=2e-5, atol=2e-5)
-    untouched = _untouched(work.slots)
-    assert torch.equal(work.state[untouched], state0[untouched])
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["staged", "fused"])
-def test_triton_prefill_writes_every_output_element(fused):
+def test_triton_prefill_writes_every_output_element():
     """The whole op on NaN-poisoned buffers: any output element or intermediate the kernels leave
     unwritten (and a later stage reads) turns into NaN."""
     x, state, cu = make_inputs([63, 64, 1, 65], device=DEVICE, seed=19)
     slots = _slots(4, DEVICE)
     expect_state = state.clone()
     expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
-    work = tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu, fused=fused)
-    got = tri_prefill.run_prefill(_poisoned(work))
+    got = tri_prefill.run_prefill(_poisoned(tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu)))
     torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
 
 
-def _check_launches_at_model_shapes(launches, repeats: int = 3, fused: bool = False) -> None:
+def _check_launches_at_model_shapes(launches, repeats: int = 3) -> None:
     """CUDA worker (run in a child process: an illegal access is sticky and would fail every later
-    test). Prints each launch before running it, so the parent can name the one that crashed.
-    `fused`: every launch through the fused path (whatever the sequence count)."""
+    test). Prints each launch before running it, so the parent can name the one that crashed."""
     lengths = [63, 65, 1000] + [2048] * 6
     x, state0, cu = make_inputs(lengths, H_k=16, H_v=48, d_k=128, d_v=128, device="cuda", dtype=torch.bfloat16)
     slots = torch.randperm(NUM_SLOTS, device="cuda")[: len(lengths)]
@@ -399,20 +370,11 @@ def _check_launches_at_model_shapes(launches, repeats: int = 3, fused: bool = Fa
         print(f"RUNNING {launch}", flush=True)
         for _ in range(repeats):  # some compiled faults are intermittent
             state = state0.clone()
-            work = tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu, fused=fused)
-            got = tri_prefill.run_prefill(work, launch)
+            got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, launch=launch)
             torch.cuda.synchronize()
             err, state_err = _rel_err(got, expect), _rel_err(state[slots], expect_state[slots])
             assert err < 1e-2 and state_err < 5e-3, f"{launch}: rel err {err:.1e} / state {state_err:.1e}"
         print(f"OK {_launch_id(launch)}", flush=True)
-
-
-# Fused-pass launches at the model's shapes: those benchmarks/bench_prefill_paths.py times.
-FUSED_ON_CUDA = [
-    dataclasses.replace(tri_prefill.DEFAULT_LAUNCH, fused_few_programs=tri_prefill.StatePassLaunch(*knobs, key_parts=parts))
-    for knobs, parts in [((32, 4, 2), 1), ((32, 8, 2), 1), ((32, 4, 2), 2), ((32, 8, 2), 2), ((16, 4, 2), 2),
-                         ((16, 8, 2), 2), ((32, 4, 3), 1), ((64, 8, 2), 2)]
-]
 
 
 def _run_launches_in_child(which: str, expected: int) -> None:
@@ -432,11 +394,6 @@ def test_triton_prefill_launches_at_model_shapes_cuda():
 @requires_cuda
 def test_triton_prefill_state_variants_at_model_shapes_cuda():
     _run_launches_in_child("state-variants", len(STATE_VARIANTS_ON_CUDA))
-
-
-@requires_cuda
-def test_triton_prefill_fused_launches_at_model_shapes_cuda():
-    _run_launches_in_child("fused-launches", len(FUSED_ON_CUDA))
 
 
 @requires_cuda
@@ -501,7 +458,5 @@ if __name__ == "__main__" and sys.argv[1:] == ["good-launches"]:
     _check_launches_at_model_shapes(GOOD_ON_H200)
 elif __name__ == "__main__" and sys.argv[1:] == ["state-variants"]:
     _check_launches_at_model_shapes(STATE_VARIANTS_ON_CUDA)
-elif __name__ == "__main__" and sys.argv[1:] == ["fused-launches"]:
-    _check_launches_at_model_shapes(FUSED_ON_CUDA, fused=True)
 elif __name__ == "__main__" and sys.argv[1:] == ["formerly-crashing-launch"]:
     _check_launches_at_model_shapes([FORMERLY_CRASHING_ON_H200])
