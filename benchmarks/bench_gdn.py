@@ -154,15 +154,16 @@ def _prefill_sweeps(quick: bool, big: bool):
 
     wy = [L(64, 1, 1), L(64, 2, 1)]  # the WY kernel has no d_v block; 1 warp: 255 regs, 160 B spill
     state = [
-        S(64, 4, 2, key_parts=2),  # the default (255 regs, 104 B spill)
-        S(32, 4, 3),  # the default for a few long sequences
-        S(32, 4, 2),  # 176 regs
-        S(32, 4, 2, key_parts=2),  # 194
-        S(64, 8, 2, key_parts=2),  # 254
-        S(64, 8, 2),  # 218
+        S(64, 4, 2, key_parts=2),  # the default (255 regs, 56 B spill)
+        S(32, 4, 2),  # the default for a few long sequences (255 regs, 32 B spill, 95 KB smem)
+        S(32, 4, 3),  # 255 regs, 140 KB smem: one program per SM
+        S(32, 4, 2, key_parts=2),  # 189
+        S(64, 8, 2, key_parts=2),  # 236
+        S(64, 8, 2),
         S(16, 4, 2),
     ]
-    out = [L(128, 4, 3), L(64, 4, 2), L(128, 4, 2), L(64, 4, 3), L(128, 8, 2)]
+    # The output kernel has no loop: stages change nothing, warps and block_v do.
+    out = [L(128, 4, 1), L(64, 4, 1), L(128, 8, 1), L(64, 8, 1), L(32, 4, 1)]
     if quick or big:
         wy, state, out = wy[:1], state[:4 if quick else 5], out[:3]
     return wy, state, out

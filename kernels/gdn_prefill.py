@@ -56,23 +56,25 @@ class PrefillLaunch:
     Stages share no block_v-dependent buffer or grid: every intermediate is allocated at full d_v
     (plan_prefill) and each launch sizes its own grid, so any mix of per-stage knobs is valid
     (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the H200 sweeps' fastest
-    (docs/BENCHMARKS.md, session 8 for the WY kernel and the state pass, session 3 for the output
+    (docs/BENCHMARKS.md, session 9 for the state pass and the output kernel, session 8 for the WY
     kernel). The register-resident WY kernel wins with ONE warp (0.43 against 0.80 ms at 2 warps,
     1×32768): at 255 registers per thread a 16-row tile is replicated in every warp, so more
-    warps add work. The state pass as two d_k halves at block_v 64 for many sequences (0.38 ms at
-    8×2048 against 0.46–0.67 for the others swept).
+    warps add work. The state pass as two d_k halves at block_v 64 for many sequences (0.41 ms at
+    8×2048 against 0.60–1.20 for the others swept); the output kernel at block_v 128, 4 warps
+    (0.32 ms at 8×2048 against 0.40–0.57; it has no loop, so stages do not matter).
     `state_pass_few_programs` replaces `state_pass` when its grid would have fewer programs than
-    the GPU has SMs (a few long sequences): each program then walks a long chain of chunks and
-    the pass is latency-bound, so narrower d_v blocks (more programs) win — 1×32768: 1.21 ms at
-    block_v 32 with 3 stages against 1.27 with 2 and 1.47 at block_v 64. None: always `state_pass`.
+    the GPU has SMs (a few long sequences): each program then walks a long chain of chunks, so
+    narrower d_v blocks (more programs) win — 1×32768: 1.38 ms at block_v 32 with 2 stages against
+    1.42 as two d_k halves, 1.73 with 3 stages (140 KB of shared memory: one program per SM) and
+    2.28 at block_v 16. None: always `state_pass`.
     """
 
     wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=1, num_stages=1))
     state_pass: KernelLaunch = field(
         default_factory=lambda: StatePassLaunch(block_v=64, num_warps=4, num_stages=2, key_parts=2))
-    output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=128, num_warps=4, num_stages=3))
+    output: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=128, num_warps=4, num_stages=1))
     state_pass_few_programs: KernelLaunch | None = field(
-        default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=3))
+        default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=2))
 
     def state_pass_for(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int) -> KernelLaunch:
         """The state-pass launch for this many sequences × value heads on `sm_count` SMs."""
@@ -111,7 +113,7 @@ class PrefillWork:
     k_inv_norm: torch.Tensor  # [T, H_k] fp32: 1/‖k‖ (rsqrt(Σk² + eps)), written by the WY kernel
     minv: torch.Tensor  # [N, H_v, C, C] M⁻¹·diag(beta) per chunk (its 10 lower 16×16 blocks)
     v_new: torch.Tensor  # [T, H_v, d_v]
-    chunk_states: torch.Tensor  # [N, H_v, d_k, d_v]
+    q_states: torch.Tensor  # [T, H_v, d_v]: raw q·S0 with S0 the state at the token's chunk start
     out: torch.Tensor  # [T, H_v, d_v]
 
     @property
@@ -137,7 +139,7 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
         k_inv_norm=torch.empty((T, H_k), dtype=torch.float32, device=dev),
         minv=torch.empty((chunks.capacity, H_v, CHUNK, CHUNK), dtype=inter, device=dev),
         v_new=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
-        chunk_states=torch.empty((chunks.capacity, H_v, d_k, d_v), dtype=inter, device=dev),
+        q_states=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
         out=torch.empty((T, H_v, d_v), dtype=q.dtype, device=dev),
     )
 
@@ -167,8 +169,8 @@ def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
     key_parts = launch.key_parts if block_k // launch.key_parts >= 16 else 1
     state = work.state
     state_pass_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
-        work.k, work.v, work.k_inv_norm, work.minv, work.G, state, work.slots, work.cu, work.chunks.seq_offsets,
-        work.chunk_states, work.v_new,
+        work.q, work.k, work.v, work.k_inv_norm, work.minv, work.G, state, work.slots, work.cu,
+        work.chunks.seq_offsets, work.q_states, work.v_new, work.q.stride(0), work.q.stride(1),
         work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1),
         state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
         D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, BLOCK_V=block_v,
@@ -181,7 +183,7 @@ def run_output(work: PrefillWork, launch: KernelLaunch) -> None:
     T, H_k, d_k, H_v, d_v = work.dims
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
     chunk_output_kernel[(triton.cdiv(d_v, block_v), H_v, work.chunks.capacity)](
-        work.q, work.k, work.k_inv_norm, work.G, work.chunk_states, work.v_new, work.out,
+        work.q, work.k, work.k_inv_norm, work.G, work.q_states, work.v_new, work.out,
         work.chunks.start, work.chunks.seq_end, work.q.stride(0), work.q.stride(1), work.k.stride(0), work.k.stride(1),
         work.out.stride(0), work.out.stride(1), H_v, H_k, d_k, d_v, d_k ** -0.5,
         GROUP=H_v // H_k, C=CHUNK, BLOCK_K=next_pow2_at_least_16(d_k), BLOCK_V=block_v,

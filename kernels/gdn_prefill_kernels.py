@@ -22,7 +22,7 @@ stores them, [T, H_k] fp32). One kernel per stage, in launch order:
                           diagonal, products below), stored as M⁻¹·diag(beta).
 2. `state_pass_kernel`    (kernels/gdn_prefill_state.py) per (sequence, value head, d_v block): the
                           only sequential part — carries S in fp32 registers across chunks, saves
-                          each chunk's S0 and u.
+                          each chunk's q·S0 and u.
 3. `chunk_output_kernel`  (here) per (chunk, value head, d_v block): the outputs, fully parallel.
 
 All three are importable from here; the tile helpers they share are in kernels/gdn_prefill_tiles.py.
@@ -40,11 +40,12 @@ from kernels.gdn_prefill_wy import chunk_wy_kernel  # noqa: F401 - listed here w
 
 @triton.jit
 def chunk_output_kernel(
-    q_ptr, k_ptr, k_inv_norm_ptr, G_ptr, h_ptr, vnew_ptr, out_ptr, chunk_start_ptr, chunk_end_ptr,
+    q_ptr, k_ptr, k_inv_norm_ptr, G_ptr, qs_ptr, vnew_ptr, out_ptr, chunk_start_ptr, chunk_end_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, H_V, H_K, D_K, D_V, scale,
     GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """o = (q̂·exp(G))·S0 + causal(q̂·k̂ᵀ · exp(G_i − G_j))·u for one (chunk, value head, d_v block).
+    """o = (q̂·exp(G))·S0 + causal(q̂·k̂ᵀ · exp(G_i − G_j))·u for one (chunk, value head, d_v block),
+    with q·S0 (raw q) from the state pass.
 
     q and k are raw: the products run on them (exact 16-bit operands) and the normalisation is
     folded into their rows afterwards: q's inverse norm (times d_k^-½) from the whole q rows this
@@ -66,19 +67,18 @@ def chunk_output_kernel(
                 mask=qk_mask, other=0.0)  # [C, BK] raw
     k_inv_norm = tl.load(k_inv_norm_ptr + start * H_K + key_head + i * H_K, mask=row_ok, other=0.0)  # [C]
     G = tl.load(G_ptr + rows * H_V + head, mask=row_ok, other=0.0)  # [C]
-    h_tile = h_ptr + ((chunk.to(tl.int64) * H_V + head) * D_K + kk[:, None]) * D_V + vv[None, :]
-    S0 = tl.load(h_tile, mask=k_ok[:, None] & v_ok[None, :], other=0.0)  # [BK, BV]
-    vnew_tile = vnew_ptr + (start * H_V + head) * D_V + i[:, None] * (H_V * D_V) + vv[None, :]
-    v_new = tl.load(vnew_tile, mask=row_ok[:, None] & v_ok[None, :], other=0.0)  # [C, BV]
+    row_tile = (start * H_V + head) * D_V + i[:, None] * (H_V * D_V) + vv[None, :]  # [C, BV] in [T, H_v, d_v]
+    row_tile_ok = row_ok[:, None] & v_ok[None, :]
+    q_projected = tl.load(qs_ptr + row_tile, mask=row_tile_ok, other=0.0).to(tl.float32)  # [C, BV]: raw q·S0
+    v_new = tl.load(vnew_ptr + row_tile, mask=row_tile_ok, other=0.0)  # [C, BV]
 
     q32 = q.to(tl.float32)
     q_scale = tl.rsqrt(tl.sum(q32 * q32, axis=1) + L2NORM_EPS) * scale  # [C]: 1/‖q‖ · d_k^-½
     causal = (i[:, None] >= i[None, :]) & row_ok[:, None]  # missing rows have G = 0: keep exp finite
     decay = tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
     scores = _mm(q, tl.trans(k), DOT_DTYPE) * (q_scale[:, None] * k_inv_norm[None, :]) * decay  # [C, C]
-    # Row scales after the product (diag(s)·(q·S0) = (diag(s)·q)·S0): q enters the tensor cores as
-    # loaded, with no scaled fp32 copy of it held in registers.
-    inter = _mm(q, S0, DOT_DTYPE) * (q_scale * tl.exp(G))[:, None]  # [C, BV]
-    o = inter + _mm(scores, v_new, DOT_DTYPE)  # [C, BV]
+    # Row scales after the products (diag(s)·(q·S0) = (diag(s)·q)·S0): q enters the tensor cores
+    # as loaded, with no scaled fp32 copy of it held in registers.
+    o = q_projected * (q_scale * tl.exp(G))[:, None] + _mm(scores, v_new, DOT_DTYPE)  # [C, BV]
     out = out_ptr + rows[:, None] * stride_ot + head * stride_oh + vv[None, :]
-    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
+    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_tile_ok)

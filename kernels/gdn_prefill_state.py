@@ -9,17 +9,22 @@ and U = M⁻¹ diag(beta) V share their left factor:
 
 Per chunk with initial state S0:
 
-    save S0 (the output kernel reads it);   P = K·S0;   u = (M⁻¹·diag(beta))·(V − e ⊙ P) (saved);
+    Q·S0 (saved);   P = K·S0;   u = (M⁻¹·diag(beta))·(V − e ⊙ P) (saved);
     S ← S0·exp(G_C) + kᵀ·(u ⊙ exp(G_C − G)/‖k‖)
 
 That is one product more on the sequential chain than with stored W and U, for 3 × 403 MB fewer
 bytes at 1×32768 on the 27B shapes (W and U written and read back, v read twice): the whole op
 went 0.96 → 1.11× fla there, 1.04 → 1.26× at 8×2048 (docs/BENCHMARKS.md, session 8).
 
-The pass is latency-bound for a few long sequences (one program per SM at most: each chunk waits
-on the previous one). KEY_PARTS = 2 holds the state as two d_k halves (two accumulators, two
-smaller products whose instructions interleave), as fla does; the launch knobs are in
-kernels/gdn_prefill.py:StatePassLaunch.
+The output kernel needs S0 only through q·S0, so the pass saves that ([C, d_v] per chunk, raw q)
+rather than S0 itself ([d_k, d_v]): half the bytes written and read back (403 against 805 MB at
+1×32768), and the output kernel loses its largest load and product: 0.82 → 0.62 ms there, the
+pass 0.84 → 0.87 ms with many sequences (session 9). Q·S0 is off the sequential path.
+
+Each chunk waits on the previous one: with a few long sequences every program walks a long
+chain, one or two programs per SM. KEY_PARTS = 2 holds the state as two d_k halves (two
+accumulators, two smaller products whose instructions interleave), as fla does; the launch knobs
+are in kernels/gdn_prefill.py:StatePassLaunch.
 """
 from __future__ import annotations
 
@@ -59,12 +64,28 @@ def _store_state(base, S, vv, v_ok, stride_k, D_K, BLOCK_K: tl.constexpr, KEY_PA
 
 
 @triton.jit
-def _chunk_tiles(chunk, chunk_start, seq_end, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
+def _key_row_parts(base, stride_t, i, row_ok, D_K, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr):
+    """Rows i of a [C, d_k] key (or query) tile at base, raw, as a tuple of KEY_PARTS column parts
+    [C, KP]; missing rows and columns load as 0."""
+    cols, k_ok = _key_cols(0, D_K, BLOCK_K, KEY_PARTS)
+    part0 = tl.load(base + i[:, None] * stride_t + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if KEY_PARTS == 2:
+        cols, k_ok = _key_cols(1, D_K, BLOCK_K, KEY_PARTS)
+        part1 = tl.load(base + i[:, None] * stride_t + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+        return part0, part1
+    else:
+        return (part0,)
+
+
+@triton.jit
+def _chunk_tiles(chunk, chunk_start, seq_end, q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr,
+                 stride_vt, stride_vh,
                  k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok, H_V, H_K, D_K,
                  GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
                  KEY_PARTS: tl.constexpr):
-    """What chunk `chunk` needs besides the state: (M⁻¹·diag(beta) [C, C], raw k parts [C, KP],
-    raw v [C, BV], e = exp(G)/‖k‖ [C], to_end = exp(G_C − G)/‖k‖ [C], exp(G_C)). None of it
+    """What chunk `chunk` needs besides the state: (M⁻¹·diag(beta) [C, C], raw q and k parts
+    [C, KP], raw v [C, BV], e = exp(G)/‖k‖ [C], to_end = exp(G_C − G)/‖k‖ [C], exp(G_C)). None of it
     depends on the state, so none of it is on the sequential path. Missing rows load k = v = 0 and
     inverse norm 0, so they add nothing.
 
@@ -76,38 +97,35 @@ def _chunk_tiles(chunk, chunk_start, seq_end, k_ptr, stride_kt, stride_kh, v_ptr
     lower = (i[:, None] // SUB) >= (i[None, :] // SUB)
     minv = tl.load(minv_ptr + (chunk.to(tl.int64) * H_V + head) * C * C + i[:, None] * C + i[None, :],
                    mask=lower, other=0.0)  # [C, C]
-    k_base = k_ptr + chunk_start * stride_kt + (head // GROUP) * stride_kh
-    cols, k_ok = _key_cols(0, D_K, BLOCK_K, KEY_PARTS)
-    k0 = tl.load(k_base + i[:, None] * stride_kt + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    if KEY_PARTS == 2:
-        cols, k_ok = _key_cols(1, D_K, BLOCK_K, KEY_PARTS)
-        k1 = tl.load(k_base + i[:, None] * stride_kt + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                     other=0.0)
-        k = (k0, k1)
-    else:
-        k = (k0,)
+    q = _key_row_parts(q_ptr + chunk_start * stride_qt + (head // GROUP) * stride_qh, stride_qt, i, row_ok, D_K,
+                       BLOCK_K, KEY_PARTS)
+    k = _key_row_parts(k_ptr + chunk_start * stride_kt + (head // GROUP) * stride_kh, stride_kt, i, row_ok, D_K,
+                       BLOCK_K, KEY_PARTS)
     v = tl.load(v_ptr + chunk_start * stride_vt + head * stride_vh + i[:, None] * stride_vt + vv[None, :],
                 mask=row_ok[:, None] & v_ok[None, :], other=0.0)  # [C, BV] raw
     G = tl.load(G_ptr + chunk_start * H_V + head + i * H_V, mask=row_ok, other=0.0)  # [C]
     G_end = tl.load(G_ptr + (tl.minimum(chunk_start + C, seq_end) - 1) * H_V + head,
                     mask=chunk_start < seq_end, other=0.0)  # guarded: an empty sequence has no last row
     inv_norm = tl.load(k_inv_norm_ptr + chunk_start * H_K + head // GROUP + i * H_K, mask=row_ok, other=0.0)
-    return minv, k, v, tl.exp(G) * inv_norm, tl.exp(G_end - G) * inv_norm, tl.exp(G_end)
+    return minv, q, k, v, tl.exp(G) * inv_norm, tl.exp(G_end - G) * inv_norm, tl.exp(G_end)
 
 
 @triton.jit
-def _chunk_step(S, tiles, chunk, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv, v_ok, H_V, D_K, D_V,
-                C: tl.constexpr, BLOCK_K: tl.constexpr, KEY_PARTS: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One chunk: save S0; u = M⁻¹·diag(beta)·(V − e ⊙ K·S0) (saved); S ← S0·exp(G_C) + kᵀ·(u ⊙ to_end)."""
-    minv, k, v, e, to_end, decay = tiles
-    _store_state(h_ptr + (chunk.to(tl.int64) * H_V + head) * D_K * D_V, S, vv, v_ok, D_V, D_K, BLOCK_K, KEY_PARTS)
+def _chunk_step(S, tiles, chunk_start, seq_end, qs_ptr, vnew_ptr, head, vv, v_ok, H_V, D_V,
+                C: tl.constexpr, KEY_PARTS: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One chunk: q·S0 (saved); u = M⁻¹·diag(beta)·(V − e ⊙ K·S0) (saved); S ← S0·exp(G_C) + kᵀ·(u ⊙ to_end)."""
+    minv, q, k, v, e, to_end, decay = tiles
+    i = tl.arange(0, C)
+    rows = (chunk_start * H_V + head) * D_V + i[:, None] * (H_V * D_V) + vv[None, :]  # [C, BV] in [T, H_v, d_v]
+    rows_ok = (chunk_start + i < seq_end)[:, None] & v_ok[None, :]
     projected = _mm(k[0], S[0], DOT_DTYPE)  # [C, BV]: raw K·S0
+    q_projected = _mm(q[0], S[0], DOT_DTYPE)  # [C, BV]: raw Q·S0, off the sequential path
     if KEY_PARTS == 2:
         projected += _mm(k[1], S[1], DOT_DTYPE)
+        q_projected += _mm(q[1], S[1], DOT_DTYPE)
     v_new = _mm(minv, v.to(tl.float32) - e[:, None] * projected, DOT_DTYPE)  # [C, BV]
-    i = tl.arange(0, C)
-    tl.store(vnew_ptr + (chunk_start * H_V + head) * D_V + i[:, None] * (H_V * D_V) + vv[None, :],
-             v_new.to(vnew_ptr.dtype.element_ty), mask=(chunk_start + i < seq_end)[:, None] & v_ok[None, :])
+    tl.store(qs_ptr + rows, q_projected.to(qs_ptr.dtype.element_ty), mask=rows_ok)
+    tl.store(vnew_ptr + rows, v_new.to(vnew_ptr.dtype.element_ty), mask=rows_ok)
     # Decay and key norms folded into the values rather than the keys (fewer multiplies on the
     # sequential path).
     v_to_end = v_new * to_end[:, None]  # [C, BV]
@@ -120,15 +138,16 @@ def _chunk_step(S, tiles, chunk, chunk_start, seq_end, h_ptr, vnew_ptr, head, vv
 
 @triton.jit
 def state_pass_kernel(
-    k_ptr, v_ptr, k_inv_norm_ptr, minv_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr, h_ptr, vnew_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_s0, stride_s1, stride_s2, H_V, H_K,
+    q_ptr, k_ptr, v_ptr, k_inv_norm_ptr, minv_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr, qs_ptr,
+    vnew_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_s0, stride_s1, stride_s2,
+    H_V, H_K,
     D_K: tl.constexpr, D_V: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_PARTS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
 ):
-    """k, v raw (k_inv_norm [T, H_k] from the WY kernel normalises k); M⁻¹·diag(beta)
-    [N, H_v, C, C] and G from the WY kernel. Writes the chunk states h [N, H_v, d_k, d_v], the new
-    values and the final state."""
+    """q, k, v raw (k_inv_norm [T, H_k] from the WY kernel normalises k); M⁻¹·diag(beta)
+    [N, H_v, C, C] and G from the WY kernel. Writes each chunk's raw q·S0 and new values (both
+    [T, H_v, d_v]) and the final state."""
     # Grid (d_v block, value head, sequence): the sibling programs that read the same k tiles
     # every chunk are launched together, so those reads hit L2.
     seq, head = tl.program_id(2), tl.program_id(1)
@@ -147,17 +166,17 @@ def state_pass_kernel(
     if LOOP_AS_WHILE:
         j = 0
         while j < n_chunks:
-            tiles = _chunk_tiles(first_chunk + j, seq_start + j * C, seq_end, k_ptr, stride_kt, stride_kh, v_ptr,
-                                 stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok,
-                                 H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
-            S = _chunk_step(S, tiles, first_chunk + j, seq_start + j * C, seq_end, h_ptr, vnew_ptr, head, vv, v_ok,
-                            H_V, D_K, D_V, C, BLOCK_K, KEY_PARTS, DOT_DTYPE)
+            tiles = _chunk_tiles(first_chunk + j, seq_start + j * C, seq_end, q_ptr, stride_qt, stride_qh, k_ptr,
+                                 stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr,
+                                 head, vv, v_ok, H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
+            S = _chunk_step(S, tiles, seq_start + j * C, seq_end, qs_ptr, vnew_ptr, head, vv, v_ok, H_V, D_V,
+                            C, KEY_PARTS, DOT_DTYPE)
             j += 1
     else:
         for j in range(0, n_chunks):
-            tiles = _chunk_tiles(first_chunk + j, seq_start + j * C, seq_end, k_ptr, stride_kt, stride_kh, v_ptr,
-                                 stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok,
-                                 H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
-            S = _chunk_step(S, tiles, first_chunk + j, seq_start + j * C, seq_end, h_ptr, vnew_ptr, head, vv, v_ok,
-                            H_V, D_K, D_V, C, BLOCK_K, KEY_PARTS, DOT_DTYPE)
+            tiles = _chunk_tiles(first_chunk + j, seq_start + j * C, seq_end, q_ptr, stride_qt, stride_qh, k_ptr,
+                                 stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr,
+                                 head, vv, v_ok, H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
+            S = _chunk_step(S, tiles, seq_start + j * C, seq_end, qs_ptr, vnew_ptr, head, vv, v_ok, H_V, D_V,
+                            C, KEY_PARTS, DOT_DTYPE)
     _store_state(state_base, S, vv, v_ok, stride_s2, D_K, BLOCK_K, KEY_PARTS)

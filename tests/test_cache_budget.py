@@ -133,17 +133,17 @@ def test_pool_budget_leaves_the_step_activations_free():
 
 def test_step_activation_estimate_counts_its_terms():
     """Hand count for TINY_CONFIG in bf16 (the largest layer is the GDN one here): the per-token
-    residual stream and GDN tensors, the chunk states and M⁻¹ blocks, and two fp32 logits rows per request; the
+    residual stream and GDN tensors, the M⁻¹ blocks per chunk, and two fp32 logits rows per request; the
     decode graphs: every bucket's logits, the context buffer and the largest bucket's tensors."""
     from cache.budget import decode_graph_bytes, step_activation_bytes
 
     config = model_config_from_dict(TINY_CONFIG)
-    conv_dim, h_k, h_v, d_k, d_v = 2 * 2 * 8 + 4 * 6, 2, 4, 8, 6
-    gdn = (2 * conv_dim + 5 * h_v * d_v) * 2 + (h_v + h_k) * 4
+    conv_dim, h_k, h_v, d_v = 2 * 2 * 8 + 4 * 6, 2, 4, 6
+    gdn = (2 * conv_dim + 6 * h_v * d_v) * 2 + (h_v + h_k) * 4
     assert gdn > 3 * 64 * 2 and gdn > (4 * 4 * 8 + 2 * 2 * 8) * 2  # larger than the MLP and attention terms
     per_token = 3 * 32 * 2 + gdn
     tokens, running = 512, 16
-    expect = tokens * per_token + (tokens // 64 + running) * h_v * (d_k * d_v + 64 * 64) * 2 + 2 * running * 64 * 4
+    expect = tokens * per_token + (tokens // 64 + running) * h_v * 64 * 64 * 2 + 2 * running * 64 * 4
     assert step_activation_bytes(config, torch.bfloat16, tokens, running) == expect
     assert decode_graph_bytes(config, torch.bfloat16, [1, 2, 4, 6], ctx_cap=100) == (
         13 * 64 * 4 + 6 * 100 * 8 + 6 * per_token)

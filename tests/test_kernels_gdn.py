@@ -336,7 +336,7 @@ def _variant_id(launch) -> str:
 def test_triton_state_pass_variants(planned_through_wy, variant):
     work, state0, expect, expect_state = planned_through_wy
     fresh = _poisoned(work)
-    work = dataclasses.replace(work, state=state0.clone(), v_new=fresh.v_new, chunk_states=fresh.chunk_states,
+    work = dataclasses.replace(work, state=state0.clone(), v_new=fresh.v_new, q_states=fresh.q_states,
                                out=fresh.out)
     tri_prefill.run_state_pass(work, variant)
     tri_prefill.run_output(work, tri_prefill.DEFAULT_LAUNCH.output)
