@@ -60,8 +60,8 @@ class PrefillLaunch:
     kernel). The register-resident WY kernel wins with ONE warp (0.43 against 0.80 ms at 2 warps,
     1×32768): at 255 registers per thread a 16-row tile is replicated in every warp, so more
     warps add work. The state pass as two d_k halves at block_v 64 for many sequences (0.41 ms at
-    8×2048 against 0.60–1.20 for the others swept); the output kernel at block_v 128, 4 warps
-    (0.32 ms at 8×2048 against 0.40–0.57; it has no loop, so stages do not matter).
+    8×2048 against 0.60–1.20 for the others swept); the output kernel at block_v 128, 4 warps,
+    1 stage (0.30 ms at 8×2048 against 0.43–0.47 at block_v 64 or 8 warps; 2 stages: the same).
     `state_pass_few_programs` replaces `state_pass` when its grid would have fewer programs than
     the GPU has SMs (a few long sequences): each program then walks a long chain of chunks, so
     narrower d_v blocks (more programs) win — 1×32768: 1.38 ms at block_v 32 with 2 stages against
@@ -182,7 +182,7 @@ def run_state_pass(work: PrefillWork, launch: KernelLaunch) -> None:
 def run_output(work: PrefillWork, launch: KernelLaunch) -> None:
     T, H_k, d_k, H_v, d_v = work.dims
     block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
-    chunk_output_kernel[(triton.cdiv(d_v, block_v), H_v, work.chunks.capacity)](
+    chunk_output_kernel[(triton.cdiv(d_v, block_v), H_k, work.chunks.capacity)](
         work.q, work.k, work.k_inv_norm, work.G, work.q_states, work.v_new, work.out,
         work.chunks.start, work.chunks.seq_end, work.q.stride(0), work.q.stride(1), work.k.stride(0), work.k.stride(1),
         work.out.stride(0), work.out.stride(1), H_v, H_k, d_k, d_v, d_k ** -0.5,

@@ -23,7 +23,8 @@ stores them, [T, H_k] fp32). One kernel per stage, in launch order:
 2. `state_pass_kernel`    (kernels/gdn_prefill_state.py) per (sequence, value head, d_v block): the
                           only sequential part — carries S in fp32 registers across chunks, saves
                           each chunk's q·S0 and u.
-3. `chunk_output_kernel`  (here) per (chunk, value head, d_v block): the outputs, fully parallel.
+3. `chunk_output_kernel`  (here) per (chunk, key head, d_v block): the outputs of the key head's
+                          value heads, fully parallel.
 
 All three are importable from here; the tile helpers they share are in kernels/gdn_prefill_tiles.py.
 """
@@ -44,15 +45,17 @@ def chunk_output_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, H_V, H_K, D_K, D_V, scale,
     GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """o = (q̂·exp(G))·S0 + causal(q̂·k̂ᵀ · exp(G_i − G_j))·u for one (chunk, value head, d_v block),
-    with q·S0 (raw q) from the state pass.
+    """o = (q̂·exp(G))·S0 + causal(q̂·k̂ᵀ · exp(G_i − G_j))·u for one (chunk, key head, d_v block) and
+    each of the key head's GROUP value heads in turn, with q·S0 (raw q) from the state pass.
 
-    q and k are raw: the products run on them (exact 16-bit operands) and the normalisation is
-    folded into their rows afterwards: q's inverse norm (times d_k^-½) from the whole q rows this
-    program loads anyway, k's from the WY kernel (k_inv_norm)."""
-    # Grid (d_v block, value head, chunk): programs sharing q / k (same chunk, same key head) run
+    The value heads of a key head differ only in G, u and q·S0: q̂·k̂ᵀ and q's norms are computed
+    once for all of them (0.57 against 0.62 ms per value head at 1×32768 on the H200,
+    docs/BENCHMARKS.md session 9). q and k are raw: the products run on them (exact 16-bit
+    operands) and the normalisation is folded into their rows afterwards: q's inverse norm (times
+    d_k^-½) from the whole q rows loaded here, k's from the WY kernel (k_inv_norm)."""
+    # Grid (d_v block, key head, chunk): programs sharing q / k (same chunk, same key head) run
     # together.
-    chunk, head = tl.program_id(2), tl.program_id(1)
+    chunk, key_head = tl.program_id(2), tl.program_id(1)
     start, n_rows, i, rows, row_ok = _chunk_rows(chunk_start_ptr, chunk_end_ptr, chunk, C)
     if n_rows <= 0:  # an unused tail chunk of the table
         return
@@ -60,25 +63,25 @@ def chunk_output_kernel(
     vv = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok, v_ok = kk < D_K, vv < D_V
     qk_mask = row_ok[:, None] & k_ok[None, :]
-    key_head = head // GROUP
     q = tl.load(q_ptr + start * stride_qt + key_head * stride_qh + i[:, None] * stride_qt + kk[None, :],
                 mask=qk_mask, other=0.0)  # [C, BK] raw
     k = tl.load(k_ptr + start * stride_kt + key_head * stride_kh + i[:, None] * stride_kt + kk[None, :],
                 mask=qk_mask, other=0.0)  # [C, BK] raw
     k_inv_norm = tl.load(k_inv_norm_ptr + start * H_K + key_head + i * H_K, mask=row_ok, other=0.0)  # [C]
-    G = tl.load(G_ptr + rows * H_V + head, mask=row_ok, other=0.0)  # [C]
-    row_tile = (start * H_V + head) * D_V + i[:, None] * (H_V * D_V) + vv[None, :]  # [C, BV] in [T, H_v, d_v]
-    row_tile_ok = row_ok[:, None] & v_ok[None, :]
-    q_projected = tl.load(qs_ptr + row_tile, mask=row_tile_ok, other=0.0).to(tl.float32)  # [C, BV]: raw q·S0
-    v_new = tl.load(vnew_ptr + row_tile, mask=row_tile_ok, other=0.0)  # [C, BV]
-
     q32 = q.to(tl.float32)
     q_scale = tl.rsqrt(tl.sum(q32 * q32, axis=1) + L2NORM_EPS) * scale  # [C]: 1/‖q‖ · d_k^-½
+    normalised_scores = _mm(q, tl.trans(k), DOT_DTYPE) * (q_scale[:, None] * k_inv_norm[None, :])  # [C, C]
     causal = (i[:, None] >= i[None, :]) & row_ok[:, None]  # missing rows have G = 0: keep exp finite
-    decay = tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
-    scores = _mm(q, tl.trans(k), DOT_DTYPE) * (q_scale[:, None] * k_inv_norm[None, :]) * decay  # [C, C]
-    # Row scales after the products (diag(s)·(q·S0) = (diag(s)·q)·S0): q enters the tensor cores
-    # as loaded, with no scaled fp32 copy of it held in registers.
-    o = q_projected * (q_scale * tl.exp(G))[:, None] + _mm(scores, v_new, DOT_DTYPE)  # [C, BV]
-    out = out_ptr + rows[:, None] * stride_ot + head * stride_oh + vv[None, :]
-    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_tile_ok)
+    tile_ok = row_ok[:, None] & v_ok[None, :]
+    for g in range(GROUP):
+        head = key_head * GROUP + g
+        G = tl.load(G_ptr + rows * H_V + head, mask=row_ok, other=0.0)  # [C]
+        tile = (start * H_V + head) * D_V + i[:, None] * (H_V * D_V) + vv[None, :]  # [C, BV] in [T, H_v, d_v]
+        q_projected = tl.load(qs_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)  # [C, BV]: raw q·S0
+        v_new = tl.load(vnew_ptr + tile, mask=tile_ok, other=0.0)  # [C, BV]
+        scores = normalised_scores * tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))  # [C, C]
+        # The row scale after the product (diag(s)·(q·S0) = (diag(s)·q)·S0): the state pass
+        # multiplies q as loaded.
+        o = q_projected * (q_scale * tl.exp(G))[:, None] + _mm(scores, v_new, DOT_DTYPE)  # [C, BV]
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + vv[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=tile_ok)
