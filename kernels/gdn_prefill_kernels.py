@@ -53,8 +53,8 @@ def chunk_output_kernel(
     docs/BENCHMARKS.md session 9). q and k are raw: the products run on them (exact 16-bit
     operands) and the normalisation is folded into their rows afterwards: q's inverse norm (times
     d_k^-½) from the whole q rows loaded here, k's from the WY kernel (k_inv_norm)."""
-    # Grid (d_v block, key head, chunk): programs sharing q / k (same chunk, same key head) run
-    # together.
+    # Grid (d_v block, key head, chunk): the d_v blocks of one (chunk, key head), which load the
+    # same q / k tiles, run together.
     chunk, key_head = tl.program_id(2), tl.program_id(1)
     start, n_rows, i, rows, row_ok = _chunk_rows(chunk_start_ptr, chunk_end_ptr, chunk, C)
     if n_rows <= 0:  # an unused tail chunk of the table

@@ -80,14 +80,13 @@ def _key_row_parts(base, stride_t, i, row_ok, D_K, BLOCK_K: tl.constexpr, KEY_PA
 
 @triton.jit
 def _chunk_tiles(chunk, chunk_start, seq_end, q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr,
-                 stride_vt, stride_vh,
-                 k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok, H_V, H_K, D_K,
+                 stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr, head, vv, v_ok, H_V, H_K, D_K,
                  GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
                  KEY_PARTS: tl.constexpr):
     """What chunk `chunk` needs besides the state: (M⁻¹·diag(beta) [C, C], raw q and k parts
     [C, KP], raw v [C, BV], e = exp(G)/‖k‖ [C], to_end = exp(G_C − G)/‖k‖ [C], exp(G_C)). None of it
-    depends on the state, so none of it is on the sequential path. Missing rows load k = v = 0 and
-    inverse norm 0, so they add nothing.
+    depends on the state, so none of it is on the sequential path. Missing rows load q = k = v = 0
+    and inverse norm 0, so they add nothing.
 
     Addresses are a scalar int64 base plus int32 tile offsets: int64 offset tiles would double
     the registers of every [C, d] address tile."""

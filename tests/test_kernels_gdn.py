@@ -437,7 +437,7 @@ def test_triton_prefill_model_shapes_bf16():
     got = tri_prefill.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu)
     assert got.dtype == torch.bfloat16
     # Rounding the output to bf16 alone costs ~2e-3 (RMS, relative); the bf16 matmul operands
-    # (M⁻¹·diag(beta), new values, chunk states) add about as much again.
+    # (M⁻¹·diag(beta), new values, q·S0 rows) add about as much again.
     assert _rel_err(got, expect) < 1e-2
     assert _rel_err(state[slots], expect_state[slots]) < 5e-3
 
