@@ -146,8 +146,9 @@ def _prefill_sweeps(quick: bool, big: bool):
     """Launch configs per prefill stage (fewer for the biggest shape: compile time dominates).
 
     State pass: StatePassLaunch(block_v, warps, stages, key_parts=), most promising first (sm_90a
-    registers per thread from benchmarks/sm90_compile.py in the comments). For 1 sequence the pass
-    is latency-bound (≤ 1 program per SM), so the big shape keeps the narrow blocks.
+    registers per thread from benchmarks/sm90_compile.py in the comments). For 1 sequence each
+    program walks the whole chain of chunks (1–2 programs per SM), so the big shape keeps the
+    narrow blocks.
     """
     from kernels._common import KernelLaunch as L
     from kernels.gdn_prefill import StatePassLaunch as S

@@ -158,6 +158,11 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
         _sync(args.device)
         wall = time.perf_counter() - start
     stats = engine.stats
+    replay = ARMS[arm]["replayssm"]
+
+    def roofline_ms(batch: float, context: float) -> float:  # a decode step's bytes at copy bandwidth
+        return 1e3 * decode_bytes(model, replay, batch, context) / COPY_BANDWIDTH
+
     prompt = stats.prompt_tokens - before.prompt_tokens
     cached = stats.cached_tokens - before.cached_tokens
     ideal = stats.theoretical_max_cached_tokens - before.theoretical_max_cached_tokens
@@ -169,18 +174,16 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
                   flushes=stats.replayssm_flushes - before.replayssm_flushes,
                   discarded_kv=stats.discarded_kv_tokens - before.discarded_kv_tokens,
                   sm_mhz=clocks.mean_mhz, power_w=clocks.mean_watts,
-                  **full_batch_steps(timer, lambda batch, context: 1e3 * decode_bytes(
-                      model, ARMS[arm]["replayssm"], batch, context) / COPY_BANDWIDTH))
+                  **full_batch_steps(timer, roofline_ms))
     steps = stats.decode_steps - before.decode_steps
     if steps:
         batch = (stats.decode_seq_steps - before.decode_seq_steps) / steps
         context = (stats.decode_context_tokens - before.decode_context_tokens) / steps
         shared = (stats.decode_shared_kv_tokens - before.decode_shared_kv_tokens) / steps
-        replay = ARMS[arm]["replayssm"]
         result.update(decode_ms=1e3 * (stats.decode_seconds - before.decode_seconds) / steps, decode_batch=batch,
-                      roofline_ms=1e3 * decode_bytes(model, replay, batch, context) / COPY_BANDWIDTH,
+                      roofline_ms=roofline_ms(batch, context),
                       # KV that neighbouring rows share counted once (what the shared-prefix kernel reads)
-                      roofline_once_ms=1e3 * decode_bytes(model, replay, batch, context - shared) / COPY_BANDWIDTH,
+                      roofline_once_ms=roofline_ms(batch, context - shared),
                       flop_floor_ms=1e3 * decode_flops(model, batch, context) / MATMUL_RATE)
     # The timer wraps the engine's methods and holds it: both go before the memory is released,
     # else the next arm's engine sizes its pools with this one's still allocated (c6abbbe's first

@@ -64,8 +64,9 @@ def _common(block_v: int) -> dict:
 
 
 KERNELS = {
-    "wy": KernelSpec(K.chunk_wy_kernel, lambda bv: dict(  # no d_v block: BLOCK_V dropped
-        {n: v for n, v in _common(bv).items() if n != "BLOCK_V"}, SUB=SUB, K_STEP=KEY_STEP, PRECISION="tf32")),
+    "wy": KernelSpec(K.chunk_wy_kernel, lambda bv: dict(  # no d_v block, no 16-bit operand cast
+        {n: v for n, v in _common(bv).items() if n not in ("BLOCK_V", "DOT_DTYPE")}, SUB=SUB, K_STEP=KEY_STEP,
+        PRECISION="tf32")),
     "state_pass": KernelSpec(K.state_pass_kernel, lambda bv: dict(
         _common(bv), D_K=D_K, D_V=D_V, SUB=SUB, LOOP_AS_WHILE=False,
         KEY_PARTS=int(os.environ.get("STATE_KEY_PARTS", 1)))),

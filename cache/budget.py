@@ -103,12 +103,11 @@ _PREFILL_CHUNK = 64
 def _bytes_per_step_token(config, item: int) -> int:
     """Transient bytes per token of a step: the residual stream (3 hidden rows) plus the largest
     layer's live tensors — GDN: its in-projection, conv output and the chunked prefill's per-token
-    scratch (new values, q·S0 rows, outputs, G, key norms: kernels/gdn_prefill.py); attention: q|gate, k, v
-    and the output; MLP: gate|up and the activation (MoE: each token's k sorted copies through
-    their experts, the shared expert, the router's probabilities and the fp32 sum)."""
+    scratch (new values, q·S0 rows, outputs, G, key norms: kernels/gdn_prefill.py); attention:
+    q|gate, k, v and the output; MLP: gate|up and the activation (MoE: each token's k sorted
+    copies through their experts, the shared expert, the router's probabilities and the fp32 sum)."""
     h_k, h_v = config.linear_num_key_heads, config.linear_num_value_heads
-    d_k, d_v = config.linear_key_head_dim, config.linear_value_head_dim
-    gdn = (2 * config.conv_dim + 6 * h_v * d_v) * item + (h_v + h_k) * 4
+    gdn = (2 * config.conv_dim + 6 * h_v * config.linear_value_head_dim) * item + (h_v + h_k) * 4
     attn = (4 * config.num_attention_heads * config.head_dim + 2 * config.num_kv_heads * config.head_dim) * item
     mlp = 3 * config.intermediate_size * item
     if config.num_experts:  # batchinfer/models/layers/mlp.py: inputs sorted by expert, fp32 output
@@ -124,8 +123,8 @@ def step_activation_bytes(config, dtype: torch.dtype, max_batch_tokens: int, max
 
     Per token of the step (max_batch_tokens prefill tokens, or max_running decode rows):
     `_bytes_per_step_token`. Per step: the prefill's per-chunk scratch ((T/64 + B) chunks, each
-    H_v·64·64: M⁻¹·diag(beta)) and fp32 logits for every running
-    request twice (the logits and one sampling temporary).
+    H_v·64·64: M⁻¹·diag(beta)) and fp32 logits for every running request twice (the logits and
+    one sampling temporary).
     """
     item = _itemsize(dtype)
     tokens = max(max_batch_tokens, max_running)

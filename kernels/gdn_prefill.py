@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 import triton
-import triton.language as tl
 
 from kernels._common import (
     LOOP_AS_WHILE, TRITON_DTYPES, ChunkTable, ChunkTables, KernelLaunch, chunk_table_for, multiprocessor_count,
@@ -146,14 +145,13 @@ def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
 
 def run_wy(work: PrefillWork, launch: KernelLaunch) -> None:
     T, H_k, d_k, H_v, d_v = work.dims
-    dot_dtype = TRITON_DTYPES[work.q.dtype]
     block_k = next_pow2_at_least_16(d_k)
     chunk_wy_kernel[(H_k, work.chunks.capacity)](
         work.k, work.a, work.b, work.A_log, work.dt_bias, work.chunks.start, work.chunks.seq_end,
         work.G, work.k_inv_norm, work.minv,
         work.k.stride(0), work.k.stride(1), work.a.stride(0), work.b.stride(0), H_v, H_k, d_k,
         GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, K_STEP=min(WY_KEY_STEP, block_k),
-        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        PRECISION="ieee" if work.q.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
 

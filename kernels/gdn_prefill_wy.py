@@ -76,11 +76,11 @@ def chunk_wy_kernel(
     k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_end_ptr, G_ptr, k_inv_norm_ptr, minv_ptr,
     stride_kt, stride_kh, stride_at, stride_bt, H_V, H_K, D_K,
     GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, K_STEP: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One (chunk, key head): its normalised keys' Gram blocks and inverse norms (stored, [T, H_k]
     fp32, for the later kernels), then for each of its GROUP value heads G (stored) and
-    M⁻¹·diag(beta) ([N, H_v, C, C] in DOT_DTYPE: the 10 lower 16×16 blocks; the upper ones are
+    M⁻¹·diag(beta) ([N, H_v, C, C] in minv's dtype: the 10 lower 16×16 blocks; the upper ones are
     never written and never read). The GROUP value heads differ only in their gates, so the keys
     are loaded and multiplied once for all of them (per value head: 0.43 against 0.61 ms at
     1×32768 on the H200, docs/BENCHMARKS.md session 8).
@@ -94,10 +94,10 @@ def chunk_wy_kernel(
     warp holds the whole left operand of a 16-row product: whole [16, d_k] key tiles would cost
     far more registers than the maths needs).
 
-    DOT_DTYPE is the input dtype: the keys enter the tensor cores in it and M⁻¹·diag(beta) is
-    stored in it. PRECISION is for products of fp32 operands (M⁻¹'s off-diagonal blocks): "ieee"
-    for fp32 inputs (exact path throughout), "tf32" for 16-bit inputs, where the blocks are
-    rounded to 16 bits when stored anyway (as fla does).
+    The keys enter the tensor cores in the input dtype, and M⁻¹·diag(beta) is stored in minv's
+    (the input dtype: kernels/gdn_prefill.py). PRECISION is for products of fp32 operands (M⁻¹'s
+    off-diagonal blocks): "ieee" for fp32 inputs (exact path throughout), "tf32" for 16-bit
+    inputs, where the blocks are rounded to 16 bits when stored anyway (as fla does).
     """
     tl.static_assert(C == 4 * SUB)
     # Grid (key head, chunk): a chunk's key heads run together.

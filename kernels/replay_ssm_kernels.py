@@ -379,9 +379,9 @@ def replay_flush_kernel(
 
     Each program reads all B cursors (one small gather), ranks the full rows, and then takes
     work items p, p + P, ...: (full row, key head), folding the GROUP value heads × d_v blocks
-    of that key head in turn, or with TILE_ITEMS (full row, value head, d_v block). The work is sized by the full rings, not the batch: on a step where no ring
-    is full (15 of 16 steps when a batch was admitted together) the launch is one wave of
-    programs that read B cursors and exit.
+    of that key head in turn, or with TILE_ITEMS (full row, value head, d_v block). The work is
+    sized by the full rings, not the batch: on a step where no ring is full (15 of 16 steps when a
+    batch was admitted together) the launch is one wave of programs that read B cursors and exit.
     """
     offs_b = tl.arange(0, BLOCK_B)
     in_batch = offs_b < num_seqs
