@@ -39,9 +39,9 @@ from kernels.gdn_prefill_tiles import _chunk_rows, _mm
 from kernels.gdn_prefill_wy import chunk_wy_kernel  # noqa: F401 - listed here with the others
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk_lo"])
 def chunk_output_kernel(
-    q_ptr, k_ptr, k_inv_norm_ptr, G_ptr, qs_ptr, vnew_ptr, out_ptr, chunk_start_ptr, chunk_end_ptr,
+    q_ptr, k_ptr, k_inv_norm_ptr, G_ptr, qs_ptr, vnew_ptr, out_ptr, chunk_start_ptr, chunk_end_ptr, chunk_lo,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, H_V, H_K, D_K, D_V, scale,
     GROUP: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
@@ -53,9 +53,9 @@ def chunk_output_kernel(
     docs/BENCHMARKS.md session 9). q and k are raw: the products run on them (exact 16-bit
     operands) and the normalisation is folded into their rows afterwards: q's inverse norm (times
     d_k^-½) from the whole q rows loaded here, k's from the WY kernel (k_inv_norm)."""
-    # Grid (d_v block, key head, chunk): the d_v blocks of one (chunk, key head), which load the
-    # same q / k tiles, run together.
-    chunk, key_head = tl.program_id(2), tl.program_id(1)
+    # Grid (d_v block, key head, chunk of the launch's piece of the table, from chunk_lo): the d_v
+    # blocks of one (chunk, key head), which load the same q / k tiles, run together.
+    chunk, key_head = chunk_lo + tl.program_id(2), tl.program_id(1)
     start, n_rows, i, rows, row_ok = _chunk_rows(chunk_start_ptr, chunk_end_ptr, chunk, C)
     if n_rows <= 0:  # an unused tail chunk of the table
         return

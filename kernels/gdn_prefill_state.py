@@ -135,10 +135,10 @@ def _chunk_step(S, tiles, chunk_start, seq_end, qs_ptr, vnew_ptr, head, vv, v_ok
         return (S[0] * decay + _mm(tl.trans(k[0]), v_to_end, DOT_DTYPE),)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk_lo", "chunk_hi"])
 def state_pass_kernel(
-    q_ptr, k_ptr, v_ptr, k_inv_norm_ptr, minv_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr, qs_ptr,
-    vnew_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_s0, stride_s1, stride_s2,
+    q_ptr, k_ptr, v_ptr, k_inv_norm_ptr, minv_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr,
+    chunk_lo, chunk_hi, qs_ptr, vnew_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_s0, stride_s1, stride_s2,
     H_V, H_K,
     D_K: tl.constexpr, D_V: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_PARTS: tl.constexpr,
@@ -146,25 +146,33 @@ def state_pass_kernel(
 ):
     """q, k, v raw (k_inv_norm [T, H_k] from the WY kernel normalises k); M⁻¹·diag(beta)
     [N, H_v, C, C] and G from the WY kernel. Writes each chunk's raw q·S0 and new values (both
-    [T, H_v, d_v]) and the final state."""
+    [T, H_v, d_v]) and the final state.
+
+    Only the chunks in [chunk_lo, chunk_hi) of the table are walked (a piece of the table: the
+    state in the pool carries a sequence from one piece's launch to the next); a sequence with
+    none of them returns at once, its state untouched."""
     # Grid (d_v block, value head, sequence): the sibling programs that read the same k tiles
     # every chunk are launched together, so those reads hit L2.
     seq, head = tl.program_id(2), tl.program_id(1)
     vv = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = vv < D_V
+    first_chunk = tl.load(seq_offsets_ptr + seq)
+    # The sequence's chunks j_lo..j_hi-1 (counted from its first) that lie in the launch's piece.
+    j_lo = tl.maximum(first_chunk, chunk_lo) - first_chunk
+    j_hi = tl.minimum(tl.load(seq_offsets_ptr + seq + 1), chunk_hi) - first_chunk
+    if j_hi <= j_lo:  # nothing of this sequence here (an empty sequence: its state stays as it is)
+        return
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     state_base = state_ptr + slot * stride_s0 + head * stride_s1
     S = _load_state(state_base, vv, v_ok, stride_s2, D_K, BLOCK_K, KEY_PARTS)
 
     seq_start = tl.load(cu_ptr + seq).to(tl.int64)
     seq_end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    first_chunk = tl.load(seq_offsets_ptr + seq)
-    n_chunks = tl.load(seq_offsets_ptr + seq + 1) - first_chunk
     # A sequence's chunks are consecutive in the table and in the tokens: row addresses are
     # arithmetic in the loop index (no table load on the sequential path).
     if LOOP_AS_WHILE:
-        j = 0
-        while j < n_chunks:
+        j = j_lo
+        while j < j_hi:
             tiles = _chunk_tiles(first_chunk + j, seq_start + j * C, seq_end, q_ptr, stride_qt, stride_qh, k_ptr,
                                  stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr,
                                  head, vv, v_ok, H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)
@@ -172,7 +180,7 @@ def state_pass_kernel(
                             C, KEY_PARTS, DOT_DTYPE)
             j += 1
     else:
-        for j in range(0, n_chunks):
+        for j in range(j_lo, j_hi):
             tiles = _chunk_tiles(first_chunk + j, seq_start + j * C, seq_end, q_ptr, stride_qt, stride_qh, k_ptr,
                                  stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, k_inv_norm_ptr, minv_ptr, G_ptr,
                                  head, vv, v_ok, H_V, H_K, D_K, GROUP, C, SUB, BLOCK_K, KEY_PARTS)

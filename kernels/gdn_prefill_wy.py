@@ -71,10 +71,10 @@ def _inverse_diagonal_block(gram, beta, G, SUB: tl.constexpr):
     return inv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk_lo"])
 def chunk_wy_kernel(
-    k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_end_ptr, G_ptr, k_inv_norm_ptr, minv_ptr,
-    stride_kt, stride_kh, stride_at, stride_bt, H_V, H_K, D_K,
+    k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_end_ptr, chunk_lo, G_ptr, k_inv_norm_ptr,
+    minv_ptr, stride_kt, stride_kh, stride_at, stride_bt, H_V, H_K, D_K,
     GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, K_STEP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -100,8 +100,9 @@ def chunk_wy_kernel(
     inputs, where the blocks are rounded to 16 bits when stored anyway (as fla does).
     """
     tl.static_assert(C == 4 * SUB)
-    # Grid (key head, chunk): a chunk's key heads run together.
-    key_head, chunk = tl.program_id(0), tl.program_id(1)
+    # Grid (key head, chunk of the launch's piece of the table, which starts at chunk_lo): a
+    # chunk's key heads run together.
+    key_head, chunk = tl.program_id(0), chunk_lo + tl.program_id(1)
     start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
     n_rows = tl.load(chunk_end_ptr + chunk) - start.to(tl.int32)
     if n_rows <= 0:  # an unused tail chunk of the table

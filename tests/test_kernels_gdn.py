@@ -358,6 +358,45 @@ def test_triton_prefill_writes_every_output_element():
     torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("pieces", [2, 5])
+def test_triton_prefill_in_pieces_matches_reference(pieces):
+    """The chunk table cut into pieces run one after the other (what the overlapped GPU path runs
+    on two streams): cuts fall inside sequences (state carried through the pool), between them and
+    next to an empty one, on NaN-poisoned buffers. Lengths 130 / 0 / 65 / 200 make 9 used chunks."""
+    x, state, cu = make_inputs([130, 0, 65, 200], device=DEVICE, seed=23)
+    slots = _slots(4, DEVICE)
+    original = state.clone()
+    expect_state = state.clone()
+    expect = ref.gdn_recurrent_reference(**x, state=expect_state, slots=slots, cu_seqlens=cu)
+    work = _poisoned(tri_prefill.plan_prefill(**x, state=state, slots=slots, cu_seqlens=cu))
+    assert len(tri_prefill.piece_bounds(work.chunks.capacity, pieces)) == pieces
+    got = tri_prefill.run_prefill(work, pieces=pieces)
+    torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
+    assert torch.equal(state[slots[1]], original[slots[1]])  # the empty sequence's state
+
+
+def test_triton_prefill_in_pieces_keeps_a_bf16_pool_state_in_fp32():
+    """With a 16-bit pool the pieces carry the state in fp32 between cuts: the same outputs and
+    final bf16 state as the whole table in one go (the state rounded once, at the end)."""
+    x, state, cu = make_inputs([200, 65], device=DEVICE, seed=31)
+    slots = _slots(2, DEVICE)
+    whole_pool, pieces_pool = state.to(torch.bfloat16), state.to(torch.bfloat16)
+    whole = tri_prefill.run_prefill(tri_prefill.plan_prefill(**x, state=whole_pool, slots=slots, cu_seqlens=cu),
+                                    pieces=1)
+    pieces = tri_prefill.run_prefill(tri_prefill.plan_prefill(**x, state=pieces_pool, slots=slots, cu_seqlens=cu),
+                                     pieces=3)
+    torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=1e-6)  # a bf16 round at a cut: ~1e-3
+    # One bf16 ulp: the interpreter's fp32 -> bf16 store does not round as torch's .to() does.
+    torch.testing.assert_close(pieces_pool.float(), whole_pool.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_piece_bounds_cover_the_table_once():
+    assert tri_prefill.piece_bounds(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert tri_prefill.piece_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]  # never an empty piece
+    assert tri_prefill.piece_bounds(7, 1) == [(0, 7)]
+
+
 def _check_launches_at_model_shapes(launches, repeats: int = 3) -> None:
     """CUDA worker (run in a child process: an illegal access is sticky and would fail every later
     test). Prints each launch before running it, so the parent can name the one that crashed."""
