@@ -36,9 +36,10 @@ class StubModel(torch.nn.Module):
         self.config = config
         self._generator = torch.Generator().manual_seed(0)
 
-    def forward(self, batch, caches) -> torch.Tensor:
+    def forward(self, batch, caches, logits_out=None) -> torch.Tensor:
         rows = batch.logits_indices.numel()
-        return torch.randn(rows, self.config.vocab_size, generator=self._generator)  # [N, V]
+        logits = torch.randn(rows, self.config.vocab_size, generator=self._generator)  # [N, V]
+        return logits if logits_out is None else logits_out.copy_(logits)
 
 
 class PhaseTimer:

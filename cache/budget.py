@@ -135,13 +135,12 @@ def step_activation_bytes(config, dtype: torch.dtype, max_batch_tokens: int, max
 
 def decode_graph_bytes(config, dtype: torch.dtype, bucket_sizes: list[int], ctx_cap: int) -> int:
     """What CUDA graphs of decode steps hold for the engine's life, apart from the eager steps'
-    memory (batchinfer/engine/cuda_graphs.py): each bucket's fp32 logits output [b, V] (kept
-    for its replays), the context-slot buffer [max b · ctx_cap] int64, and the largest capture's
-    other tensors (the smaller captures reuse them). Qwen3.5-27B, buckets up to 256: the logits
-    alone are 1.25 GiB."""
+    memory (batchinfer/engine/cuda_graphs.py): the fp32 logits buffer all buckets share
+    [max b, V], the context-slot buffer [max b · ctx_cap] int64, and the largest capture's other
+    tensors (the smaller captures reuse them)."""
     item = _itemsize(dtype)
     largest = max(bucket_sizes)
-    return (sum(bucket_sizes) * config.vocab_size * 4 + largest * ctx_cap * 8
+    return (largest * config.vocab_size * 4 + largest * ctx_cap * 8
             + largest * _bytes_per_step_token(config, item))
 
 

@@ -57,8 +57,12 @@ class DecodeGraphs:
         self.kv_indices = buffer(b_max * ctx_cap)           # [B_max · ctx_cap]
         self.cu_seqlens = torch.arange(b_max + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(b_max, dtype=torch.int64, device=device)
+        # Every bucket's graph writes its logits into the head of this one buffer (allocated
+        # outside the graphs' pool): a graph's output tensor stays alive for its replays, so
+        # per-bucket outputs would each hold their own [b, V] fp32 (Qwen3.5-27B, buckets up to
+        # 256: 1.25 GiB against 0.24 GiB shared). A step's logits are consumed before the next.
+        self.logits = torch.empty(b_max, model.config.vocab_size, dtype=torch.float32, device=device)  # [B_max, V]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
         self._pool = None
 
     def _batch(self, b: int) -> ForwardBatch:
@@ -90,11 +94,11 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # compile Triton kernels and settle allocations first
                 for _ in range(2):
-                    self.model.forward(batch, self.caches)
+                    self.model.forward(batch, self.caches, logits_out=self.logits[:b])
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._logits[b] = self.model.forward(batch, self.caches)  # [b, V]
+                self.model.forward(batch, self.caches, logits_out=self.logits[:b])  # [b, V]
             self._pool = graph.pool()
             self._graphs[b] = graph
         torch.cuda.synchronize(self.device)
@@ -139,6 +143,6 @@ class DecodeGraphs:
         if from_device:
             select_tokens(self.input_ids[:b], source, prior_tokens, out=self.input_ids[:b])
         if not self.capture:
-            return self.model.forward(self._batch(b), self.caches)[:B]
+            return self.model.forward(self._batch(b), self.caches, logits_out=self.logits[:b])[:B]
         self._graphs[b].replay()
-        return self._logits[b][:B]
+        return self.logits[:B]

@@ -80,8 +80,9 @@ class HybridModel(nn.Module):
     # no_grad, not inference_mode: inference tensors would forbid callers' in-place edits of
     # the logits (e.g. a sampler's repetition penalty).
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Logits [N, vocab] fp32 for the tokens at `batch.logits_indices`."""
+    def forward(self, batch: ForwardBatch, caches: ModelCaches, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, vocab] fp32 for the tokens at `batch.logits_indices`; written into
+        `logits_out` [N, vocab] fp32 when given (the decode graphs' one shared buffer)."""
         if caches.has_replay and not batch.is_decode:
             _fold_pending_ring_entries(self.config, batch.state_slots, caches)
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
@@ -97,9 +98,9 @@ class HybridModel(nn.Module):
         # The last residual add is needed only where logits are read: gather those rows first.
         rows = batch.logits_indices
         _, x = ops.add_rms_norm(x[rows], mlp_out[rows], self.final_norm, self.config.rms_norm_eps)  # [N, hidden]
-        return self._logits(x)  # [N, vocab]
+        return self._logits(x, logits_out)  # [N, vocab]
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [N, vocab] of the final hidden rows x [N, hidden].
 
         On CUDA with 16-bit weights the GEMM writes fp32 itself (fp32 accumulators stored
@@ -109,8 +110,11 @@ class HybridModel(nn.Module):
         """
         weight = self.output_embedding
         if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
-            return torch.mm(x, weight.t(), out_dtype=torch.float32)
-        return F.linear(x, weight).float()
+            if out is None:
+                return torch.mm(x, weight.t(), out_dtype=torch.float32)
+            return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+        logits = F.linear(x, weight).float()
+        return logits if out is None else out.copy_(logits)
 
 
 def _fold_pending_ring_entries(config: ModelConfig, slots: torch.Tensor, caches: ModelCaches) -> None:
