@@ -6,7 +6,8 @@
 
 Every row is correctness-checked before it is timed: ours vs the fp32 reference (kernels/ref) on
 the same bf16-rounded inputs, and ours vs fla where fla runs. Times are medians of
-triton.testing.do_bench (with warm-up). Shapes: Qwen3.5-27B's GDN (16 key / 48 value heads × 128).
+triton.testing.do_bench (with warm-up); the default-launch rows repeat that REPEATS times, ours
+and fla taking turns, and report the median. Shapes: Qwen3.5-27B's GDN (16 key / 48 value heads × 128).
 
 Two phases. First every kernel at its DEFAULT launch for every shape, and the table is printed.
 Then the sweeps: each kernel's launch knobs (KernelLaunch / ConvLaunch) over a handful of configs;
@@ -18,6 +19,7 @@ failing config is named and the table is reprinted with what was measured before
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -29,6 +31,7 @@ D_CONV = 2 * H_K * D_K + H_V * D_V
 PEAK_BYTES_PER_S = 4.28e12  # H200 device-to-device copy bandwidth
 PREFILL_SHAPES = [(1, 32768), (8, 2048), (64, 512)]  # (sequences, tokens per sequence)
 DECODE_BATCHES = [1, 32, 128, 256, 512]
+REPEATS = 5  # rounds of side-by-side timing per row (medians; --quick: one)
 
 
 @dataclass(frozen=True)
@@ -131,15 +134,26 @@ def _fla_runner(fla_fn, x, state0, batch_shape, cu=None):
     return lambda: fla_fn(q=q, k=k, v=v, **kwargs)
 
 
-def _compare_fla(make_runner, ours_out, quick: bool):
-    """(fla ms, check text); fla failing is reported in the check column, not fatal."""
+def _checked_fla(make_runner, ours_out):
+    """(fla runner or None, check text): fla run once and compared with our output; fla failing
+    is reported in the check column, not fatal."""
     try:
         run = make_runner()
         fla_out, _ = run()
-        err = _rel_err(ours_out, fla_out.reshape(ours_out.shape))
-        return _bench(run, quick), f" fla {err:.1e}"
+        return run, f" fla {_rel_err(ours_out, fla_out.reshape(ours_out.shape)):.1e}"
     except Exception as exc:  # noqa: BLE001
         return None, f" fla error: {type(exc).__name__}"
+
+
+def _bench_side_by_side(runs: dict, quick: bool) -> dict:
+    """{name: ms}: the median over REPEATS rounds of each run's do_bench median, the runs taking
+    turns within a round. One do_bench per row moved the decode rows at B <= 32 (tens of µs,
+    launch-bound) by up to 25% between fresh machines (docs/BENCHMARKS.md, session 9)."""
+    times = {name: [] for name, run in runs.items() if run is not None}
+    for _ in range(1 if quick else REPEATS):
+        for name in times:
+            times[name].append(_bench(runs[name], quick))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _prefill_sweeps(quick: bool, big: bool):
@@ -188,15 +202,17 @@ def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
     ref_state = state0.clone()
     expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=ref_state, slots=slots, cu_seqlens=cu)
     check = f"ref {_rel_err(out, expect):.1e}/{_rel_err(state, ref_state):.1e}"
-    ours_ms = _bench(lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu), quick)
     tables = ChunkTables(cu, T)
-    tables_ms = _bench(lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, chunk_tables=tables),
-                       quick)
-    fla_ms = None
+    fla_run = None
     if fla is not None:
-        runner = lambda: _fla_runner(fla[0], x, state0[slots].clone(), (1, T), cu.long())  # noqa: E731
-        fla_ms, fla_check = _compare_fla(runner, out, quick)
+        fla_run, fla_check = _checked_fla(lambda: _fla_runner(fla[0], x, state0[slots].clone(), (1, T), cu.long()),
+                                          out)
         check += fla_check
+    times = _bench_side_by_side({
+        "ours": lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu),
+        "tables": lambda: ours.gdn_prefill(**x, state=state, slots=slots, cu_seqlens=cu, chunk_tables=tables),
+        "fla": fla_run}, quick)
+    ours_ms, tables_ms, fla_ms = times["ours"], times["tables"], times.get("fla")
     row = Row("gdn_prefill", f"{num_seqs}x{seq_len}", ours_ms, None, fla_ms, f"{T / ours_ms / 1e3:.2f} Mtok/s", "",
               check, shared_tables_ms=tables_ms)
 
@@ -260,11 +276,13 @@ def bench_decode(batch: int, fla, quick: bool):
     out = ours.gdn_decode(**x, state=pool, slots=slots)
     expect = ref.gdn_decode(**{n: t.float() for n, t in x.items()}, state=ref_pool, slots=slots)
     check = f"ref {_rel_err(out, expect):.1e}/{_rel_err(pool, ref_pool):.1e}"
-    ours_ms = _bench(lambda: ours.gdn_decode(**x, state=pool, slots=slots), quick)
-    fla_ms = None
+    fla_run = None
     if fla is not None:  # B sequences of one token each, dense initial states
-        fla_ms, fla_check = _compare_fla(lambda: _fla_runner(fla[1], x, fla_initial, (batch, 1)), out, quick)
+        fla_run, fla_check = _checked_fla(lambda: _fla_runner(fla[1], x, fla_initial, (batch, 1)), out)
         check += fla_check
+    times = _bench_side_by_side({"ours": lambda: ours.gdn_decode(**x, state=pool, slots=slots), "fla": fla_run},
+                                quick)
+    ours_ms, fla_ms = times["ours"], times.get("fla")
     state_bytes = 2 * batch * H_V * D_K * D_V * 4  # fp32 state read + written
 
     def rates(ms: float):

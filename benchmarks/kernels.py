@@ -4,7 +4,9 @@ issue's shapes, side by side with fla-core on the same inputs, against its targe
     source .whl/env.sh && python -m benchmarks.kernels [--quick] [--no-sweep]
 
 Each kernel is checked against its fp32 reference before it is timed (the bench modules abort
-or mark the row on a mismatch). Times are medians of triton.testing.do_bench after warm-up.
+or mark the row on a mismatch). Times are medians of triton.testing.do_bench after warm-up; the
+GDN prefill and decode rows take the median of bench_gdn.REPEATS such runs, ours and fla taking
+turns (ReplaySSM and attention: one run per launch, CUDA-graph replays for ReplaySSM).
 "ours" is the default launch; "best" the fastest launch of the sweep (when it beats the
 default, make it the default and rerun). The detailed per-module tables print first
 (benchmarks/bench_gdn.py, benchmarks/bench_replay_attn.py); the summary table prints last.
@@ -64,7 +66,7 @@ def _gdn_targets(quick: bool, sweep: bool) -> list[Target]:
         share = 2 * batch * gdn.H_V * gdn.D_K * gdn.D_V * 4 / (best * 1e-3) / PEAK
         need_bw = batch >= 128
         out.append(Target("gdn_decode", f"B={batch}", row.ours_ms, best, row.fla_ms,
-                          f"{ratio:.2f}x fla, {share:.0%} BW", ">= fla" + (", >= 85% BW" if need_bw else ""),
+                          f"{ratio:.2f}x fla, {share:.1%} BW", ">= fla" + (", >= 85% BW" if need_bw else ""),
                           ratio >= 1.0 and (share >= 0.85 or not need_bw)))
     return out
 
