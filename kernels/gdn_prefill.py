@@ -74,8 +74,10 @@ class PrefillLaunch:
     pass on a side stream beside the WY kernels of the later pieces and the outputs of the
     earlier ones (the state in the pool carries each sequence across cuts). 1×32768 on the H200
     (session 10): 2.13 ms in 4 pieces against 2.40 in one; 3 pieces 2.14, 5 2.19, 8 2.24, 16
-    3.15 (the host launching 48 kernels is slower than the GPU); uneven pieces no better. With
-    many programs the pieces only add launches (8×2048: 0.99 ms in 2 against 0.93).
+    3.15 (the host launching 48 kernels is slower than the GPU); uneven pieces no better. Short
+    pieces stop paying, hence overlap_min_chunks: 1×16384 1.14 ms in 2 pieces, 1.12 in 4, 1.21 in
+    one; 1×8192 0.63 in 2, 1.00 in 4, 0.62 in one. With many programs the pieces only add
+    launches (8×2048: 0.99 ms in 2 against 0.93).
     """
 
     wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=1, num_stages=1))
@@ -86,6 +88,7 @@ class PrefillLaunch:
         default_factory=lambda: StatePassLaunch(block_v=32, num_warps=4, num_stages=2))
 
     overlap_pieces: int = 4
+    overlap_min_chunks: int = 128
 
     def _few_programs(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int) -> bool:
         programs = num_seqs * num_heads * triton.cdiv(d_v, self.state_pass.block_v)
@@ -97,10 +100,12 @@ class PrefillLaunch:
             return self.state_pass_few_programs
         return self.state_pass
 
-    def pieces_for(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int) -> int:
-        """How many pieces of the chunk table run_prefill pipelines: overlap_pieces with the
-        few-programs state pass, else 1."""
-        return self.overlap_pieces if self._few_programs(num_seqs, num_heads, d_v, sm_count) else 1
+    def pieces_for(self, num_seqs: int, num_heads: int, d_v: int, sm_count: int, num_chunks: int) -> int:
+        """How many pieces of a `num_chunks` chunk table run_prefill pipelines: with the
+        few-programs state pass up to overlap_pieces of at least overlap_min_chunks each, else 1."""
+        if not self._few_programs(num_seqs, num_heads, d_v, sm_count):
+            return 1
+        return max(1, min(self.overlap_pieces, num_chunks // self.overlap_min_chunks))
 
 
 DEFAULT_LAUNCH = PrefillLaunch()
@@ -232,7 +237,9 @@ def run_prefill(work: PrefillWork, launch: PrefillLaunch = DEFAULT_LAUNCH, piece
         return work.out  # no token: every state stays as it is
     programs = (work.slots.numel(), H_v, d_v, multiprocessor_count(work.q.device))
     state_launch = launch.state_pass_for(*programs)
-    bounds = piece_bounds(work.chunks.capacity, launch.pieces_for(*programs) if pieces is None else pieces)
+    if pieces is None:
+        pieces = launch.pieces_for(*programs, work.chunks.capacity)
+    bounds = piece_bounds(work.chunks.capacity, pieces)
     if len(bounds) == 1:
         run_wy(work, launch.wy)
         run_state_pass(work, state_launch)

@@ -391,6 +391,14 @@ def test_triton_prefill_in_pieces_keeps_a_bf16_pool_state_in_fp32():
     torch.testing.assert_close(pieces_pool.float(), whole_pool.float(), rtol=1e-2, atol=1e-2)
 
 
+def test_pieces_only_for_few_programs_and_long_tables():
+    launch = tri_prefill.DEFAULT_LAUNCH  # 4 pieces of >= 128 chunks, with the few-programs pass
+    assert launch.pieces_for(1, 48, 128, sm_count=132, num_chunks=513) == 4
+    assert launch.pieces_for(1, 48, 128, sm_count=132, num_chunks=257) == 2
+    assert launch.pieces_for(1, 48, 128, sm_count=132, num_chunks=129) == 1
+    assert launch.pieces_for(2, 48, 128, sm_count=132, num_chunks=514) == 1  # 192 programs: enough
+
+
 def test_piece_bounds_cover_the_table_once():
     assert tri_prefill.piece_bounds(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
     assert tri_prefill.piece_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]  # never an empty piece
@@ -479,6 +487,29 @@ def test_triton_prefill_model_shapes_bf16():
     # (M⁻¹·diag(beta), new values, q·S0 rows) add about as much again.
     assert _rel_err(got, expect) < 1e-2
     assert _rel_err(state[slots], expect_state[slots]) < 5e-3
+
+
+@requires_cuda
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_triton_prefill_one_long_sequence_overlaps_pieces_cuda(pool_dtype):
+    """One long sequence at model shapes: the default runs it in overlapped pieces on two streams.
+    Against the fp32 reference, and against the same plan in one piece: identical outputs (the
+    same kernels on the same rows; only the cuts and the streams differ)."""
+    x, state, cu = make_inputs([16447], H_k=16, H_v=48, d_k=128, d_v=128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([4], device="cuda")
+    launch, sm_count = tri_prefill.DEFAULT_LAUNCH, torch.cuda.get_device_properties(0).multi_processor_count
+    assert launch.pieces_for(1, 48, 128, sm_count, num_chunks=16447 // 64 + 1) == 2
+    pool = state.to(pool_dtype)
+    expect_state, whole_pool = state.clone(), pool.clone()
+    expect = ref.gdn_prefill(**{n: t.float() for n, t in x.items()}, state=expect_state, slots=slots, cu_seqlens=cu)
+    got = tri_prefill.gdn_prefill(**x, state=pool, slots=slots, cu_seqlens=cu)
+    whole = tri_prefill.run_prefill(tri_prefill.plan_prefill(**x, state=whole_pool, slots=slots, cu_seqlens=cu),
+                                    pieces=1)
+    torch.cuda.synchronize()
+    assert _rel_err(got, expect) < 1e-2 and _rel_err(pool[slots], expect_state[slots]) < 5e-3
+    assert torch.equal(got, whole)
+    torch.testing.assert_close(pool.float(), whole_pool.float(), rtol=1e-2 if pool_dtype != torch.float32 else 0,
+                               atol=0)
 
 
 @requires_cuda
