@@ -6,8 +6,10 @@ Chunks never straddle sequences; a sequence's initial state is read from `state[
 final state written back there. No host sync: the chunk grid is sized from shapes
 (kernels/_common.py:ChunkTable). Launch knobs per kernel: `PrefillLaunch`; each stage can be
 launched alone on a planned `PrefillWork` (`run_wy`, `run_state_pass`, `run_output`:
-benchmarks/bench_gdn.py tunes them one by one), or all in order (`run_prefill`). q and k are never
-normalised into a copy: each kernel folds the inverse norms into its products' row scales.
+benchmarks/bench_gdn.py tunes them one by one), on the whole chunk table or a piece of it, or all
+in order (`run_prefill`; for a few long sequences it overlaps them over pieces of the table on
+two streams: PrefillLaunch). q and k are never normalised into a copy: each kernel folds the
+inverse norms into its products' row scales.
 Reference: kernels/ref/gdn.py:gdn_prefill.
 """
 from __future__ import annotations
@@ -215,8 +217,8 @@ def run_output(work: PrefillWork, launch: KernelLaunch, chunks: tuple[int, int] 
     lo, hi = _chunk_range(work, chunks)
     chunk_output_kernel[(triton.cdiv(d_v, block_v), H_k, hi - lo)](
         work.q, work.k, work.k_inv_norm, work.G, work.q_states, work.v_new, work.out,
-        work.chunks.start, work.chunks.seq_end, lo, work.q.stride(0), work.q.stride(1), work.k.stride(0), work.k.stride(1),
-        work.out.stride(0), work.out.stride(1), H_v, H_k, d_k, d_v, d_k ** -0.5,
+        work.chunks.start, work.chunks.seq_end, lo, work.q.stride(0), work.q.stride(1), work.k.stride(0),
+        work.k.stride(1), work.out.stride(0), work.out.stride(1), H_v, H_k, d_k, d_v, d_k ** -0.5,
         GROUP=H_v // H_k, C=CHUNK, BLOCK_K=next_pow2_at_least_16(d_k), BLOCK_V=block_v,
         DOT_DTYPE=TRITON_DTYPES[work.q.dtype], num_warps=launch.num_warps, num_stages=launch.num_stages,
     )

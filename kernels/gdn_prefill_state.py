@@ -22,7 +22,8 @@ rather than S0 itself ([d_k, d_v]): half the bytes written and read back (403 ag
 pass 0.84 → 0.87 ms with many sequences (session 9). Q·S0 is off the sequential path.
 
 Each chunk waits on the previous one: with a few long sequences every program walks a long
-chain, one or two programs per SM. KEY_PARTS = 2 holds the state as two d_k halves (two
+chain, one or two programs per SM (kernels/gdn_prefill.py then runs the table in pieces, the
+WY and output kernels of other pieces beside this pass). KEY_PARTS = 2 holds the state as two d_k halves (two
 accumulators, two smaller products whose instructions interleave), as fla does; the launch knobs
 are in kernels/gdn_prefill.py:StatePassLaunch.
 """
@@ -138,7 +139,8 @@ def _chunk_step(S, tiles, chunk_start, seq_end, qs_ptr, vnew_ptr, head, vv, v_ok
 @triton.jit(do_not_specialize=["chunk_lo", "chunk_hi"])
 def state_pass_kernel(
     q_ptr, k_ptr, v_ptr, k_inv_norm_ptr, minv_ptr, G_ptr, state_ptr, slots_ptr, cu_ptr, seq_offsets_ptr,
-    chunk_lo, chunk_hi, qs_ptr, vnew_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_s0, stride_s1, stride_s2,
+    chunk_lo, chunk_hi, qs_ptr, vnew_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_s0, stride_s1, stride_s2,
     H_V, H_K,
     D_K: tl.constexpr, D_V: tl.constexpr, GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_PARTS: tl.constexpr,
