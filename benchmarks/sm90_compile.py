@@ -46,6 +46,8 @@ INT_VALUES = dict(
     stride_ot=H_V * D_V, stride_oh=D_V,
     stride_s0=H_V * D_K * D_V, stride_s1=D_K * D_V, stride_s2=D_V,
 )
+# The chunk range of a piece of the table: launched with do_not_specialize (no divisibility).
+UNSPECIALISED_INTS = ("chunk_lo", "chunk_hi")
 POINTER_TYPES = {
     "G_ptr": "*fp32", "k_inv_norm_ptr": "*fp32", "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "state_ptr": "*fp32",
     "chunk_start_ptr": "*i32", "chunk_end_ptr": "*i32", "cu_ptr": "*i32", "seq_offsets_ptr": "*i32",
@@ -88,7 +90,7 @@ def compile_sm90(spec: KernelSpec, block_v: int, num_warps: int, num_stages: int
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if INT_VALUES[name] % 16 == 0:
+            if name not in UNSPECIALISED_INTS and INT_VALUES[name] % 16 == 0:
                 divisible.append(index)
     source = ASTSource(spec.fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                        attrs={(i,): [["tt.divisibility", 16]] for i in divisible})

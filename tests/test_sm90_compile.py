@@ -1,0 +1,35 @@
+"""benchmarks/sm90_compile.py (offline sm_90a compile of the prefill kernels, no GPU) keeps up with
+the kernels' signatures: every runtime argument needs a type there, and a new one (session 10's
+chunk range) broke it without any test noticing. Run in a child process: the test session may
+have the Triton interpreter on, which cannot compile."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.sm90_compile import PTXAS
+
+pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton ships no ptxas here")
+
+CHILD = """
+import re
+from benchmarks import sm90_compile as S
+for kernel, warps in (("wy", 1), ("state_pass", 4), ("output", 4)):
+    ptx = S.compile_sm90(S.KERNELS[kernel], block_v=64, num_warps=warps, num_stages=2).asm["ptx"]
+    registers, _ = S.ptxas_resources(ptx)
+    products = len(re.findall(r"^\\s*(?:mma\\.sync|wgmma\\.mma_async)", ptx, flags=re.M))
+    print(kernel, registers, products)
+"""
+
+
+def test_prefill_kernels_compile_for_sm90():
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    rows = {kernel: (int(regs), int(mma)) for kernel, regs, mma in map(str.split, child.stdout.splitlines())}
+    assert set(rows) == {"wy", "state_pass", "output"}
+    for kernel, (registers, products) in rows.items():
+        assert 0 < registers <= 255 and products > 0, (kernel, registers, products)  # tensor-core products
