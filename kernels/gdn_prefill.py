@@ -237,10 +237,10 @@ def run_prefill(work: PrefillWork, launch: PrefillLaunch = DEFAULT_LAUNCH, piece
     T, H_k, d_k, H_v, d_v = work.dims
     if work.slots.numel() == 0 or work.chunks.capacity == 0 or T == 0:
         return work.out  # no token: every state stays as it is
-    programs = (work.slots.numel(), H_v, d_v, multiprocessor_count(work.q.device))
-    state_launch = launch.state_pass_for(*programs)
+    batch = (work.slots.numel(), H_v, d_v, multiprocessor_count(work.q.device))  # what the launch choice reads
+    state_launch = launch.state_pass_for(*batch)
     if pieces is None:
-        pieces = launch.pieces_for(*programs, work.chunks.capacity)
+        pieces = launch.pieces_for(*batch, work.chunks.capacity)
     bounds = piece_bounds(work.chunks.capacity, pieces)
     if len(bounds) == 1:
         run_wy(work, launch.wy)
