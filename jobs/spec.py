@@ -1,10 +1,10 @@
 """Job files: YAML in, validated frozen `JobSpec`s out.
 
-Every mistake a user can make in a job file becomes one `JobError` naming the file, the
-key path (e.g. `jobs.rag.sampling.temprature`) and what is wrong, with a "did you mean"
-for misspelt keys. Relative paths resolve against the job file's own folder, so a job
-file travels with its data. Only the file itself is read here: whether inputs, columns
-and checkpoints exist is checked by `runner.prepare_job`.
+The file is read as YAML 1.2 (`jobs/yaml_loader.py`). Every mistake a user can make in a job
+file becomes one `JobError` naming the file, the key path (e.g. `jobs.rag.sampling.temprature`)
+and what is wrong, with a "did you mean" for misspelt keys. Relative paths resolve against the
+job file's own folder, so a job file travels with its data. Only the file itself is read here:
+whether inputs, columns and checkpoints exist is checked by `prepare.prepare_job`.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from batchinfer.engine.types import SamplingParams
 from jobs import spec_checks as check
 from jobs.errors import JobError
 from jobs.spec_checks import Checker, did_you_mean
+from jobs.yaml_loader import DuplicateKeyError, load_yaml
 
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
 DEMO_MODEL = "demo"
@@ -177,7 +178,9 @@ def parse_job_file(text: str, path: Path) -> JobFile:
     """Validate a job file's text; `path` locates relative paths and names errors."""
     checker = Checker(path)
     try:
-        document = yaml.safe_load(text)
+        document = load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise checker.fail(f"line {exc.problem_mark.line + 1}", exc.problem) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f"line {mark.line + 1}" if mark is not None else "yaml"
