@@ -26,7 +26,8 @@ def resolve_checkpoint(spec: JobSpec) -> Path:
 
 
 def check_checkpoint(checkpoint: Path, spec: JobSpec) -> int:
-    """Raise JobError unless `checkpoint` is a supported model folder; return its vocab size."""
+    """Raise JobError unless `checkpoint` is a supported model folder (and holds the job's
+    `max_model_len`); return its vocab size."""
     def fail(what: str) -> JobError:
         return JobError(spec.job_file, spec.where("model"), what)
 
@@ -40,6 +41,12 @@ def check_checkpoint(checkpoint: Path, spec: JobSpec) -> int:
         raise fail(f"{display_path(checkpoint)} has no safetensors weights")
     if not (checkpoint / "tokenizer.json").is_file():
         raise fail(f"{display_path(checkpoint)} has no tokenizer.json")
+    max_model_len = spec.engine.max_model_len
+    # Plain RoPE only (models/config.py): positions past the trained range are not supported.
+    if max_model_len is not None and max_model_len > config.max_position_embeddings:
+        raise JobError(spec.job_file, spec.where("engine.max_model_len"),
+                       f"must be <= the model's max_position_embeddings ({config.max_position_embeddings}), "
+                       f"got {max_model_len}")
     return config.vocab_size
 
 

@@ -93,9 +93,9 @@ class JobFile:
 
 # --- what each section may hold: key → value checker (jobs/spec_checks.py) ---
 SAMPLING_KEYS: dict[str, Callable[[Any], Any]] = {
-    "max_tokens": check.integer(1), "temperature": check.number(0.0, float("inf")),
+    "max_tokens": check.integer(1), "temperature": check.number(0.0),
     "top_p": check.number(0.0, 1.0, low_open=True), "top_k": check.integer(0), "min_p": check.number(0.0, 1.0),
-    "repetition_penalty": check.number(0.0, float("inf"), low_open=True), "seed": check.integer(),
+    "repetition_penalty": check.number(0.0, low_open=True), "seed": check.seed,
     "stop": check.stop_strings, "n": check.integer(1), "ignore_eos": check.boolean, "min_tokens": check.integer(0),
 }
 ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
@@ -103,7 +103,7 @@ ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
     "dtype": check.choice("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
     "prefix_cache": check.boolean, "state_cache": check.choice("extra_buffer", "no_buffer"), "replayssm": check.boolean,
     "ring_len": check.integer(1), "track_interval": check.integer(1), "max_running": check.integer(1),
-    "max_batch_tokens": check.integer(1), "max_model_len": check.integer(1, optional=True),
+    "max_batch_tokens": check.integer(1), "max_model_len": check.integer(2, optional=True),
     "memory_fraction": check.number(0.0, 1.0, low_open=True),
 }
 PROMPT_KEYS = {"template": check.text(), "column": check.text(), "token_ids_column": check.text()}
@@ -126,6 +126,18 @@ def _deep_merge(base: dict, override: dict) -> dict:
 def _resolve(path_text: str, base: Path) -> Path:
     path = Path(path_text).expanduser()
     return path if path.is_absolute() else (base / path).resolve()
+
+
+def _sampling(checker: Checker, raw: Any, where: str) -> SamplingParams:
+    values = checker.section(raw, where, SAMPLING_KEYS)
+    defaults = SamplingParams()
+    min_tokens, max_tokens = (values.get(key, getattr(defaults, key)) for key in ("min_tokens", "max_tokens"))
+    if min_tokens > max_tokens:
+        raise checker.fail(f"{where}.min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}")
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:  # the engine's own checks; the key checks above should leave none
+        raise checker.fail(where, str(exc)) from None
 
 
 def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
@@ -153,6 +165,7 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
     chat = scalar("chat", check.boolean, False)
     if chat and "token_ids_column" in prompt:
         raise checker.fail(f"{where}.chat", "cannot be true with prompt.token_ids_column (already tokenised)")
+    sampling = _sampling(checker, raw.get("sampling", {}), f"{where}.sampling")
     output = raw.get("output", f"out/{name}")
     output = checker.section({"path": output} if isinstance(output, str) else output, f"{where}.output",
                              OUTPUT_KEYS)
@@ -163,7 +176,7 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
         model=model if model == DEMO_MODEL else str(_resolve(model, base)),
         input=str(_resolve(input_pattern, base)),
         prompt=PromptSpec(**prompt),
-        sampling=SamplingParams(**checker.section(raw.get("sampling", {}), f"{where}.sampling", SAMPLING_KEYS)),
+        sampling=sampling,
         engine=EngineSettings(**checker.section(raw.get("engine", {}), f"{where}.engine", ENGINE_KEYS)),
         output=OutputSpec(path=_resolve(output["path"], base), flush_rows=output.get("flush_rows", 1000)),
         chat=chat,

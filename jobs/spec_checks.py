@@ -6,6 +6,7 @@ that into a `JobError` located at a key path, and rejects unknown keys with a "d
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,7 +20,11 @@ def boolean(value: Any) -> bool:
     return value
 
 
-def integer(low: Optional[int] = None, optional: bool = False) -> Callable[[Any], Optional[int]]:
+INT64_MAX = (1 << 63) - 1  # every integer setting ends up in an int64 somewhere (tensors, Parquet)
+SEED_LIMIT = 1 << 64       # the sampler hashes the seed as two 32-bit words: wider seeds would alias
+
+
+def integer(low: Optional[int] = None, optional: bool = False, high: int = INT64_MAX) -> Callable[[Any], Optional[int]]:
     def check(value: Any) -> Optional[int]:
         if value is None and optional:
             return None
@@ -27,17 +32,29 @@ def integer(low: Optional[int] = None, optional: bool = False) -> Callable[[Any]
             raise ValueError(f"must be an integer, got {value!r}")
         if low is not None and value < low:
             raise ValueError(f"must be >= {low}, got {value}")
+        if value > high:
+            raise ValueError(f"must be <= {high}, got {value}")
         return value
     return check
 
 
-def number(low: float, high: float, low_open: bool = False) -> Callable[[Any], float]:
+def seed(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+        raise ValueError(f"must be an integer in [0, 2**64), got {value!r}")
+    return value
+
+
+def number(low: float, high: Optional[float] = None, low_open: bool = False) -> Callable[[Any], float]:
+    """A finite float in [low, high] ((low, high] with low_open); no upper bound when high is None."""
     def check(value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"must be a number, got {value!r}")
-        if value < low or (low_open and value == low) or value > high:
-            lo = "(" if low_open else "["
-            raise ValueError(f"must be in {lo}{low}, {high}], got {value}")
+        if not math.isfinite(value):  # NaN passes every comparison below, and inf means nothing here
+            raise ValueError(f"must be a finite number, got {value}")
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            if high is None:
+                raise ValueError(f"must be {'>' if low_open else '>='} {float(low)}, got {value}")
+            raise ValueError(f"must be in {'(' if low_open else '['}{float(low)}, {float(high)}], got {value}")
         return float(value)
     return check
 

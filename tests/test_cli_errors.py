@@ -63,7 +63,7 @@ def test_unknown_key_with_suggestion(tmp_path, checkpoint):
 def test_invalid_value(tmp_path, checkpoint):
     setup_job(tmp_path, checkpoint, sampling={"temperature": -1})
     assert run_cli(tmp_path, "run", "jobs.yaml") == \
-        "error: jobs.yaml: jobs.rag.sampling.temperature: must be in [0.0, inf], got -1"
+        "error: jobs.yaml: jobs.rag.sampling.temperature: must be >= 0.0, got -1"
 
 
 def test_missing_input_file(tmp_path, checkpoint):
@@ -156,3 +156,34 @@ def test_a_model_that_cannot_load_is_a_runtime_failure_with_exit_1(tmp_path, che
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: job rag: cannot load the model: "), result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_key_given_twice_is_one_line_naming_its_line(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint)
+    job_file = tmp_path / "jobs.yaml"
+    text = job_file.read_text().replace("  sampling:\n", "  sampling:\n    seed: 1\n", 1)
+    assert text.count("seed:") == 2
+    job_file.write_text(text)
+    first, second = [i + 1 for i, row in enumerate(text.splitlines()) if row.strip().startswith("seed:")]
+    assert run_cli(tmp_path, "run", "jobs.yaml") == \
+        f"error: jobs.yaml: line {second}: duplicate key 'seed' (first on line {first})"
+
+
+@pytest.mark.parametrize("key, value, what", [
+    ("temperature", float("nan"), "must be a finite number, got nan"),
+    ("repetition_penalty", float("inf"), "must be a finite number, got inf"),
+    ("seed", 2**64, "must be an integer in [0, 2**64), got 18446744073709551616"),
+    ("min_tokens", 7, "must be <= max_tokens (6), got 7"),
+])
+def test_sampling_numbers_out_of_range_exit_2(tmp_path, checkpoint, key, value, what):
+    setup_job(tmp_path, checkpoint, sampling={"max_tokens": 6, key: value})
+    assert run_cli(tmp_path, "run", "jobs.yaml") == f"error: jobs.yaml: jobs.rag.sampling.{key}: {what}"
+
+
+@pytest.mark.parametrize("value, what", [
+    (1, "must be >= 2, got 1"),
+    (4097, "must be <= the model's max_position_embeddings (4096), got 4097"),
+])
+def test_max_model_len_out_of_range_exits_2_naming_the_key(tmp_path, checkpoint, value, what):
+    setup_job(tmp_path, checkpoint, engine={"max_model_len": value})
+    assert run_cli(tmp_path, "run", "jobs.yaml") == f"error: jobs.yaml: jobs.rag.engine.max_model_len: {what}"

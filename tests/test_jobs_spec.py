@@ -80,6 +80,20 @@ jobs:
     ("    engine: {device: tpu}", "jobs.rag.engine.device", "cuda:N"),
     ("    engine: {memory_fraction: 1.5}", "jobs.rag.engine.memory_fraction", "must be in"),
     ("    limit: 0", "jobs.rag.limit", "must be >= 1"),
+    *[(f"    {section}: {{{key}: {value}}}", f"jobs.rag.{section}.{key}", f"must be a finite number, got {shown}")
+      for section, key in [("sampling", "temperature"), ("sampling", "top_p"), ("sampling", "min_p"),
+                           ("sampling", "repetition_penalty"), ("engine", "memory_fraction")]
+      for value, shown in [(".nan", "nan"), (".inf", "inf"), ("-.inf", "-inf")]],
+    ("    sampling: {temperature: -1}", "jobs.rag.sampling.temperature", "must be >= 0.0, got -1"),
+    ("    sampling: {repetition_penalty: 0}", "jobs.rag.sampling.repetition_penalty", "must be > 0.0, got 0"),
+    ("    sampling: {seed: 18446744073709551616}", "jobs.rag.sampling.seed", "must be an integer in [0, 2**64)"),
+    ("    sampling: {seed: -1}", "jobs.rag.sampling.seed", "must be an integer in [0, 2**64), got -1"),
+    ("    sampling: {max_tokens: 9223372036854775808}", "jobs.rag.sampling.max_tokens",
+     "must be <= 9223372036854775807"),
+    ("    sampling: {max_tokens: 4, min_tokens: 5}", "jobs.rag.sampling.min_tokens",
+     "must be <= max_tokens (4), got 5"),
+    ("    sampling: {min_tokens: 129}", "jobs.rag.sampling.min_tokens", "must be <= max_tokens (128), got 129"),
+    ("    engine: {max_model_len: 1}", "jobs.rag.engine.max_model_len", "must be >= 2, got 1"),
     ("    chat: 1", "jobs.rag.chat", "true or false"),
     ("    output: {flush_rows: 5}", "jobs.rag.output.path", "missing"),
     ("    output: {path: o, flush_row: 5}", "jobs.rag.output.flush_row", "did you mean 'flush_rows'"),
@@ -113,6 +127,12 @@ def test_file_level_mistakes(text, where, what):
     message = error_of(text)
     assert message.startswith(f"{JOB_FILE}: {where}: "), message
     assert what in message and "\n" not in message
+
+
+def test_the_widest_seed_and_min_tokens_equal_to_max_tokens_are_accepted():
+    job = parse(MINIMAL + "    sampling: {seed: 18446744073709551615, max_tokens: 5, min_tokens: 5}\n").jobs[0]
+    assert (job.sampling.seed, job.sampling.min_tokens) == (2**64 - 1, 5)
+    assert parse(MINIMAL + "    engine: {max_model_len: 2}\n").jobs[0].engine.max_model_len == 2
 
 
 def test_missing_job_file_and_unknown_job_name(tmp_path):

@@ -5,6 +5,7 @@ tensors, so these types are cheap to create for millions of rows.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Hashable, Literal, Optional
 
@@ -25,8 +26,15 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):  # NaN would pass every range check below
+                raise ValueError(f"{name} must be a finite number")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be <= max_tokens")
+        if not 0 <= self.seed < 1 << 64:  # the sampler hashes it as two 32-bit words: no aliasing
+            raise ValueError("seed must be in [0, 2**64)")
         if self.n < 1:
             raise ValueError("n must be >= 1")
         if self.temperature < 0:
