@@ -17,7 +17,7 @@ from jobs.checkpoint import check_checkpoint, checkpoint_fingerprint, resolve_ch
 from jobs.errors import JobError
 from jobs.inputs import InputFiles, input_fingerprint, open_inputs
 from jobs.outputs import RESULT_COLUMNS
-from jobs.prompts import parse_template, template_columns
+from jobs.prompts import is_text, parse_template, template_can_format, template_columns
 from jobs.resume import check_resumable
 from jobs.spec import JobSpec, did_you_mean
 from jobs.tokenizer import CheckpointTokenizer
@@ -38,10 +38,6 @@ class PreparedJob:
         return self.inputs.num_rows if limit is None else min(limit, self.inputs.num_rows)
 
 
-def _is_text(dtype: pa.DataType) -> bool:
-    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype)
-
-
 def _check_columns(spec: JobSpec, schema: pa.Schema) -> None:
     def require(column: str, key: str) -> pa.DataType:
         if column not in schema.names:
@@ -57,12 +53,12 @@ def _check_columns(spec: JobSpec, schema: pa.Schema) -> None:
             raise JobError(spec.job_file, spec.where("prompt.template"), str(exc)) from None
         for column in template_columns(prompt.template):
             dtype = require(column, "prompt.template")
-            if pa.types.is_nested(dtype) or pa.types.is_binary(dtype):
+            if not template_can_format(dtype):
                 raise JobError(spec.job_file, spec.where("prompt.template"),
                                f"column {column!r} has type {dtype}, which a template cannot format")
     elif prompt.column is not None:
         dtype = require(prompt.column, "prompt.column")
-        if not _is_text(dtype):
+        if not is_text(dtype):
             raise JobError(spec.job_file, spec.where("prompt.column"),
                            f"column {prompt.column!r} must be text, got {dtype}")
     else:

@@ -1,9 +1,10 @@
 """Rows to prompt token ids: templates, prompt columns, chat rendering, row-level errors.
 
 Templates become polars expressions (one vectorised string concat per window, not a
-Python format call per row). A row that cannot make a prompt (a null template column,
-an empty prompt, a malformed token-id list) gets an error message instead of token ids;
-the runner records it in that row's `error` column and the rest of the job goes on.
+Python format call per row); a template without a `{column}` is one constant prompt for
+every row. A row that cannot make a prompt (text that is not valid UTF-8, a null template
+column, an empty prompt, a malformed token-id list) gets an error message instead of token
+ids; the runner records it in that row's `error` column and the rest of the job goes on.
 """
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 import jinja2
+import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from jobs.spec import PromptSpec
 from jobs.tokenizer import CheckpointTokenizer
+
+
+_AS_BYTES = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.string_view(): pa.binary_view()}
 
 
 @dataclass(frozen=True)
@@ -64,20 +70,84 @@ def template_columns(template: str) -> list[str]:
     return list(dict.fromkeys(part.column for part in parse_template(template) if part.column is not None))
 
 
-def _template_texts(frame: pl.DataFrame, template: str) -> tuple[list[Optional[str]], list[Optional[str]]]:
+def template_can_format(dtype: pa.DataType) -> bool:
+    """Whether a template can format a column of this type (polars' cast to text, `_template_texts`).
+
+    An allow-list: polars rejects some types only once a window holds data (durations), and
+    panics on others (intervals, 256-bit decimals), so probing an empty column is no test.
+    """
+    if pa.types.is_dictionary(dtype):
+        return template_can_format(dtype.value_type)
+    if pa.types.is_decimal(dtype):
+        return dtype.bit_width <= 128
+    return any(is_type(dtype) for is_type in (
+        pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean, pa.types.is_null, pa.types.is_date,
+        pa.types.is_timestamp, pa.types.is_time, is_text))
+
+
+def is_text(dtype: pa.DataType) -> bool:
+    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype)
+
+
+def _template_texts(frame: pl.DataFrame, template: str, rows: int) -> tuple[list[Optional[str]], list[Optional[str]]]:
+    columns = template_columns(template)
+    if not columns:  # a constant prompt: concat_str of literals alone would make one row, not `rows`
+        text = "".join(part.literal for part in parse_template(template))
+        return [text] * rows, [None] * rows
     pieces: list[pl.Expr] = []
     for part in parse_template(template):
         if part.literal:
             pieces.append(pl.lit(part.literal))
         if part.column is not None:
             pieces.append(pl.col(part.column).cast(pl.Utf8))
-    text = pl.concat_str(pieces, ignore_nulls=False) if pieces else pl.lit("")
+    text = pl.concat_str(pieces, ignore_nulls=False)
     # The first null column named in the template explains the row's error.
     error = pl.lit(None, dtype=pl.Utf8)
-    for column in reversed(template_columns(template)):
+    for column in reversed(columns):
         error = pl.when(pl.col(column).is_null()).then(pl.lit(f"template column {column!r} is null")).otherwise(error)
     result = frame.select(text.alias("text"), error.alias("error"))
     return result["text"].to_list(), result["error"].to_list()
+
+
+def _invalid_utf8_rows(chunk: pa.Array) -> list[int]:
+    """Offsets of the values of a (decoded) text array that are not valid UTF-8."""
+    try:
+        chunk.validate(full=True)  # one vectorised pass: the usual case ends here
+        return []
+    except pa.ArrowInvalid:
+        pass
+    bad = []
+    for offset, value in enumerate(chunk.view(_AS_BYTES[chunk.type]).to_pylist()):
+        try:
+            value is None or value.decode("utf-8")
+        except UnicodeDecodeError:
+            bad.append(offset)
+    return bad
+
+
+def _valid_text(table: pa.Table, columns: list[str]) -> tuple[pa.Table, list[Optional[str]]]:
+    """`table` with each value of the text `columns` that is not valid UTF-8 made null, and each row's
+    error naming the first such column. Parquet readers do not check UTF-8, and polars panics on it."""
+    errors: list[Optional[str]] = [None] * table.num_rows
+    for column in dict.fromkeys(columns):
+        chunks, start, found = [], 0, False
+        for chunk in table[column].chunks:
+            if pa.types.is_dictionary(chunk.type) and is_text(chunk.type.value_type):
+                chunk = chunk.dictionary_decode()
+            bad = _invalid_utf8_rows(chunk) if is_text(chunk.type) else []
+            if bad:
+                found = True
+                for offset in bad:
+                    errors[start + offset] = errors[start + offset] or f"column {column!r} is not valid UTF-8"
+                keep = np.ones(len(chunk), dtype=bool)
+                keep[bad] = False
+                chunk = pc.if_else(pa.array(keep), chunk, pa.scalar(None, chunk.type))
+            chunks.append(chunk)
+            start += len(chunk)
+        if found:
+            table = table.set_column(table.schema.get_field_index(column), column,
+                                     pa.chunked_array(chunks, type=chunks[0].type))
+    return table, errors
 
 
 def _column_texts(frame: pl.DataFrame, column: str) -> tuple[list[Optional[str]], list[Optional[str]]]:
@@ -116,19 +186,45 @@ def _render_chat(texts: list[Optional[str]], errors: list[Optional[str]], tokeni
     return rendered, rendered_errors
 
 
+def prompt_columns(spec: PromptSpec) -> list[str]:
+    """The input columns a prompt reads (none for a constant template)."""
+    if spec.template is not None:
+        return template_columns(spec.template)
+    column = spec.column if spec.column is not None else spec.token_ids_column
+    assert column is not None
+    return [column]
+
+
+def row_ids(table: pa.Table, id_column: str) -> list:
+    """The id column's values, None where its text is not valid UTF-8 (`build_prompts` makes those
+    rows errors); `to_pylist` alone raises UnicodeDecodeError on such text."""
+    return _valid_text(table.select([id_column]), [id_column])[0][id_column].to_pylist()
+
+
 def build_prompts(table: pa.Table, spec: PromptSpec, tokenizer: CheckpointTokenizer, chat: bool,
-                  system: Optional[str], vocab_size: int) -> PromptBatch:
-    """Prompt token ids (or a row error) for every row of one input window."""
-    frame = pl.from_arrow(table, rechunk=False)
+                  system: Optional[str], vocab_size: int, id_column: Optional[str] = None) -> PromptBatch:
+    """Prompt token ids (or a row error) for every row of one input window.
+
+    Text in the prompt's columns (and in `id_column`, when given) that is not valid UTF-8 makes
+    that row an error. Only the prompt's columns are converted to polars: the rest are not read.
+    """
+    columns = prompt_columns(spec)
+    checked = columns + ([id_column] if id_column is not None else [])
+    selected, text_errors = _valid_text(table.select(list(dict.fromkeys(checked))), checked)
+    frame = pl.from_arrow(selected.select(columns), rechunk=False)
     assert isinstance(frame, pl.DataFrame)
     if spec.token_ids_column is not None:
-        return _token_id_lists(frame, spec.token_ids_column, vocab_size)
+        batch = _token_id_lists(frame, spec.token_ids_column, vocab_size)
+        return PromptBatch(token_ids=[None if text_error else ids for ids, text_error in
+                                      zip(batch.token_ids, text_errors)],
+                           errors=[text_error or error for error, text_error in zip(batch.errors, text_errors)])
     if spec.template is not None:
-        texts, errors = _template_texts(frame, spec.template)
+        texts, errors = _template_texts(frame, spec.template, table.num_rows)
     else:
         assert spec.column is not None
         texts, errors = _column_texts(frame, spec.column)
-    errors = [error or ("empty prompt" if not text else None) for text, error in zip(texts, errors)]
+    errors = [text_error or error or ("empty prompt" if not text else None)
+              for text, error, text_error in zip(texts, errors, text_errors)]
     if chat:
         texts, errors = _render_chat(texts, errors, tokenizer, system)
     good = [i for i, error in enumerate(errors) if error is None]

@@ -1,10 +1,12 @@
 """Bad input through the CLI: exit 2, one line naming file and key/column, no traceback, nothing written."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 from click.testing import CliRunner
@@ -187,3 +189,12 @@ def test_sampling_numbers_out_of_range_exit_2(tmp_path, checkpoint, key, value, 
 def test_max_model_len_out_of_range_exits_2_naming_the_key(tmp_path, checkpoint, value, what):
     setup_job(tmp_path, checkpoint, engine={"max_model_len": value})
     assert run_cli(tmp_path, "run", "jobs.yaml") == f"error: jobs.yaml: jobs.rag.engine.max_model_len: {what}"
+
+
+def test_a_template_column_of_a_type_polars_cannot_format_exits_2(tmp_path, checkpoint):
+    table = rag_table(7)
+    write_parquet(table.append_column("wait", pa.array([datetime.timedelta(seconds=s) for s in range(7)])),
+                  tmp_path / "data" / "rag.parquet")
+    write_job_file(tmp_path, [job_entry(model=str(checkpoint), prompt={"template": "{document} after {wait}"})])
+    assert run_cli(tmp_path, "run", "jobs.yaml") == ("error: jobs.yaml: jobs.rag.prompt.template: column 'wait' has "
+                                                     "type duration[us], which a template cannot format")

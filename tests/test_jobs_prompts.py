@@ -1,10 +1,13 @@
 """Prompt building: templates, prompt columns, token-id columns, chat rendering, row errors."""
 from __future__ import annotations
 
+import datetime
+import decimal
+
 import pyarrow as pa
 import pytest
 
-from jobs.prompts import build_prompts, parse_template, template_columns
+from jobs.prompts import build_prompts, parse_template, row_ids, template_can_format, template_columns
 from jobs.spec import PromptSpec
 from jobs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import make_tokenizer_checkpoint
@@ -75,3 +78,75 @@ def test_chat_templates_with_generation_blocks_compile_and_render_their_body():
         "{% else %}[{{ m.content }}]{% endif %}{% endfor %}")
     assert template.render(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]) \
         == "[q]<a>"
+
+
+def not_utf8(values: list) -> pa.Array:
+    """A string array holding the given bytes as they are (as a Parquet file may hold them)."""
+    return pa.array(values, pa.binary()).view(pa.string())
+
+
+def test_a_template_without_columns_is_the_same_prompt_for_every_row(tokenizer):
+    table = pa.table({"doc": ["a", None, "c", "d"]})
+    batch = build_prompts(table, PromptSpec(template="Write a poem about {{braces}}."), tokenizer, chat=False,
+                          system=None, vocab_size=1024)
+    expected = tokenizer.encode_batch(["Write a poem about {braces}."])[0]
+    assert batch.token_ids == [expected] * 4 and batch.errors == [None] * 4
+
+
+def test_text_that_is_not_utf8_is_that_rows_error_and_the_other_rows_build(tokenizer):
+    table = pa.table({"doc": not_utf8([b"alpha", b"\xff\xfe", b"gamma", None]),
+                      "q": not_utf8([b"one?", b"two?", b"bad \xc3", b"four?"]),
+                      "unused": not_utf8([b"\xff"] * 4)})  # not read by the prompt: no error, no panic
+    batch = build_prompts(table, PromptSpec(template="{doc} {q}"), tokenizer, chat=False, system=None,
+                          vocab_size=1024)
+    assert batch.errors == [None, "column 'doc' is not valid UTF-8", "column 'q' is not valid UTF-8",
+                            "template column 'doc' is null"]
+    assert batch.token_ids[0] == tokenizer.encode_batch(["alpha one?"])[0] and batch.token_ids[1:] == [None] * 3
+    column = build_prompts(table, PromptSpec(column="q"), tokenizer, chat=False, system=None, vocab_size=1024)
+    assert column.errors == [None, None, "column 'q' is not valid UTF-8", None]
+
+
+def test_not_utf8_is_found_in_every_chunk_dictionary_and_large_text(tokenizer):
+    chunked = pa.chunked_array([not_utf8([b"ok", b"fine"]), not_utf8([b"ok", b"\x80"])])
+    dictionary = not_utf8([b"x", b"\xfe", b"x"]).dictionary_encode()
+    table = pa.table({"a": chunked, "b": pa.chunked_array([dictionary, not_utf8([b"y"]).dictionary_encode()]),
+                      "c": pa.array([b"1", b"2", b"\xff", b"4"], pa.large_binary()).view(pa.large_string())})
+    errors = build_prompts(table, PromptSpec(template="{a}{b}{c}"), tokenizer, chat=False, system=None,
+                           vocab_size=1024).errors
+    assert errors == [None, "column 'b' is not valid UTF-8", "column 'c' is not valid UTF-8",
+                      "column 'a' is not valid UTF-8"]
+
+
+def test_an_id_column_that_is_not_utf8_is_a_row_error_and_its_ids_read_as_none(tokenizer):
+    table = pa.table({"uid": not_utf8([b"r0", b"\xff", b"r2"]),
+                      "ids": pa.array([[5], [6], [7]], type=pa.list_(pa.int64()))})
+    batch = build_prompts(table, PromptSpec(token_ids_column="ids"), tokenizer, chat=False, system=None,
+                          vocab_size=1024, id_column="uid")
+    assert batch.token_ids == [[5], None, [7]] and batch.errors == [None, "column 'uid' is not valid UTF-8", None]
+    assert row_ids(table, "uid") == ["r0", None, "r2"]
+
+
+FORMATTED = [  # (arrow array of one value, the text a template puts in its place)
+    (pa.array([7]), "7"), (pa.array([-3], pa.int8()), "-3"),
+    (pa.array([2**64 - 1], pa.uint64()), "18446744073709551615"),
+    (pa.array([1.0]), "1.0"), (pa.array([0.1], pa.float32()), "0.1"), (pa.array([1e20]), "1e+20"),
+    (pa.array([True]), "true"), (pa.array([datetime.date(2024, 1, 2)]), "2024-01-02"),
+    (pa.array([datetime.datetime(2024, 1, 2, 3, 4, 5)]), "2024-01-02 03:04:05.000000"),
+    (pa.array([datetime.time(1, 2, 3)]), "01:02:03"), (pa.array([decimal.Decimal("1.50")]), "1.50"),
+    (pa.array(["x"]).dictionary_encode(), "x"), (pa.array(["L"], pa.large_string()), "L"),
+]
+
+
+@pytest.mark.parametrize("values, text", FORMATTED, ids=[str(values.type) for values, _ in FORMATTED])
+def test_template_values_are_formatted_as_the_readme_says(tokenizer, values, text):
+    assert template_can_format(values.type)
+    batch = build_prompts(pa.table({"v": values}), PromptSpec(template="<{v}>"), tokenizer, chat=False,
+                          system=None, vocab_size=1024)
+    assert tokenizer.decode(batch.token_ids[0]) == f"<{text}>"
+
+
+@pytest.mark.parametrize("dtype", [pa.duration("us"), pa.month_day_nano_interval(), pa.decimal256(40, 2),
+                                   pa.binary(), pa.binary(4), pa.large_binary(), pa.list_(pa.int64()),
+                                   pa.struct([("a", pa.int64())]), pa.dictionary(pa.int32(), pa.binary())])
+def test_types_polars_cannot_format_are_refused_before_a_window_is_read(dtype):
+    assert not template_can_format(dtype)
