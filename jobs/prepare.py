@@ -1,12 +1,15 @@
-"""Before a job runs: every check that can fail on bad input, writing nothing.
+"""Before a job runs: every check that can fail on bad input, leaving nothing behind.
 
-Checkpoint, input files, columns and their types, tokenizer and chat template, and whether
-the output folder may be continued: each failure is one `JobError` naming the job file
-and key or column, raised before the output folder is touched, in the order a user would
-fix them. The result, a `PreparedJob`, is what `runner.run_job` and `planning.plan_job` take.
+Checkpoint, input files, columns and their types, tokenizer and chat template, whether the
+output folder can be written and may be continued: each failure is one `JobError` naming the
+job file and key or column, raised before the output folder is touched (and so before any
+model loads), in the order a user would fix them. The result, a `PreparedJob`, is what
+`runner.run_job` and `planning.plan_job` take.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 
 from jobs.checkpoint import check_checkpoint, checkpoint_fingerprint, resolve_checkpoint
-from jobs.errors import JobError
+from jobs.errors import JobError, display_path
 from jobs.inputs import InputFiles, input_fingerprint, open_inputs
 from jobs.outputs import RESULT_COLUMNS
 from jobs.prompts import is_text, parse_template, template_can_format, template_columns
@@ -85,6 +88,32 @@ def _load_tokenizer(checkpoint: Path, spec: JobSpec) -> CheckpointTokenizer:
     return tokenizer
 
 
+def _check_output(spec: JobSpec) -> None:
+    """The output folder is (or can be made) a folder this process can write in, writing nothing.
+
+    Checked by writing, not with os.access: a read-only mount, ACLs or root's exemption from
+    permission bits make access() answer wrongly; a probe file created and removed is the truth.
+    """
+    out = spec.output.path
+
+    def fail(what: str) -> JobError:
+        return JobError(spec.job_file, spec.where("output"), what)
+
+    nearest = out
+    while not os.path.lexists(nearest) and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir():  # a file, or a link to nothing
+        if nearest == out:
+            raise fail(f"{display_path(out)} exists and is not a folder")
+        raise fail(f"{display_path(nearest)} is not a folder, so {display_path(out)} cannot be made")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".batchinfer-write-check-", dir=nearest)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise fail(f"cannot write in {display_path(nearest)}: {exc.strerror or exc}") from None
+
+
 def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     """Every bad-input check, in the order a user would fix them; writes nothing."""
     checkpoint = resolve_checkpoint(spec)
@@ -100,5 +129,6 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
         "sampling": spec.sampling,
         "input": input_fingerprint(inputs),
     }
+    _check_output(spec)
     check_resumable(spec.output.path, fingerprint, overwrite, spec.job_file, spec.where("output"))
     return PreparedJob(spec, checkpoint, vocab_size, tokenizer, inputs, fingerprint)

@@ -198,3 +198,49 @@ def test_a_template_column_of_a_type_polars_cannot_format_exits_2(tmp_path, chec
     write_job_file(tmp_path, [job_entry(model=str(checkpoint), prompt={"template": "{document} after {wait}"})])
     assert run_cli(tmp_path, "run", "jobs.yaml") == ("error: jobs.yaml: jobs.rag.prompt.template: column 'wait' has "
                                                      "type duration[us], which a template cannot format")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_output_path_that_is_an_existing_file_exits_2(tmp_path, checkpoint, overwrite):
+    setup_job(tmp_path, checkpoint)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "rag").write_text("not a folder")
+    args = ["run", "jobs.yaml"] + (["--overwrite"] if overwrite else [])
+    assert run_cli(tmp_path, *args) == "error: jobs.yaml: jobs.rag.output: out/rag exists and is not a folder"
+    assert (tmp_path / "out" / "rag").read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_an_output_below_a_file_exits_2(tmp_path, checkpoint, command):
+    setup_job(tmp_path, checkpoint, output="blocker/deeper/rag")
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    assert run_cli(tmp_path, command, "jobs.yaml") == \
+        "error: jobs.yaml: jobs.rag.output: blocker is not a folder, so blocker/deeper/rag cannot be made"
+
+
+def test_an_output_on_a_read_only_file_system_exits_2_before_the_model_loads(tmp_path, checkpoint, monkeypatch):
+    import errno
+    import tempfile
+
+    setup_job(tmp_path, checkpoint)
+    probed = []
+
+    def read_only(*args, dir=None, **kwargs):
+        probed.append(Path(dir))
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    assert run_cli(tmp_path, "run", "jobs.yaml") == \
+        "error: jobs.yaml: jobs.rag.output: cannot write in .: Read-only file system"
+    assert probed == [tmp_path]  # the nearest folder that exists: out/ is not made
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0o555 folder")
+def test_an_output_in_a_folder_without_write_permission_exits_2(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint)
+    (tmp_path / "out").mkdir(mode=0o555)
+    try:
+        assert run_cli(tmp_path, "run", "jobs.yaml") == \
+            "error: jobs.yaml: jobs.rag.output: cannot write in out: Permission denied"
+    finally:
+        (tmp_path / "out").chmod(0o755)
