@@ -34,20 +34,36 @@ class RowWindow:
     table: pa.Table  # every input column of rows first_row .. first_row + num_rows - 1
 
 
-def _matching_files(pattern: str) -> list[Path]:
+def _matching_files(pattern: str, exclude: Optional[Path] = None) -> list[Path]:
+    """Files of `pattern`, sorted, leaving out every file under the folder `exclude`."""
     if GLOB_CHARS & set(pattern):
-        return sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-    path = Path(pattern)
-    if path.is_dir():
-        return sorted(p for p in path.glob("*.parquet") if p.is_file())
-    return [path] if path.is_file() else []
+        paths = [Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
+    elif Path(pattern).is_dir():
+        paths = [p for p in Path(pattern).glob("*.parquet") if p.is_file()]
+    else:
+        paths = [Path(pattern)] if Path(pattern).is_file() else []
+    if exclude is not None:
+        excluded = exclude.resolve()
+        paths = [p for p in paths if not p.resolve().is_relative_to(excluded)]
+    return sorted(paths)
 
 
-def open_inputs(pattern: str, job_file: Path, where: str) -> InputFiles:
-    """Resolve `pattern` (file, folder or glob) and check every file is Parquet with one schema."""
-    paths = _matching_files(pattern)
+def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path] = None) -> InputFiles:
+    """Resolve `pattern` (file, folder or glob) and check every file is Parquet with one schema.
+
+    Files under `exclude` (the job's own output folder) are never inputs: a glob such as
+    `data/**/*.parquet` would otherwise read the job's earlier parts back in on every rerun.
+    """
+    paths = _matching_files(pattern, exclude)
     if not paths:
-        what = "no such file or folder" if not GLOB_CHARS & set(pattern) else "no files match"
+        if GLOB_CHARS & set(pattern):
+            what = "no files match"
+        elif Path(pattern).is_dir():
+            what = "folder has no .parquet files"
+        else:
+            what = "no such file or folder"
+        if exclude is not None and _matching_files(pattern):
+            what += f" outside the job's output folder {display_path(exclude)}"
         raise JobError(job_file, where, f"{what}: {display_path(pattern)}")
     schema: Optional[pa.Schema] = None
     num_rows = 0

@@ -118,7 +118,7 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     """Every bad-input check, in the order a user would fix them; writes nothing."""
     checkpoint = resolve_checkpoint(spec)
     vocab_size = check_checkpoint(checkpoint, spec)
-    inputs = open_inputs(spec.input, spec.job_file, spec.where("input"))
+    inputs = open_inputs(spec.input, spec.job_file, spec.where("input"), exclude=spec.output.path)
     _check_columns(spec, inputs.schema)
     tokenizer = _load_tokenizer(checkpoint, spec)
     fingerprint = {

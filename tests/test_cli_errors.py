@@ -244,3 +244,11 @@ def test_an_output_in_a_folder_without_write_permission_exits_2(tmp_path, checkp
             "error: jobs.yaml: jobs.rag.output: cannot write in out: Permission denied"
     finally:
         (tmp_path / "out").chmod(0o755)
+
+
+def test_an_input_folder_without_parquet_files_says_so(tmp_path, checkpoint):
+    setup_job(tmp_path, checkpoint, input="empty")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.csv").write_text("a,b\n")
+    assert run_cli(tmp_path, "run", "jobs.yaml") == \
+        "error: jobs.yaml: jobs.rag.input: folder has no .parquet files: empty"
