@@ -88,3 +88,17 @@ def test_a_template_without_columns_gives_every_row_the_same_prompt(tmp_path, ch
     shown = plan_lines(tmp_path)
     assert (shown["rows"], shown["samples"], shown["rows without a prompt (errors)"]) == \
         (str(ROWS), str(ROWS * 2), "0")
+
+
+@pytest.mark.xfail(strict=True, reason="jobs/runner.py and jobs/planning.py must pass id_column to build_prompts "
+                                       "and read ids through prompts.row_ids (files of another helper)")
+def test_an_id_column_that_is_not_utf8_is_that_rows_error_in_run_and_plan(tmp_path, checkpoint):
+    table = rag_table(ROWS)
+    ids = [value.encode() for value in table["qid"].to_pylist()]
+    ids[BAD_ROW] = b"q\xff"
+    table = table.set_column(0, "qid", pa.array(ids, pa.binary()).view(pa.string()))
+    job_file = make_job(tmp_path, checkpoint, table, id_column="qid")
+    assert plan_lines(tmp_path)["rows without a prompt (errors)"] == "1"
+    errors = run(job_file)["error"].to_pylist()
+    assert errors[BAD_ROW] == "column 'qid' is not valid UTF-8"
+    assert all(error is None for row, error in enumerate(errors) if row != BAD_ROW)
