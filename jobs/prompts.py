@@ -70,6 +70,10 @@ def template_columns(template: str) -> list[str]:
     return list(dict.fromkeys(part.column for part in parse_template(template) if part.column is not None))
 
 
+def is_text(dtype: pa.DataType) -> bool:
+    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype)
+
+
 def template_can_format(dtype: pa.DataType) -> bool:
     """Whether a template can format a column of this type (polars' cast to text, `_template_texts`).
 
@@ -83,10 +87,6 @@ def template_can_format(dtype: pa.DataType) -> bool:
     return any(is_type(dtype) for is_type in (
         pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean, pa.types.is_null, pa.types.is_date,
         pa.types.is_timestamp, pa.types.is_time, is_text))
-
-
-def is_text(dtype: pa.DataType) -> bool:
-    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype)
 
 
 def _template_texts(frame: pl.DataFrame, template: str, rows: int) -> tuple[list[Optional[str]], list[Optional[str]]]:
@@ -119,7 +119,8 @@ def _invalid_utf8_rows(chunk: pa.Array) -> list[int]:
     bad = []
     for offset, value in enumerate(chunk.view(_AS_BYTES[chunk.type]).to_pylist()):
         try:
-            value is None or value.decode("utf-8")
+            if value is not None:
+                value.decode("utf-8")
         except UnicodeDecodeError:
             bad.append(offset)
     return bad
