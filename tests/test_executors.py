@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from jobs.executors import (LocalExecutor, ProgressDelta, RateLimitedSink, RetryPolicy, UnitResult, UnitSpec,
-                            executor_problem, local_placements, predict_balance, resolve_workers)
+                            executor_problem, local_placements, predict_balance, resolve_workers, visible_gpus)
 from jobs.executors.tally import Tally
 from jobs.executors.unit_queue import UnitQueue
+from tests.conftest import requires_cuda
 from tests.test_executors_fakes import committed_rows, opened_workers, read_attempts, write_fake_job
 
 UNIT_ROWS = {0: 3, 1: 5, 2: 2, 3: 6, 4: 4, 5: 1, 6: 5, 7: 3}
@@ -234,3 +235,16 @@ def test_workers_sharing_one_gpu_get_its_id_and_half_the_memory(tmp_path):
     cpu_folder = tmp_path / "cpu"
     _run(cpu_folder, 2, {0: 1, 1: 1})
     assert {s["env"]["OMP_NUM_THREADS"] for s in opened_workers(cpu_folder)} == {"1"}
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_two_cuda_workers_on_one_gpu_each_see_one_device_and_survive_a_sigkill(tmp_path):
+    recipe = write_fake_job(tmp_path, UNIT_ROWS, cuda=True, kill_once=[3])
+    placements = local_placements(2, "cuda", gpus=visible_gpus()[:1], memory_fraction=0.9)
+    report = LocalExecutor(recipe, placements).run(_specs(UNIT_ROWS))
+    assert report.status == "done", report.failure
+    assert sorted(committed_rows(tmp_path)) == _expected_rows(UNIT_ROWS)
+    seen = opened_workers(tmp_path)
+    assert len(seen) == 3  # two workers and the one restarted after the kill
+    assert all(s["cuda_device_count"] == 1 and s["overrides"] == {"engine.memory_fraction": 0.45} for s in seen)

@@ -25,7 +25,8 @@ FACTORY = "tests.test_executors_fakes:build_fake_worker"
 
 def write_fake_job(folder: Path, unit_rows: dict[int, int], **settings: Any) -> WorkerRecipe:
     """Settings: sleep (s per chunk), chunk_rows, kill_once (units; SIGKILL on their 2nd chunk, first
-    attempt only), always_kill (units), raise_in (units; raise RuntimeError), fail_open (bool)."""
+    attempt only), always_kill (units), raise_in (units; raise RuntimeError), fail_open (bool),
+    cuda (bool: hold a CUDA tensor under the recipe's memory fraction and compute with it per chunk)."""
     config = {"out": str(folder / "out"), "log": str(folder / "attempts.log"), "markers": str(folder),
               "units": {str(unit): rows for unit, rows in unit_rows.items()}, **settings}
     folder.mkdir(parents=True, exist_ok=True)
@@ -70,6 +71,12 @@ class FakeUnitWorker:
         self.worker_index, self.device, self.progress = worker_index, device, progress
         seen = {"worker": worker_index, "device": device, "overrides": self.overrides,
                 "env": {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}}
+        if self.config.get("cuda"):
+            import torch
+
+            torch.cuda.set_per_process_memory_fraction(self.overrides.get("engine.memory_fraction", 0.9))
+            self.block = torch.ones(1024, 1024, device=device)
+            seen["cuda_device_count"] = torch.cuda.device_count()
         Path(self.config["markers"], f"opened-{worker_index}-{os.getpid()}.json").write_text(json.dumps(seen))
 
     def _first_time(self, unit_id: int) -> bool:
@@ -99,6 +106,8 @@ class FakeUnitWorker:
                                or (unit_id in self.config.get("kill_once", []) and self._first_time(unit_id))):
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(self.config.get("sleep", 0.0))
+            if self.config.get("cuda"):
+                assert float((self.block @ self.block)[0, 0]) == 1024.0
             table = pa.table({"unit_id": pa.array([unit_id] * count, pa.int64()),
                               "row": pa.array(range(first, first + count), pa.int64()),
                               "text": [f"u{unit_id}r{row}" for row in range(first, first + count)]})

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def ray_cluster():
     # Actors import the fake worker by module path: give them this checkout on sys.path.
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # Two logical GPUs: Ray schedules num_gpus actors and sets CUDA_VISIBLE_DEVICES; the fake never uses CUDA.
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}})
     yield
     ray.shutdown()
@@ -58,3 +59,17 @@ def test_a_unit_that_raises_on_every_actor_ends_the_job_naming_it(ray_cluster, t
     assert report.status == "failed"
     assert report.failure.startswith("unit 1 failed on all 2 attempts")
     assert "raised RuntimeError: fake failure in unit 1 while running unit 1" in report.failure
+
+
+def test_cuda_actors_get_one_gpu_each_and_share_the_memory_when_they_share_a_gpu(ray_cluster, tmp_path):
+    whole = tmp_path / "whole"
+    report = RayExecutor(write_fake_job(whole, UNIT_ROWS), workers="auto", device="cuda").run(_specs())
+    assert report.status == "done" and sorted(committed_rows(whole)) == _expected()
+    seen = opened_workers(whole)
+    assert len(seen) == 2 and {s["env"]["CUDA_VISIBLE_DEVICES"] for s in seen} == {"0", "1"}
+    assert all(s["device"] == "cuda:0" and s["overrides"] == {} for s in seen)
+    half = tmp_path / "half"
+    report = RayExecutor(write_fake_job(half, {0: 1, 1: 1}), workers=2, device="cuda", gpus_per_worker=0.5,
+                         memory_fraction=0.9).run([UnitSpec(0, 1.0), UnitSpec(1, 1.0)])
+    assert report.status == "done"
+    assert [s["overrides"] for s in opened_workers(half)] == [{"engine.memory_fraction": 0.45}] * 2

@@ -202,10 +202,7 @@ class RayExecutor:
             return int(self.workers)
         if self.device == "cpu":
             return 1
-        gpus = int(ray.cluster_resources().get("GPU", 0) / self.gpus_per_worker)
-        if gpus < 1:
-            raise RuntimeError("the Ray cluster has no GPU for the CUDA workers")
-        return gpus
+        return int(ray.cluster_resources().get("GPU", 0) / self.gpus_per_worker)
 
     def run(self, units: Sequence[UnitSpec]) -> ExecutionReport:
         problem = executor_problem("ray")
@@ -217,6 +214,8 @@ class RayExecutor:
         if connected_here:
             ray.init(address=self.address, runtime_env=self.runtime_env, log_to_driver=True)
         try:
+            if self.device == "cuda" and ray.cluster_resources().get("GPU", 0) < self.gpus_per_worker:
+                raise RuntimeError("the Ray cluster has no GPU for the CUDA workers")  # else actors wait forever
             workers = self._worker_count(ray)
             recipe = self.recipe
             if self.device == "cuda":
