@@ -25,7 +25,7 @@ from jobs.part_store import (DAMAGED_SUFFIX, PART_PATTERN, PARTS_DIR, damaged_pa
 
 MANIFEST_NAME = "_job.json"
 STATS_NAME = "_stats.json"   # underscore: `pq.read_table(out_dir)` skips it, as it skips the manifest
-MANIFEST_VERSION = 2         # 2: part records in _parts/
+MANIFEST_VERSION = 2         # 2: part records in _parts/, input content hashes
 INPUT_KEY = "input"
 
 

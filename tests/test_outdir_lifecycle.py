@@ -104,6 +104,28 @@ def test_memory_figures_say_what_they_measure(tmp_path, checkpoint):
     assert json.loads((tmp_path / "out" / "rag" / "_stats.json").read_text())["process_peak_rss_bytes"] > 0
 
 
+def uncompressed_input(path: Path, rows: int = 400) -> None:
+    """A Parquet file well over 64 KiB, written plain (no compression, no dictionary)."""
+    table = rag_table(rows)
+    table = table.set_column(2, "question", pa.array([f"{q} {'x' * 300}" for q in table["question"].to_pylist()]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, compression="none", use_dictionary=False, write_statistics=False)
+
+
+def test_a_same_size_edit_anywhere_in_the_input_is_seen(tmp_path, checkpoint):
+    data = tmp_path / "data" / "rag.parquet"
+    uncompressed_input(data)
+    job_file = write_job_file(tmp_path, [job_entry(model=str(checkpoint), limit=3)])
+    run(job_file)
+    raw = data.read_bytes()
+    at = raw.index(b"Why? #3 ")  # a row near the start, far from the footer
+    assert len(raw) - at > 2 * 2**16
+    data.write_bytes(raw[:at] + b"How? #3 " + raw[at + 8:])
+    assert pq.read_table(data)["question"][3].as_py().startswith("How? #3")
+    with pytest.raises(JobError, match=r"made with different settings \(input changed\)"):
+        run(job_file)
+
+
 def test_files_added_after_the_last_input_file_resume_any_other_change_is_refused(tmp_path, checkpoint):
     write_parquet(rag_table(6), tmp_path / "data" / "a.parquet")
     job_file = write_job_file(tmp_path, [job_entry(model=str(checkpoint), input="data")])
