@@ -12,6 +12,7 @@ import pytest
 from rich.console import Console
 
 from jobs.errors import JobError
+from jobs import part_store
 from jobs.part_store import PARTS_DIR, commit_part, record_path, scan_parts
 from jobs.prepare import prepare_job
 from jobs.runner import run_job
@@ -177,3 +178,14 @@ def test_writers_committing_the_same_part_at_once_never_collide(tmp_path):
     scan = scan_parts(tmp_path)
     assert [path.name for path, _ in scan.finished] == ["part-00000.parquet"] and not scan.damaged
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_part_gets_its_final_name_only_after_its_record_is_durable(tmp_path, monkeypatch):
+    def killed(*_args) -> None:  # the writer dies while writing the record
+        raise KeyboardInterrupt
+
+    table = pa.table({"row_index": pa.array([0, 1], pa.int64()), "sample_index": pa.array([0, 0], pa.int32())})
+    monkeypatch.setattr(part_store, "write_atomically", killed)
+    with pytest.raises(KeyboardInterrupt):
+        commit_part(tmp_path, "part-00000.parquet", table)
+    assert list(tmp_path.rglob("*")) == [tmp_path / PARTS_DIR]  # no part, no temporary
