@@ -44,7 +44,7 @@ except ImportError:  # not POSIX: take-overs are not serialised beyond the atomi
 LOCK_NAME = "_lock.json"
 GUARD_NAME = ".lock-guard"
 HEARTBEAT_SECONDS = 10.0
-STALE_AFTER_SECONDS = 120.0  # twelve missed heartbeats
+STALE_AFTER_SECONDS = 120.0  # twelve missed heartbeats; above NFS's attribute-cache lag (up to 60 s)
 GUARD_WAIT_SECONDS = 30.0
 
 
@@ -333,7 +333,7 @@ class OutputLock:
 
     def release(self) -> None:
         """Remove the lock if it is still ours (moved aside first, so a take-over's fresh lock is put back)."""
-        if self._released:
+        if self._released or os.getpid() != self.holder.pid:  # a forked worker never releases its parent's lock
             return
         self._released = True
         self._stop.set()

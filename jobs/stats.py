@@ -64,7 +64,8 @@ def build_stats(job_name: str, counters: JobCounters, engine_stats: Any, setting
         "wall_seconds": counters.wall_seconds,
         "prompt_tokens_per_second": engine["prompt_tokens"] / wall,
         "output_tokens_per_second": engine["output_tokens"] / wall,
-        "peak_memory_device": settings.get("device"),  # what peak_memory_bytes measures: the engine's device
+        # What peak_memory_bytes measures: the engine's device (None: no engine was loaded).
+        "peak_memory_device": settings.get("device") if engine_stats is not None else None,
         "process_peak_rss_bytes": process_peak_rss_bytes(),
         "engine_settings": settings,
     }
@@ -105,7 +106,8 @@ def render_summary(console: Console, stats: dict[str, Any]) -> None:
         ("prompt / output tok/s",
          f"{stats['prompt_tokens_per_second']:,.1f} / {stats['output_tokens_per_second']:,.1f}"),
         ("wall time", f"{stats['wall_seconds']:.1f} s"),
-        (f"peak memory (engine, {stats.get('peak_memory_device') or '?'})",
+        (f"peak memory (engine, {stats['peak_memory_device']})" if stats.get("peak_memory_device")
+         else "peak memory (no engine loaded)",
          f"{stats['peak_memory_bytes'] / 2**20:,.1f} MiB"),
         ("peak RSS (this process)", f"{stats.get('process_peak_rss_bytes', 0) / 2**20:,.1f} MiB"),
     ]

@@ -46,6 +46,7 @@ def test_an_empty_input_makes_its_folder_stats_and_summary(tmp_path, checkpoint)
     run_job(job, console, engine_factory=lambda *_: loaded.append(1) or FakeEngine())
     shown = console.file.getvalue()
     assert "already in" not in shown and "job rag: done" in shown and loaded == []  # no model for no rows
+    assert "peak memory (no engine loaded)" in shown
     stats = json.loads((tmp_path / "out" / "rag" / "_stats.json").read_text())
     assert (stats["status"], stats["rows"], stats["samples"], stats["samples_written"]) == ("done", 0, 0, 0)
     assert (tmp_path / "out" / "rag" / "_job.json").is_file()

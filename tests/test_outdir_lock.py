@@ -113,6 +113,20 @@ def test_the_heartbeat_refreshes_the_mtime_and_notices_a_take_over(tmp_path):
     assert json.loads(path.read_text())["token"] == "took it over"  # release leaves another's lock alone
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_worker_never_releases_its_parents_lock(tmp_path):
+    with OutputLock.acquire(tmp_path, heartbeat_seconds=None) as lock:
+        child = os.fork()
+        if child == 0:  # a worker inherits the lock object; releasing it there must leave the file alone
+            try:
+                lock.release()
+            finally:
+                os._exit(0)
+        os.waitpid(child, 0)
+        assert (tmp_path / LOCK_NAME).exists()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
 CONTENDER = """
 import sys, time
 from pathlib import Path
