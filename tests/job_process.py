@@ -46,6 +46,20 @@ def start_run(folder: Path, demo_cache: Path, *args: str, stdout=subprocess.DEVN
                             stdout=stdout, stderr=subprocess.PIPE, text=True)
 
 
+def run_in_this_process(folder: Path, *args: str):
+    """`batchinfer run jobs.yaml ...` through click's runner, in `folder` (no interpreter start-up)."""
+    from click.testing import CliRunner
+
+    from batchinfer.cli import main
+
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        return CliRunner().invoke(main, ["run", "jobs.yaml", *args])
+    finally:
+        os.chdir(cwd)
+
+
 def wait_for(condition: Callable[[], bool], process: subprocess.Popen, seconds: float = 120) -> None:
     """Poll until `condition()` holds, the process ends or `seconds` pass."""
     deadline = time.monotonic() + seconds
@@ -61,3 +75,13 @@ def read_parts(out_dir: Path) -> pa.Table:
 
 def keys(table: pa.Table) -> list[tuple[int, int]]:
     return sorted(zip(table["row_index"].to_pylist(), table["sample_index"].to_pylist()))
+
+
+def damage_column(part: Path, column: str) -> None:
+    """Overwrite one column's chunk (its pages) with 0xFF bytes: same size, footer intact."""
+    group = pq.read_metadata(part).row_group(0)
+    chunk = next(group.column(i) for i in range(group.num_columns) if group.column(i).path_in_schema == column)
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    data = bytearray(part.read_bytes())
+    data[start:start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+    part.write_bytes(bytes(data))

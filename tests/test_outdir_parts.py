@@ -19,7 +19,7 @@ from jobs.runner import run_job
 from jobs.spec import load_job_file
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
-from tests.test_outdir_process import damage_column
+from tests.job_process import damage_column
 
 ROWS = 11
 

@@ -11,7 +11,8 @@ import subprocess
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tests.job_process import demo_cache, keys, read_parts, start_run, wait_for, write_demo_job  # noqa: F401
+from tests.job_process import (damage_column, demo_cache, keys, read_parts, run_in_this_process,  # noqa: F401
+                               start_run, wait_for, write_demo_job)
 from tests.jobs_fixtures import rag_table
 
 BUSY_LINE = re.compile(r"^error: jobs\.yaml: jobs\.rag\.output: out/rag is in use by pid (\d+) on host (\S+) "
@@ -110,21 +111,11 @@ def test_sigterm_flushes_finished_samples_writes_stats_and_exits_143(tmp_path, d
     assert keys(read_parts(out_dir)) == [(row, 0) for row in range(rows)]
 
 
-def damage_column(part, column: str) -> None:
-    """Overwrite one column's chunk (its pages) with 0xFF bytes: same size, footer intact."""
-    metadata = pq.read_metadata(part)
-    chunk = metadata.row_group(0).column(metadata.schema.names.index(column))
-    start = chunk.dictionary_page_offset or chunk.data_page_offset
-    data = bytearray(part.read_bytes())
-    data[start:start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
-    part.write_bytes(bytes(data))
-
-
 def test_a_rerun_redoes_damaged_parts_and_ignores_a_users_own_part(tmp_path, demo_cache):
     rows = 9
     out_dir = write_demo_job(tmp_path, rows)
-    first = start_run(tmp_path, demo_cache)
-    assert first.wait() == 0
+    first = run_in_this_process(tmp_path)
+    assert first.exit_code == 0, (first.output, first.exception)
     reference = read_parts(out_dir)
     parts = sorted(out_dir.glob("part-*.parquet"))
     damaged_rows = {0: pq.read_metadata(parts[0]).num_rows, 1: pq.read_metadata(parts[1]).num_rows}
