@@ -71,8 +71,8 @@ def test_full_batch_median_uses_only_decode_only_steps_at_the_largest_batch():
 
 def test_run_arm_releases_its_engine_before_freeing_memory(monkeypatch):
     """The next arm's engine sizes its pools from the free memory, so run_arm must drop every
-    reference to its engine before it frees: c6abbbe's step timer kept one (wrapped methods hold
-    the engine), and the second arm on the H200 fit 28 requests instead of 256, then ran out."""
+    reference to its engine before it frees: a step timer keeps one (wrapped methods hold the
+    engine), and then the second arm fits a tenth of the requests and runs out of memory."""
     import argparse
     import gc
 
