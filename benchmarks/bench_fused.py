@@ -130,7 +130,7 @@ def bench_conv_decode(batch: int, channels: int, before: str | None) -> None:
     weight = _randn(channels, K, scale=0.5)
     pool = ref_conv.conv_state_zeros(2 * batch, channels, K, DTYPE, "cuda")  # [S, D, K-1], the pools' layout
     pool.copy_(_randn(2 * batch, channels, K - 1))
-    channel_major = pool.contiguous()  # the layout before session 5: K-1 entries contiguous per channel
+    channel_major = pool.contiguous()  # for comparison, channel-major: K-1 entries contiguous per channel
     slots = torch.randperm(2 * batch, device="cuda")[:batch]
     expect_state = pool.clone()
     expect = ref_conv.causal_conv1d_decode(x, weight, None, expect_state, slots)

@@ -147,8 +147,9 @@ def _checked_fla(make_runner, ours_out):
 
 def _bench_side_by_side(runs: dict, quick: bool) -> dict:
     """{name: ms}: the median over REPEATS rounds of each run's do_bench median, the runs taking
-    turns within a round. One do_bench per row moved the decode rows at B <= 32 (tens of µs,
-    launch-bound) by up to 25% between fresh machines (docs/BENCHMARKS.md, session 9)."""
+    turns within a round. One do_bench per row moved the launch-bound decode rows (B <= 32, tens
+    of µs) between fresh machines by more than the differences being measured
+    (docs/BENCHMARKS.md, "Benchmark method: warm-up, clocks, full-batch medians")."""
     times = {name: [] for name, run in runs.items() if run is not None}
     for _ in range(1 if quick else REPEATS):
         for name in times:

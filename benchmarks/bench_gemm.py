@@ -1,4 +1,6 @@
-"""The decode step's two GEMM questions of session 6 (H200), as CUDA-graph replays at batch 256:
+"""Two questions about the decode step's GEMMs (H200), as CUDA-graph replays at batch 256
+(docs/BENCHMARKS.md: "Logits: fp32 from the GEMM, one buffer for all decode graphs", "Not fixed:
+the memset before the MLP's gate_up GEMM"):
 
     python -m benchmarks.bench_gemm
 

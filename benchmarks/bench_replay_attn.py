@@ -49,16 +49,16 @@ PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
 # (what fla's fused recurrent kernel does); large ones = more bytes per program.
 _Launch = triton_replay.StepLaunch
 _DEFAULT = triton_replay.DEFAULT_STEP_LAUNCH
-# Session 5's default: flush one program per (sequence, key head), all L ring entries loaded.
-_SESSION5 = replace(_DEFAULT, flush_persistent=False, live_ring_loads=False)
+# The non-persistent flush: one program per (sequence, key head), all L ring entries loaded.
+_PER_KEY_HEAD_FLUSH = replace(_DEFAULT, flush_persistent=False, live_ring_loads=False)
 FLUSH_SWEEP = [_DEFAULT] + [
     # The flush launch and the ring loads around the default (persistent flush over the full
-    # rings only, key dots in their own launch, live ring entries only): session 5's default and
-    # session 4's (one flush program per (sequence, value head, d_v block)), each change alone,
-    # and the persistent flush's programs per SM × d_k rows per chunk × warps.
-    _SESSION5,
-    replace(_SESSION5, flush_block_v=32, flush_block_k=16, flush_warps=1, flush_per_key_head=False),
-    replace(_SESSION5, live_ring_loads=True),
+    # rings only, key dots in their own launch, live ring entries only): the non-persistent flush
+    # per (sequence, key head) and per (sequence, value head, d_v block), each change alone, and
+    # the persistent flush's programs per SM × d_k rows per chunk × warps.
+    _PER_KEY_HEAD_FLUSH,
+    replace(_PER_KEY_HEAD_FLUSH, flush_block_v=32, flush_block_k=16, flush_warps=1, flush_per_key_head=False),
+    replace(_PER_KEY_HEAD_FLUSH, live_ring_loads=True),
     replace(_DEFAULT, live_ring_loads=False),
     # Work items of one (row, key head) instead of one (row, value head, d_v block) tile; programs
     # per SM; narrower tiles.

@@ -289,8 +289,8 @@ def main() -> None:
               f"{steady['total']:.2f} ms per step; step / byte floor {steady['total'] / byte_ms:.2f}×"
               + (f", / floor with shared KV once {steady['total'] / unique_ms:.2f}×" if args.shared_prefix else ""))
         if args.trace_steps:
-            # Session 6: 32.03 ms over the 12 steps left after tracing 16, 33.75 ms over all 28
-            # in a run without tracing (same kernels): the untraced remainder is not a fair sample.
+            # The steps left after the traced ones are no fair sample of an untraced run: on the
+            # same kernels they measured faster than all steps of a run without tracing.
             print(f"  (the {args.trace_steps} traced steps are left out of that median: compare step times "
                   "only between runs without --trace-steps)")
     if report:

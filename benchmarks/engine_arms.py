@@ -137,8 +137,8 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
     # Warm-up on unrelated tokens shaped like the workload (its first prompts' lengths, a pair
     # sharing a prefix): Triton compiles the prefill shapes here, not in the timed run — else
-    # whichever arm runs first pays for it (session 4: rag 10.2 s first vs 8.9 s third) — and
-    # nothing the timed run could reuse lands in the cache.
+    # whichever arm runs first pays for it (docs/BENCHMARKS.md, "Benchmark method: warm-up,
+    # clocks, full-batch medians") — and nothing the timed run could reuse lands in the cache.
     rng = random.Random(12345)
     vocab = model.config.vocab_size
     shaped = [[rng.randrange(vocab) for _ in range(len(p))] for p in prompts[:4]]
@@ -186,8 +186,8 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
                       roofline_once_ms=roofline_ms(batch, context - shared),
                       flop_floor_ms=1e3 * decode_flops(model, batch, context) / MATMUL_RATE)
     # The timer wraps the engine's methods and holds it: both go before the memory is released,
-    # else the next arm's engine sizes its pools with this one's still allocated (c6abbbe's first
-    # GPU run: 28 requests fit instead of 256, then out of memory).
+    # else the next arm's engine sizes its pools with this one's still allocated (then a tenth of
+    # the requests fit, and it runs out of memory).
     del engine, timer
     _free(args.device)
     return result

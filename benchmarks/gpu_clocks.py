@@ -1,9 +1,9 @@
 """SM clock and power samples from nvidia-smi while a block of code runs.
 
 On the H200 the decode step's GEMMs are compute-bound and the board runs at its power cap
-(throttle reason 0x4), so the SM clock sets the step time: two runs of the same code differed by
-up to 1 ms per 33-ms step (docs/BENCHMARKS.md, session 6). Benchmarks that compare runs record
-the clock next to the time.
+(throttle reason 0x4), so the SM clock sets the step time: two runs of the same code differ by a
+few percent per step (docs/BENCHMARKS.md, "Benchmark method: warm-up, clocks, full-batch
+medians"). Benchmarks that compare runs record the clock next to the time.
 """
 from __future__ import annotations
 

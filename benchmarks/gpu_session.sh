@@ -26,7 +26,7 @@ for part in "$@"; do
     profile) step breakdown 120 python3 -m benchmarks.profile_targets breakdown
              step ncu 240 bash benchmarks/ncu_kernels.sh "$out" ;;
     sanitize) step sanitize 150 compute-sanitizer --tool memcheck --print-limit 5 python3 -c \
-               'import tests.test_kernels_gdn as t; t._check_launches_at_model_shapes([t.CRASHING_ON_H200], repeats=1)' ;;
+               'import tests.test_kernels_gdn as t; t._check_launches_at_model_shapes([t.WY_FOUR_WARPS_MIX], repeats=1)' ;;
     engine_tests) step engine_tests 150 python3 -m pytest -q --tb=short tests/test_engine_gpu.py tests/test_model_gpu.py ;;
     model)   step model_gpu 240 python3 -m benchmarks.model_gpu ;;
     engine)  step engine_arms 330 python3 -m benchmarks.engine_arms --quick ;;

@@ -15,9 +15,9 @@ from .seq_handle import AWAITED_TOKEN, SeqHandle
 from .state_pool import GdnStatePool
 
 _MAX_UNDONATED = 2  # tracked snapshots a sequence may hold before the oldest is donated for it
-# When KV must be evicted, free at least this share of the KV pool: finding LRU leaves walks the
-# whole tree (~60 ms at 20k nodes on the dev CPU), and a long job under memory pressure would
-# otherwise pay that at nearly every admission and decode step. 1/64 of the pool is a few
+# When KV must be evicted, free at least this share of the KV pool, so that a long job under
+# memory pressure evicts in batches rather than at nearly every admission and decode step
+# (docs/BENCHMARKS.md, "Cache: eviction that does not walk the tree"). 1/64 of the pool is a few
 # dozen admissions' worth; it costs the least recently used ~1.6% of cached KV a little early.
 _KV_EVICTION_SLACK = 1 / 64
 _NO_MATCH = MatchResult(kv_len=0, kv_indices=torch.empty(0, dtype=torch.int64), state_node=None,

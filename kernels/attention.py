@@ -143,9 +143,8 @@ def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, share
     `shared_with_prev[r]` context slots equal row r-1's; the result is the same, but rows
     sharing a prefix within a block of `shared_launch.rows` read it once. Keyword knobs
     (`num_splits`, `block_n`, `num_warps`, `num_stages`, `shared_launch`) are for
-    benchmarks/tests. Defaults: the H200 sweep's best at batch 128 (91% of copy bandwidth at 2k
-    context, ~100% at 8k, against 82% / 85% for block_n 32 / 2 stages; docs/BENCHMARKS.md,
-    2026-11-29).
+    benchmarks/tests. Defaults: the H200 sweep's best at batch 128, at about copy bandwidth
+    (docs/BENCHMARKS.md, "Kernels against fla-core" and "Shared-prefix attention").
     """
     B, H, d = q.shape
     H_kv = k_cache.shape[1]

@@ -43,9 +43,9 @@ class SharedPrefixLaunch:
     """Knobs of the shared-prefix stage. `rows` (a power of two ≥ 2) rows form a block; at head
     dim 256 keep rows · next_pow2(GQA group) ≤ 64: the accumulator is that many fp32 rows of d.
     `num_splits` None: from shapes (`num_shared_splits`). Defaults: the H200 sweep's best at the
-    rag shape (B = 256 in 8 groups of 32, prefix 2048, 24/4 heads × 256, bf16; docs/BENCHMARKS.md,
-    2026-11-29 session 4): 172 µs per layer with the hint against 417 µs without; 8 warps / 2
-    stages (the spill-free offline pick) 265 µs, 16-row blocks 415–514 µs."""
+    rag shape (B = 256 in 8 groups of 32, prefix 2048, 24/4 heads × 256, bf16), well ahead of the
+    spill-free offline pick and of 16-row blocks (docs/BENCHMARKS.md, "Shared-prefix
+    attention")."""
 
     rows: int = 8
     block_n: int = 32

@@ -69,17 +69,17 @@ class DecodeLaunch:
             raise ValueError(f"DecodeLaunch.variant must be one of {VARIANTS}, got {self.variant!r}")
 
 
-# The H200 sweep's best at B = 32 (docs/BENCHMARKS.md, 2026-11-29, session 2): persistent
-# programs, 6 per SM, 2 warps, next tiles prefetched 2 deep — 1.22× fla. benchmarks/bench_gdn.py
-# (DECODE_SWEEP) sweeps the alternatives.
+# The H200 sweep's best from 32 to 127 sequences: persistent programs, 6 per SM, 2 warps, next
+# tiles prefetched 2 deep. benchmarks/bench_gdn.py (DECODE_SWEEP) sweeps the alternatives; why
+# three launches: docs/BENCHMARKS.md, "GDN decode: the launch by batch".
 DEFAULT_LAUNCH = DecodeLaunch(block_v=32, num_warps=2, num_stages=3, variant="persistent", programs_per_sm=6)
 # Below 32 sequences the persistent loop has ~one tile per program and nothing to pipeline; the
-# one-shot tile launch is faster there (H200, B = 1: 0.010 ms vs 0.071 ms; fla 0.056 ms).
+# one-shot tile launch is faster there.
 SMALL_BATCH_LAUNCH = DecodeLaunch(block_v=32, num_warps=8, num_stages=1, variant="tile")
 SMALL_BATCH = 32
 # From 128 sequences, 256-byte row pieces over 4 warps, 3 programs per SM, state streamed through
-# L2 (session 3 sweep: B = 128 / 256 / 512 at 0.221 / 0.431 / 0.874 ms, 85-87% of copy bandwidth,
-# against 0.231 / 0.464 / 0.933 ms for DEFAULT_LAUNCH; at B = 32 it is slower, 0.101 vs 0.062 ms).
+# L2: enough bytes in flight to reach ~85% of copy bandwidth, which needs that many sequences
+# (below 128 it is slower than DEFAULT_LAUNCH).
 LARGE_BATCH_LAUNCH = DecodeLaunch(block_v=64, num_warps=4, num_stages=3, variant="persistent", programs_per_sm=3,
                                   stream_state=True)
 LARGE_BATCH = 128

@@ -58,28 +58,19 @@ class PrefillLaunch:
 
     Stages share no block_v-dependent buffer or grid: every intermediate is allocated at full d_v
     (plan_prefill) and each launch sizes its own grid, so any mix of per-stage knobs is valid
-    (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the H200 sweeps' fastest
-    (docs/BENCHMARKS.md, session 9 for the state pass and the output kernel, session 8 for the WY
-    kernel). The register-resident WY kernel wins with ONE warp (0.43 against 0.80 ms at 2 warps,
-    1×32768): at 255 registers per thread a 16-row tile is replicated in every warp, so more
-    warps add work. The state pass as two d_k halves at block_v 64 for many sequences (0.41 ms at
-    8×2048 against 0.60–1.20 for the others swept); the output kernel at block_v 128, 4 warps,
-    1 stage (0.30 ms at 8×2048 against 0.43–0.47 at block_v 64 or 8 warps; 2 stages: the same).
-    `state_pass_few_programs` replaces `state_pass` when its grid would have fewer programs than
-    the GPU has SMs (a few long sequences): each program then walks a long chain of chunks, so
-    narrower d_v blocks (more programs) win — 1×32768: 1.38 ms at block_v 32 with 2 stages against
-    1.42 as two d_k halves, 1.73 with 3 stages (140 KB of shared memory: one program per SM) and
-    2.28 at block_v 16. None: always `state_pass`.
+    (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the fastest of the H200 sweeps
+    (docs/BENCHMARKS.md, "GDN prefill: launch defaults"). The register-resident WY kernel runs
+    ONE warp: at 255 registers per thread a 16-row tile is replicated in every warp, so more
+    warps add work. `state_pass_few_programs` replaces `state_pass` when its grid would have
+    fewer programs than the GPU has SMs (a few long sequences): each program then walks a long
+    chain of chunks, so narrower d_v blocks (more programs) win. None: always `state_pass`.
 
     With those few programs most of the GPU idles while the state pass walks its chains, so
-    run_prefill then cuts the chunk table into `overlap_pieces` pieces and runs piece p's state
-    pass on a side stream beside the WY kernels of the later pieces and the outputs of the
-    earlier ones (the state in the pool carries each sequence across cuts). 1×32768 on the H200
-    (session 10): 2.13 ms in 4 pieces against 2.40 in one; 3 pieces 2.14, 5 2.19, 8 2.24, 16
-    3.15 (the host launching 48 kernels is slower than the GPU); uneven pieces no better. Short
-    pieces stop paying, hence overlap_min_chunks: 1×16384 1.14 ms in 2 pieces, 1.12 in 4, 1.21 in
-    one; 1×8192 0.63 in 2, 1.00 in 4, 0.62 in one. With many programs the pieces only add
-    launches (8×2048: 0.99 ms in 2 against 0.93).
+    run_prefill then cuts the chunk table into up to `overlap_pieces` pieces and runs piece p's
+    state pass on a side stream beside the WY kernels of the later pieces and the outputs of the
+    earlier ones (the state in the pool carries each sequence across cuts). A piece shorter than
+    `overlap_min_chunks` costs more in launches than it overlaps, and with many programs pieces
+    only add launches (docs/BENCHMARKS.md, "GDN prefill: overlapped pieces").
     """
 
     wy: KernelLaunch = field(default_factory=lambda: KernelLaunch(block_v=64, num_warps=1, num_stages=1))

@@ -49,10 +49,10 @@ def chunk_output_kernel(
     each of the key head's GROUP value heads in turn, with q·S0 (raw q) from the state pass.
 
     The value heads of a key head differ only in G, u and q·S0: q̂·k̂ᵀ and q's norms are computed
-    once for all of them (0.57 against 0.62 ms per value head at 1×32768 on the H200,
-    docs/BENCHMARKS.md session 9). q and k are raw: the products run on them (exact 16-bit
-    operands) and the normalisation is folded into their rows afterwards: q's inverse norm (times
-    d_k^-½) from the whole q rows loaded here, k's from the WY kernel (k_inv_norm)."""
+    once for all of them (docs/BENCHMARKS.md, "GDN prefill: WY and output kernels per key head").
+    q and k are raw: the products run on them (exact 16-bit operands) and the normalisation is
+    folded into their rows afterwards: q's inverse norm (times d_k^-½) from the whole q rows
+    loaded here, k's from the WY kernel (k_inv_norm)."""
     # Grid (d_v block, key head, chunk of the launch's piece of the table, from chunk_lo): the d_v
     # blocks of one (chunk, key head), which load the same q / k tiles, run together.
     chunk, key_head = chunk_lo + tl.program_id(2), tl.program_id(1)

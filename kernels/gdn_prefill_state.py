@@ -12,14 +12,14 @@ Per chunk with initial state S0:
     Q·S0 (saved);   P = K·S0;   u = (M⁻¹·diag(beta))·(V − e ⊙ P) (saved);
     S ← S0·exp(G_C) + kᵀ·(u ⊙ exp(G_C − G)/‖k‖)
 
-That is one product more on the sequential chain than with stored W and U, for 3 × 403 MB fewer
-bytes at 1×32768 on the 27B shapes (W and U written and read back, v read twice): the whole op
-went 0.96 → 1.11× fla there, 1.04 → 1.26× at 8×2048 (docs/BENCHMARKS.md, session 8).
+That is one product more on the sequential chain than with stored W and U, for far fewer bytes
+(W and U are never written and read back), which pays at every shape (docs/BENCHMARKS.md,
+"GDN prefill: the inverse form (W and U never stored)").
 
 The output kernel needs S0 only through q·S0, so the pass saves that ([C, d_v] per chunk, raw q)
-rather than S0 itself ([d_k, d_v]): half the bytes written and read back (403 against 805 MB at
-1×32768), and the output kernel loses its largest load and product: 0.82 → 0.62 ms there, the
-pass 0.84 → 0.87 ms with many sequences (session 9). Q·S0 is off the sequential path.
+rather than S0 itself ([d_k, d_v]): half the bytes written and read back, and the output kernel
+loses its largest load and product for one product here, off the sequential path
+(docs/BENCHMARKS.md, "GDN prefill: the state pass saves q·S0").
 
 Each chunk waits on the previous one: with a few long sequences every program walks a long
 chain, one or two programs per SM (kernels/gdn_prefill.py then runs the table in pieces, the

@@ -82,8 +82,8 @@ def chunk_wy_kernel(
     fp32, for the later kernels), then for each of its GROUP value heads G (stored) and
     M⁻¹·diag(beta) ([N, H_v, C, C] in minv's dtype: the 10 lower 16×16 blocks; the upper ones are
     never written and never read). The GROUP value heads differ only in their gates, so the keys
-    are loaded and multiplied once for all of them (per value head: 0.43 against 0.61 ms at
-    1×32768 on the H200, docs/BENCHMARKS.md session 8).
+    are loaded and multiplied once for all of them (docs/BENCHMARKS.md, "GDN prefill: WY and
+    output kernels per key head").
 
     Keys are raw (not normalised): the kernel works on the raw keys' Gram blocks and rescales them
     by the inverse key norms, which their diagonal blocks give. No separate normalisation launch,

@@ -1,8 +1,8 @@
 """Triton ReplaySSM decode step and fold (math and ring layout: kernels/ref/replay.py).
 
 Decode is bound by memory latency and, with the loads in flight, by the instructions the SMs
-issue (Nsight Compute, H200, B=128: the broadcast-FMA step issued ~2.4 instr/cycle at 49% DRAM
-throughput). So the work per loaded byte is kept small. With the default launch knobs a step is
+issue, not by bytes (Nsight Compute: docs/BENCHMARKS.md, "ReplaySSM: tensor-core dots and many
+small programs"). So the work per loaded byte is kept small. With the default launch knobs a step is
 three launches (kernels in kernels/replay_ssm_kernels.py):
 
 1. `replay_flush_kernel`, a persistent grid (8 programs per SM), folds every FULL ring (cursor
@@ -19,8 +19,8 @@ three launches (kernels in kernels/replay_ssm_kernels.py):
 3. `replay_step_kernel`, one program per (sequence, value head, d_v block of BLOCK_V), has a
    dependency chain of two round trips for the bulk: `slots[seq]`, then cursor and C tile at
    once. With `live_ring_loads` the ring entries wait for the cursor and only the live ones are
-   loaded (half the ring on average; 7–9% faster per step on the H200 than loading all L with
-   no cursor-dependent mask). Validity (index < n) is applied in registers with tl.where
+   loaded (half the ring on average, for a third dependent round trip that only the ring
+   loads wait for; docs/BENCHMARKS.md, "ReplaySSM: the flush launch and live ring loads"). Validity (index < n) is applied in registers with tl.where
    either way, so stale entries (garbage, NaN) never leak; G_n is picked out of the loaded G
    vector, not gathered.
    With `tensor_cores` the products are mma's with N = 2: raw k and q are the two columns of
@@ -54,8 +54,8 @@ class StepLaunch:
 
     The step holds what it loads in registers; with d_k chunks and num_stages > 1, Triton
     issues the chunks as cp.async into shared memory up front, so more bytes are in flight
-    per register. Many small programs (one warp, 32 columns of d_v) beat wide tiles on the
-    H200 (docs/BENCHMARKS.md, 2026-11-29: 142 µs vs 352 µs at B=128).
+    per register. Field defaults: one warp, 32 columns of d_v, every optional path off; the op
+    runs DEFAULT_STEP_LAUNCH.
     """
     block_v: int = 32
     block_k: int = 32
@@ -80,17 +80,13 @@ class StepLaunch:
     live_ring_loads: bool = False
 
 
-# The H200 sweep's best at B = 512 (CUDA-graph timing, docs/BENCHMARKS.md, 2026-11-29, session
-# 2: 315 µs per step = 3.5× fla): 64-column tiles over 2 warps, d_k in 64-row chunks 3 deep, and
-# the ring-key dot products done once per key head before the step.
-# Session 6 (`bench_replay_attn --replay`, H200, µs per step at B = 256 / 512, staggered and
-# lock-step rings): the step loading only the live ring entries, the flush a persistent launch
-# (4 programs per SM) over the full rings only and the key dots their own one-warp launch:
-# staggered 143.8 / 270.9, lock-step 136.0 / 263.2, against 157.6 / 295.4 and 146.2 / 285.7 for
-# session 5's default (flush one program per (sequence, key head), all L entries loaded). The
-# persistent flush's work items as (row, value head, d_v block) tiles with 8 programs per SM, in
-# one run against (row, key head) items with 4: staggered B = 128 / 256 / 512 76.1 / 143.0 /
-# 277.7 vs 82.8 / 147.1 / 277.4; lock-step 74.5 / 139.4 / 277.5 vs 74.2 / 139.0 / 270.0.
+# The H200 sweeps' best (CUDA-graph timing, `python -m benchmarks.bench_replay_attn --replay`):
+# 64-column tiles over 2 warps, d_k in 64-row chunks 3 deep, the ring-key dots once per key head
+# in their own launch, only the live ring entries loaded, and the flush a persistent launch (8
+# programs per SM) over the full rings only, in (row, value head, d_v block) work items: more
+# folds in flight when few rings are full, the common case under continuous admission.
+# docs/BENCHMARKS.md: "ReplaySSM: tensor-core dots and many small programs", "ReplaySSM: the
+# flush launch and live ring loads".
 DEFAULT_STEP_LAUNCH = StepLaunch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True,
                                  flush_block_v=128, flush_block_k=32, flush_warps=4, flush_per_key_head=True,
                                  flush_persistent=True, flush_programs_per_sm=8, flush_tile_items=True,

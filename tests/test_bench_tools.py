@@ -3,6 +3,8 @@ full-batch step median of benchmarks/engine_arms.py."""
 from __future__ import annotations
 
 import math
+import os
+import time
 
 from benchmarks.engine_arms import full_batch_steps
 from benchmarks.gpu_clocks import ClockSampler, parse_samples
@@ -14,11 +16,29 @@ def test_clock_lines_parse_and_bad_lines_are_skipped():
     assert samples == [(1530.0, 640.19, "0x0000000000000004"), (1560.0, 601.4, "0x0000000000000000")]
 
 
-def test_disabled_sampler_reports_nan():
+def fake_nvidia_smi(folder, monkeypatch):
+    """An `nvidia-smi` on PATH that prints two samples, marks that it ran, and waits to be stopped."""
+    script = folder / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\necho '1500, 600.5, 0x4'\necho '1700, 650.5, 0x0'\n"
+                      f"touch {folder / 'ran'}\nexec sleep 30\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    return folder / "ran"
+
+
+def test_sampler_reads_nvidia_smi_and_a_disabled_one_never_starts_it(tmp_path, monkeypatch):
+    ran = fake_nvidia_smi(tmp_path, monkeypatch)
+    with ClockSampler() as clocks:
+        deadline = time.monotonic() + 10
+        while not ran.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert clocks.samples == [(1500.0, 600.5, "0x4"), (1700.0, 650.5, "0x0")]
+    assert (clocks.mean_mhz, clocks.mean_watts) == (1600.0, 625.5)
+    ran.unlink()
     with ClockSampler(enabled=False) as clocks:
-        pass
-    assert clocks.samples == [] and math.isnan(clocks.mean_mhz) and math.isnan(clocks.mean_watts)
-    assert clocks.summary() == ""
+        time.sleep(0.2)
+    assert not ran.exists() and clocks.samples == []
+    assert math.isnan(clocks.mean_mhz) and math.isnan(clocks.mean_watts) and clocks.summary() == ""
 
 
 class _Timer:
@@ -51,8 +71,8 @@ def test_full_batch_median_uses_only_decode_only_steps_at_the_largest_batch():
 
 def test_run_arm_releases_its_engine_before_freeing_memory(monkeypatch):
     """The next arm's engine sizes its pools from the free memory, so run_arm must drop every
-    reference to its engine before it frees: c6abbbe's step timer kept one (wrapped methods hold
-    the engine), and the second arm on the H200 fit 28 requests instead of 256, then ran out."""
+    reference to its engine before it frees: a step timer keeps one (wrapped methods hold the
+    engine), and then the second arm fits a tenth of the requests and runs out of memory."""
     import argparse
     import gc
 

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import hashlib
-import threading
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,21 +22,36 @@ def file_hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
+# Each child says it is ready, waits for the go file, then builds: both find no checkpoint and
+# race to rename theirs into place.
+RACER = """
+import os, sys, time
+from batchinfer.demo import demo_cache_dir, demo_checkpoint
+ready, go = sys.argv[1:]
+open(ready, "w").close()
+while not os.path.exists(go):
+    time.sleep(0.005)
+print(demo_cache_dir().is_dir(), demo_checkpoint())
+"""
+
+
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory) -> Path:
-    """Two processes' worth of racing first builds into one cache folder."""
+    """Two processes' racing first builds into one cache folder."""
     cache = tmp_path_factory.mktemp("cache")
-    results: list[Path] = []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("BATCHINFER_CACHE_DIR", str(cache))
-        threads = [threading.Thread(target=lambda: results.append(demo_checkpoint())) for _ in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert results == [cache / DEMO_VERSION] * 2
+    signals = tmp_path_factory.mktemp("signals")
+    env = {**os.environ, "BATCHINFER_CACHE_DIR": str(cache)}
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(signals / f"ready{i}"), str(signals / "go")],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    deadline = time.monotonic() + 120
+    while not all((signals / f"ready{i}").exists() for i in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (signals / "go").touch()
+    results = [racer.communicate(timeout=300) for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0], [err for _, err in results]
+    assert [out.split() for out, _ in results] == [["False", str(cache / DEMO_VERSION)]] * 2  # both built
     assert sorted(p.name for p in cache.iterdir()) == [DEMO_VERSION]  # no staging folder left behind
-    return results[0]
+    return cache / DEMO_VERSION
 
 
 def test_demo_is_deterministic_and_complete(demo_dir, tmp_path, monkeypatch):

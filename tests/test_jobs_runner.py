@@ -179,11 +179,20 @@ def test_input_changes_are_refused_but_a_larger_limit_resumes(tmp_path, checkpoi
 
 
 def test_id_column_keys_the_seed_so_samples_follow_the_row(tmp_path, checkpoint):
-    job_file = make_job(tmp_path, checkpoint, id_column="qid")
-    engine = FakeEngine()
-    run(job_file, engine)
-    seed_keys = {r.request_id: r.seed_key for call in engine.calls for r in call}
-    assert len(set(seed_keys.values())) == ROWS and seed_keys[0] != 0
+    """The same rows in reversed order: each row keeps its seed key and its samples."""
+    keys, samples = {}, {}
+    for name, order in (("forward", list(range(ROWS))), ("reversed", list(range(ROWS))[::-1])):
+        table = rag_table(ROWS).take(order)
+        job_file = make_job(tmp_path / name, checkpoint, table=table, id_column="qid", sampling={"n": 2, "seed": 7})
+        engine = FakeEngine()
+        run(job_file, engine)
+        qids = table["qid"].to_pylist()
+        keys[name] = {qids[r.request_id]: r.seed_key for call in engine.calls for r in call}
+        out = read_output(tmp_path / name)
+        samples[name] = {(q, s): tuple(t) for q, s, t in zip(out["qid"].to_pylist(), out["sample_index"].to_pylist(),
+                                                            out["output_token_ids"].to_pylist())}
+    assert len(set(keys["forward"].values())) == ROWS and keys["forward"] == keys["reversed"]
+    assert len(samples["forward"]) == ROWS * 2 and samples["forward"] == samples["reversed"]
 
 
 def test_stop_strings_cut_the_text_at_the_first_stop():

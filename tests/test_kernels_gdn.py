@@ -256,13 +256,12 @@ GOOD_ON_H200 = [
     tri_prefill.PrefillLaunch(wy=KernelLaunch(128, 2, 2), state_pass=KernelLaunch(16, 4, 2),
                               output=KernelLaunch(32, 4, 3)),
 ]
-# Seen on the H200 (Triton 3.6, 2026-11-29) with the old WY kernel, which staged the chunk system
-# through a global scratch buffer and inverted it as [4, 16, 16] broadcast-reduce tensors: an
-# illegal memory access, reported at the state-pass launch right after WY at 4 warps. That code is
-# gone (issue 3: WY now works in registers only); the mix stays as a plain CUDA test.
-FORMERLY_CRASHING_ON_H200 = tri_prefill.PrefillLaunch(wy=KernelLaunch(32, 4, 1), state_pass=KernelLaunch(64, 4, 2),
+# WY at 4 warps (its default is 1) followed by the state pass and a 3-stage output kernel: a WY
+# kernel that staged its operands through shared memory faulted on this mix, and the error only
+# surfaced at the next launch, so the mix stays a CUDA test of its own.
+WY_FOUR_WARPS_MIX = tri_prefill.PrefillLaunch(wy=KernelLaunch(32, 4, 1), state_pass=KernelLaunch(64, 4, 2),
                                                       output=KernelLaunch(128, 4, 3))
-MIXED_LAUNCHES = GOOD_ON_H200 + [FORMERLY_CRASHING_ON_H200]
+MIXED_LAUNCHES = GOOD_ON_H200 + [WY_FOUR_WARPS_MIX]
 # State-pass launches at the model's shapes: both key-part layouts at the block_v / warps / stages
 # the sweeps try.
 STATE_VARIANTS_ON_CUDA = [
@@ -444,9 +443,9 @@ def test_triton_prefill_state_variants_at_model_shapes_cuda():
 
 
 @requires_cuda
-def test_triton_prefill_formerly_crashing_launch_cuda():
-    """The launch mix that hit an illegal memory access with the old WY kernel (issue 3)."""
-    _run_launches_in_child("formerly-crashing-launch", 1)
+def test_triton_prefill_wy_at_four_warps_then_state_pass_cuda():
+    """WY_FOUR_WARPS_MIX at the model's shapes: every stage correct, no illegal memory access."""
+    _run_launches_in_child("wy-four-warps-mix", 1)
 
 
 # ---------------------------------------------------------------- Triton decode
@@ -528,5 +527,5 @@ if __name__ == "__main__" and sys.argv[1:] == ["good-launches"]:
     _check_launches_at_model_shapes(GOOD_ON_H200)
 elif __name__ == "__main__" and sys.argv[1:] == ["state-variants"]:
     _check_launches_at_model_shapes(STATE_VARIANTS_ON_CUDA)
-elif __name__ == "__main__" and sys.argv[1:] == ["formerly-crashing-launch"]:
-    _check_launches_at_model_shapes([FORMERLY_CRASHING_ON_H200])
+elif __name__ == "__main__" and sys.argv[1:] == ["wy-four-warps-mix"]:
+    _check_launches_at_model_shapes([WY_FOUR_WARPS_MIX])

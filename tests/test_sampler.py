@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from batchinfer.engine.sampler import SampleRow, SamplingTensors, _mix32, _mul32, sample, uniform_noise
+from batchinfer.engine.sampler import SampleRow, SamplingTensors, _mix32, _mix32_int, _mul32, sample, uniform_noise
 from batchinfer.engine.types import SamplingParams
 
 transformers_generation = pytest.importorskip("transformers.generation.logits_process")
@@ -19,14 +19,24 @@ def build(rows):
     return SamplingTensors.build(rows, CPU)
 
 
-def test_mul32_matches_exact_integer_arithmetic():
+def lowbias32(x: int) -> int:
+    """The finaliser `_mix32` implements, in exact integer arithmetic."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) % (1 << 32)
+    x ^= x >> 15
+    x = (x * 0x846CA68B) % (1 << 32)
+    return x ^ (x >> 16)
+
+
+def test_mul32_and_mix32_match_exact_integer_arithmetic():
     rng = random.Random(0)
     values = [0, 1, 0xFFFFFFFF, 0x80000000] + [rng.randrange(1 << 32) for _ in range(500)]
     for constant in (0x7FEB352D, 0x846CA68B, 0xFFFFFFFF):
         got = _mul32(torch.tensor(values, dtype=torch.int64), constant).tolist()
         assert got == [(v * constant) % (1 << 32) for v in values]
-    mixed = _mix32(torch.tensor(values, dtype=torch.int64))
-    assert int(mixed.min()) >= 0 and int(mixed.max()) < (1 << 32)
+    # The tensor path (per step) and the int path (per sequence) must give the same keys.
+    assert _mix32(torch.tensor(values, dtype=torch.int64)).tolist() == [lowbias32(v) for v in values]
+    assert [_mix32_int(v) for v in values] == [lowbias32(v) for v in values]
 
 
 def test_uniform_noise_is_inside_the_unit_interval_and_flat():

@@ -24,7 +24,7 @@ from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
 from batchinfer.engine.sampler import SamplingTensors, identity_key, sample
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
-from batchinfer.engine.stats import EngineStats, StatsTally
+from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
 from batchinfer.engine.types import Request, RequestOutput
 from cache.budget import build_pools, decode_graph_bytes, memory_budget, plan_pools, step_activation_bytes
 from cache.shapes import shapes_from_model_config
@@ -347,16 +347,12 @@ class Engine:
     @property
     def stats(self) -> EngineStats:
         cache = self.cache.stats()
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:  # logical peak: weights plus the pool slots ever in use
-            plan = self.pool_plan
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            peak = (weights + cache.peak_kv_used * plan.bytes_per_kv_token
-                    + cache.peak_states_used * plan.bytes_per_state_slot)
+        rss = process_peak_rss_bytes()
+        # On the CPU the model, pools and activations live in the process: its RSS is the real peak.
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else rss
         return self.tally.snapshot(states_tracked=cache.states_tracked, states_donated=cache.states_donated,
                                    states_evicted=cache.states_evicted, tracks_skipped=cache.tracks_skipped,
-                                   peak_memory_bytes=peak)
+                                   peak_memory_bytes=peak, peak_rss_bytes=rss)
 
     def settings(self) -> dict:
         """The settings this engine runs with (resolved), for stats.json."""

@@ -1,6 +1,8 @@
 """Engine statistics: a mutable tally the engine updates, and the frozen snapshot it hands out."""
 from __future__ import annotations
 
+import resource
+import sys
 from dataclasses import asdict, dataclass, fields, replace
 
 
@@ -26,7 +28,8 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     wall_seconds: float = 0.0
-    peak_memory_bytes: int = 0
+    peak_memory_bytes: int = 0            # CUDA: torch's max_memory_allocated; CPU: peak_rss_bytes
+    peak_rss_bytes: int = 0               # the process's peak resident set (its whole life, not one job)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -50,6 +53,12 @@ class EngineStats:
                    prompt_tokens_per_second=self.prompt_tokens_per_second,
                    output_tokens_per_second=self.output_tokens_per_second)
         return out
+
+
+def process_peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (getrusage's ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class StatsTally:
