@@ -10,8 +10,6 @@ Memory is reported twice, each labelled: the engine's own peak figure on its dev
 from __future__ import annotations
 
 import json
-import resource
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -19,6 +17,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
+from batchinfer.engine.stats import process_peak_rss_bytes
 from jobs.atomic_files import write_atomically
 
 ENGINE_COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "theoretical_max_cached_tokens",
@@ -37,12 +36,6 @@ class JobCounters:
     samples_written: int     # committed to parts by this run (on disk)
     errors: int              # of those, finish_reason "error"
     wall_seconds: float
-
-
-def process_peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def build_stats(job_name: str, counters: JobCounters, engine_stats: Any, settings: dict[str, Any],
