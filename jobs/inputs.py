@@ -88,7 +88,8 @@ def iter_windows(inputs: InputFiles, window_rows: int, limit: Optional[int] = No
     remaining = inputs.num_rows if limit is None else min(limit, inputs.num_rows)
     next_row = 0
     for path in inputs.paths:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=window_rows):
+        # pre_buffer off: with it Arrow keeps every range it has read, so RSS grows with the input.
+        for batch in pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=window_rows):
             if remaining <= 0:
                 return
             batch = batch.slice(0, remaining)
