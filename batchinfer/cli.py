@@ -1,13 +1,17 @@
 """`batchinfer run jobs.yaml` and `batchinfer plan jobs.yaml`.
 
 Exit codes: 0 done; 2 bad input (one line `error: <file>: <key/column>: <what>`, nothing
-written); 1 a runtime failure (finished parts stay on disk, a rerun resumes); 130 Ctrl-C.
-Every job in the file is checked before the first one runs, so a mistake in the last job
-does not leave the first one half done.
+written), an output folder in use by another run among them; 1 a runtime failure (finished
+parts stay on disk, a rerun resumes); 130 Ctrl-C (SIGINT) and 143 SIGTERM (128 + the
+signal's number), both after writing every finished sample and `_stats.json` (status
+interrupted). Every job in the file is checked, and its output folder locked, before the
+first one runs, so a mistake in the last job does not leave the first one half done.
 """
 from __future__ import annotations
 
+import signal
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import NoReturn, Optional
 
@@ -16,13 +20,27 @@ from rich.console import Console
 
 from batchinfer import __version__
 from jobs.errors import JobError, JobRuntimeError
+from jobs.output_lock import OutputLock
 from jobs.prepare import PreparedJob, prepare_job
-from jobs.runner import run_job
+from jobs.runner import lock_output, run_job
 from jobs.spec import load_job_file
 
 EXIT_RUNTIME_FAILURE = 1
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130   # 128 + SIGINT
+EXIT_TERMINATED = 143    # 128 + SIGTERM
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT, so the run stops the same way."""
+
+    signal_name = "SIGTERM"
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    # Further SIGTERMs are ignored while the run flushes its parts and writes its stats.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -52,15 +70,50 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Delete earlier outputs of the job(s) instead of resuming.")
 def run(job_file: Path, job_name: Optional[str], overwrite: bool) -> None:
     """Run the jobs of JOB_FILE (resuming where an earlier run stopped)."""
-    prepared = _prepare_all(job_file, job_name, overwrite)
-    console = Console()
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread (an embedding caller): leave signals to it
+        previous = None
+    current: Optional[str] = None
+    try:
+        prepared = _prepare_all(job_file, job_name, overwrite)
+        console = Console()
+        with ExitStack() as held:
+            locks = _lock_all(prepared, held)
+            for job in prepared:
+                current = job.spec.name
+                try:
+                    run_job(job, console, overwrite=overwrite, lock=locks[job.spec.output.path],
+                            warn=lambda message: click.echo(f"warning: {message}", err=True))
+                except JobError as exc:
+                    _fail(str(exc), EXIT_BAD_INPUT)
+                except JobRuntimeError as exc:
+                    _fail(f"{exc} (finished parts are kept; rerun to resume)", EXIT_RUNTIME_FAILURE)
+    except KeyboardInterrupt:
+        _fail(f"{_job_label(current)}interrupted (finished parts are kept; rerun to resume)", EXIT_INTERRUPTED)
+    except Terminated:
+        _fail(f"{_job_label(current)}terminated by SIGTERM (finished parts are kept; rerun to resume)",
+              EXIT_TERMINATED)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _job_label(name: Optional[str]) -> str:
+    return f"job {name}: " if name else ""
+
+
+def _lock_all(prepared: list[PreparedJob], held: ExitStack) -> dict[Path, OutputLock]:
+    """Every job's output folder, locked for the whole file (a busy one: exit 2 before anything runs)."""
+    locks: dict[Path, OutputLock] = {}
     for job in prepared:
-        try:
-            run_job(job, console, overwrite=overwrite)
-        except JobRuntimeError as exc:
-            _fail(f"{exc} (finished parts are kept; rerun to resume)", EXIT_RUNTIME_FAILURE)
-        except KeyboardInterrupt:
-            _fail(f"job {job.spec.name}: interrupted (finished parts are kept; rerun to resume)", EXIT_INTERRUPTED)
+        path = job.spec.output.path
+        if path not in locks:
+            try:
+                locks[path] = held.enter_context(lock_output(job))
+            except JobError as exc:
+                _fail(str(exc), EXIT_BAD_INPUT)
+    return locks
 
 
 @main.command()

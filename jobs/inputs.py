@@ -7,7 +7,6 @@ index (its position across the sorted files), which is its identity for resume.
 from __future__ import annotations
 
 import glob
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -15,10 +14,10 @@ from typing import Iterator, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jobs.atomic_files import sha256_file
 from jobs.errors import JobError, display_path
 
 GLOB_CHARS = set("*?[")
-FOOTER_HASH_BYTES = 1 << 16  # the Parquet footer (schema, row groups, statistics) sits at the end
 
 
 @dataclass(frozen=True)
@@ -100,16 +99,11 @@ def iter_windows(inputs: InputFiles, window_rows: int, limit: Optional[int] = No
 
 
 def input_fingerprint(inputs: InputFiles) -> list[dict]:
-    """What identifies the input's content, cheaply: names, sizes, row counts and a footer hash.
+    """What identifies the input's content: each file's name, size and sha256, in input order.
 
-    Hashing whole files would cost a full read of a possibly huge input on every run; the
-    footer holds per-row-group statistics and offsets, so edits almost always change it.
+    A content hash sees any edit (a same-size edit of an uncompressed file included); it
+    costs one read of the input per run (sha256 runs at about 1.2 GB/s on one core of the
+    development machine, so reading from disk is usually the limit). The list is in row
+    order, so an input that only gains files after its last one keeps a prefix of it.
     """
-    entries = []
-    for path in inputs.paths:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            handle.seek(max(0, size - FOOTER_HASH_BYTES))
-            footer_hash = hashlib.sha256(handle.read()).hexdigest()
-        entries.append({"file": path.name, "bytes": size, "footer_sha256": footer_hash})
-    return entries
+    return [{"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)} for path in inputs.paths]

@@ -1,24 +1,21 @@
-"""Output parts: finished samples, beside their input columns, written atomically.
+"""Output parts: finished samples, beside their input columns, buffered and committed as parts.
 
-Each part is written under a dot-prefixed temporary name, fsynced, then renamed to
-`part-NNNNN.parquet`: a part, once it has its final name, is complete and never
-rewritten, so downstream readers can consume parts as they appear and resume can trust
-every part it finds. Dot-prefixed names are also what pyarrow's dataset discovery skips.
+Each part is committed through `part_store.commit_part` (temporary dot-name, fsync, record
+in `_parts/`, rename to `part-NNNNN.parquet`): a part, once it has its final name, is
+complete and never rewritten, so downstream readers can consume parts as they appear and
+resume can verify every part it finds against its record.
 """
 from __future__ import annotations
 
-import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-PART_PATTERN = re.compile(r"^part-(\d+)\.parquet$")
-TEMP_SUFFIX = ".tmp"
+from jobs.atomic_files import TEMP_SUFFIX, write_atomically  # noqa: F401  (re-exported)
+from jobs.part_store import PART_PATTERN, commit_part, part_name  # noqa: F401  (re-exported)
 
 ROW_INDEX_COLUMN = "row_index"
 RESULT_SCHEMA = pa.schema([
@@ -50,32 +47,25 @@ class SampleResult:
     error: Optional[str] = None
 
 
-def part_name(number: int) -> str:
-    return f"part-{number:05d}.parquet"
-
-
-def write_atomically(path: Path, write) -> None:
-    """Call `write(temp_path)`, make it durable, then rename it to `path`."""
-    temp = path.with_name(f".{path.name}{TEMP_SUFFIX}")
-    write(temp)
-    with open(temp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
-
-
 class PartWriter:
     """Buffers finished samples with their input rows and writes them as parts.
 
     Input rows are held as (window table, row offset) references until the flush, so a
     buffered sample costs a few ints, not a copy of its (possibly long) input columns.
+    `before_commit` runs before each part is committed (the runner checks it still holds
+    the folder's lock); the counters count only what is committed, i.e. on disk.
     """
 
-    def __init__(self, out_dir: Path, flush_rows: int, next_part: int, flush_seconds: float = 60.0) -> None:
+    def __init__(self, out_dir: Path, flush_rows: int, next_part: int, flush_seconds: float = 60.0,
+                 before_commit: Callable[[], None] = lambda: None) -> None:
         self.out_dir = out_dir
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self.next_part = next_part
+        self.before_commit = before_commit
         self.parts_written = 0
+        self.rows_written = 0        # samples in committed parts
+        self.error_rows_written = 0  # of those, finish_reason "error"
         self._pending: list[tuple[pa.Table, int, SampleResult]] = []
         self._last_flush = time.monotonic()
 
@@ -94,12 +84,15 @@ class PartWriter:
         if not self._pending:
             return None
         table = self._build_table(self._pending)
-        path = self.out_dir / part_name(self.next_part)
-        write_atomically(path, lambda temp: pq.write_table(table, temp))
+        name = part_name(self.next_part)
+        self.before_commit()
+        commit_part(self.out_dir, name, table)
+        self.rows_written += len(self._pending)
+        self.error_rows_written += sum(result.finish_reason == "error" for _, _, result in self._pending)
         self._pending = []
         self.next_part += 1
         self.parts_written += 1
-        return path
+        return self.out_dir / name
 
     @staticmethod
     def _build_table(pending: list[tuple[pa.Table, int, SampleResult]]) -> pa.Table:

@@ -1,36 +1,41 @@
 """Resume: what an output folder already holds, and whether it may be continued.
 
 The manifest (`_job.json`) fingerprints everything that changes results: model, prompt
-spec, chat settings, sampling and input files. A rerun with the same fingerprint skips
-every (row, sample) found in the finished parts and adds new parts; a different
-fingerprint is refused (the old parts would silently mix with new results) unless the
-user asks for --overwrite. Temporary files are leftovers of a killed run and are removed.
+spec, chat settings, id column, sampling and the input files' contents. A rerun with the
+same fingerprint skips every (row, sample) found in the verified parts and adds new parts;
+a different fingerprint is refused (the old parts would silently mix with new results)
+unless the user asks for --overwrite. One change of the input continues: files added that
+sort after every earlier file (each earlier row keeps its index, so the run adds the new
+rows). Parts are verified against their records (`part_store`); a damaged part is moved
+aside and its rows redone; a part-like file without a record is not ours and is left alone.
+Temporary files and records of commits cut short are leftovers of a killed run, removed.
 """
 from __future__ import annotations
 
-import hashlib
 import json
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
+from jobs.atomic_files import is_temp_name, write_atomically
 from jobs.errors import JobError, display_path
-from jobs.outputs import PART_PATTERN, ROW_INDEX_COLUMN, TEMP_SUFFIX, write_atomically
+from jobs.part_store import (DAMAGED_SUFFIX, PART_PATTERN, PARTS_DIR, damaged_path, record_path, scan_parts)
 
 MANIFEST_NAME = "_job.json"
 STATS_NAME = "_stats.json"   # underscore: `pq.read_table(out_dir)` skips it, as it skips the manifest
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2         # 2: part records in _parts/, input content hashes
+INPUT_KEY = "input"
 
 
 @dataclass(frozen=True)
 class ResumeState:
-    done: dict[int, frozenset[int]]  # row index -> sample indices already in finished parts
+    done: dict[int, frozenset[int]]  # row index -> sample indices already in verified parts
     next_part: int                    # number for the next part file
     finished_samples: int
+    damaged: tuple[tuple[Path, str], ...] = ()  # parts that differ from their records (rows redone)
+    foreign: tuple[Path, ...] = ()               # part-like files batchinfer did not write (ignored)
 
 
 def _as_json(fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -38,76 +43,128 @@ def _as_json(fingerprint: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
 
 
-def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(_as_json(fingerprint), sort_keys=True).encode()).hexdigest()
+def _read_manifest(out_dir: Path) -> Optional[dict[str, Any]]:
+    """The manifest, {} when it exists but cannot be parsed, None when there is none."""
+    path = out_dir / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
 
 
-def _owned_files(out_dir: Path) -> list[Path]:
-    """Files this tool writes into an output folder (never anything else a user put there)."""
-    if not out_dir.is_dir():
-        return []
-    return [p for p in out_dir.iterdir() if p.is_file() and (
-        PART_PATTERN.match(p.name) or p.name in (MANIFEST_NAME, STATS_NAME)
-        or (p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX)))]
+def inputs_extend(old: Any, new: Any) -> bool:
+    """Whether input `new` is input `old` with zero or more files added after its last one."""
+    return isinstance(old, list) and isinstance(new, list) and new[:len(old)] == old
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Fingerprint sections that differ (the input only when it is not `old` plus later files)."""
+    new = _as_json(new)
+    changed = [key for key in set(old) | set(new) if key != INPUT_KEY and old.get(key) != new.get(key)]
+    if not inputs_extend(old.get(INPUT_KEY), new.get(INPUT_KEY)):
+        changed.append(INPUT_KEY)
+    return sorted(changed)
+
+
+def _has_records(out_dir: Path) -> bool:
+    records = out_dir / PARTS_DIR
+    return records.is_dir() and any(records.iterdir())
 
 
 def check_resumable(out_dir: Path, fingerprint: dict[str, Any], overwrite: bool, job_file: Path, where: str) -> None:
-    """Refuse (JobError) to continue an output folder made with different settings."""
-    manifest_path = out_dir / MANIFEST_NAME
+    """Refuse (JobError) to continue an output folder made with different settings. Reads only the manifest."""
     if overwrite or not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise JobError(job_file, where, f"{display_path(out_dir)} exists and is not a folder")
-    parts = sorted(p for p in out_dir.iterdir() if PART_PATTERN.match(p.name))
-    for part in parts:
-        try:  # the footer only: cheap, and a part that lost its footer (power loss) fails here
-            pq.read_metadata(part)
-        except (pa.ArrowException, OSError) as exc:
-            raise JobError(job_file, where, f"{display_path(part)} is unreadable ({exc}); delete it to redo "
-                                            "its rows, or use --overwrite") from None
-    has_parts = bool(parts)
-    if not manifest_path.is_file():
-        if has_parts:
+    manifest = _read_manifest(out_dir)
+    if manifest is None:
+        if _has_records(out_dir):
             raise JobError(job_file, where, f"{display_path(out_dir)} holds parts without {MANIFEST_NAME}; "
                                             "use --overwrite to replace them")
         return
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        manifest = {}
-    if manifest.get("fingerprint_sha256") != fingerprint_digest(fingerprint):
-        old, new = manifest.get("fingerprint", {}), _as_json(fingerprint)
-        changed = sorted(key for key in set(old) | set(new) if old.get(key) != new.get(key))
-        reason = f" ({', '.join(changed)} changed)" if changed else ""
-        raise JobError(job_file, where, f"{display_path(out_dir)} was made with different settings{reason}; "
+    if not manifest:
+        raise JobError(job_file, where, f"{display_path(out_dir / MANIFEST_NAME)} cannot be read; "
                                         "use --overwrite to start again")
+    if manifest.get("version") != MANIFEST_VERSION:
+        raise JobError(job_file, where, f"{display_path(out_dir)} was written by another batchinfer version "
+                                        f"(manifest version {manifest.get('version')}, this one writes "
+                                        f"{MANIFEST_VERSION}); use --overwrite to start again")
+    changed = changed_keys(manifest.get("fingerprint", {}), fingerprint)
+    if changed:
+        raise JobError(job_file, where, f"{display_path(out_dir)} was made with different settings "
+                                        f"({', '.join(changed)} changed); use --overwrite to start again")
 
 
-def prepare_output_dir(out_dir: Path, fingerprint: dict[str, Any], overwrite: bool) -> None:
-    """Create the folder, drop leftovers (or everything we own, with overwrite), write the manifest."""
-    for path in _owned_files(out_dir):
-        if overwrite or path.name.endswith(TEMP_SUFFIX):
-            path.unlink(missing_ok=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = {"version": MANIFEST_VERSION, "fingerprint_sha256": fingerprint_digest(fingerprint),
-                "fingerprint": _as_json(fingerprint)}
-    text = json.dumps(manifest, indent=2, sort_keys=True)
-    write_atomically(out_dir / MANIFEST_NAME, lambda temp: temp.write_text(text, encoding="utf-8"))
+def _legacy_parts(out_dir: Path) -> list[Path]:
+    """Parts of a manifest-version-1 folder: written by batchinfer before parts had records."""
+    manifest = _read_manifest(out_dir)
+    if not manifest or manifest.get("version") != 1:
+        return []
+    return [p for p in out_dir.iterdir() if PART_PATTERN.match(p.name)]
 
 
-def read_resume_state(out_dir: Path) -> ResumeState:
-    """Which (row, sample) pairs the finished parts hold, reading only the two key columns."""
+def read_resume_state(out_dir: Path, overwrite: bool = False) -> ResumeState:
+    """Which (row, sample) pairs the verified parts hold (with overwrite: none, all will go).
+
+    Reads every part once to verify it; writes nothing.
+    """
+    scan = scan_parts(out_dir, verify=not overwrite)
+    if overwrite:
+        legacy = set(_legacy_parts(out_dir))
+        foreign = tuple(p for p in scan.foreign if p not in legacy)
+        numbers = [int(PART_PATTERN.match(p.name).group(1)) for p in foreign]
+        return ResumeState(done={}, next_part=max(numbers, default=-1) + 1, finished_samples=0, foreign=foreign)
     done: dict[int, set[int]] = defaultdict(set)
-    last_part = -1
     finished = 0
-    for path in sorted(out_dir.iterdir()) if out_dir.is_dir() else []:
-        match = PART_PATTERN.match(path.name)
-        if not match:
-            continue
-        last_part = max(last_part, int(match.group(1)))
-        keys = pq.read_table(path, columns=[ROW_INDEX_COLUMN, "sample_index"])
-        for row, sample in zip(keys[ROW_INDEX_COLUMN].to_pylist(), keys["sample_index"].to_pylist()):
+    for _, keys in scan.finished:
+        for row, sample in zip(keys["row_index"].to_pylist(), keys["sample_index"].to_pylist()):
             done[row].add(sample)
             finished += 1
-    return ResumeState(done={row: frozenset(s) for row, s in done.items()}, next_part=last_part + 1,
-                       finished_samples=finished)
+    return ResumeState(done={row: frozenset(s) for row, s in done.items()}, next_part=scan.next_number,
+                       finished_samples=finished, damaged=scan.damaged, foreign=scan.foreign)
+
+
+def _owned_files(out_dir: Path) -> list[Path]:
+    """Files this tool wrote into an output folder (never a user's files, never the lock)."""
+    if not out_dir.is_dir():
+        return []
+    scan = scan_parts(out_dir, verify=False)
+    owned = [*scan.recorded, *_legacy_parts(out_dir)]
+    owned += [p for p in out_dir.iterdir() if p.is_file() and (
+        p.name in (MANIFEST_NAME, STATS_NAME) or is_temp_name(p.name)
+        or (p.name.startswith(".part-") and p.name.endswith(DAMAGED_SUFFIX)))]
+    return owned
+
+
+def prepare_output_dir(out_dir: Path, fingerprint: dict[str, Any], overwrite: bool,
+                       state: Optional[ResumeState] = None) -> None:
+    """Clear leftovers (with overwrite: everything we wrote), move damaged parts aside, write the manifest.
+
+    Call it holding the folder's lock, before any writer starts: it deletes temporaries.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = out_dir / PARTS_DIR
+    if overwrite:
+        for path in _owned_files(out_dir):
+            path.unlink(missing_ok=True)
+        shutil.rmtree(records, ignore_errors=True)
+    else:
+        for path in out_dir.iterdir():
+            if is_temp_name(path.name) and path.is_file():
+                path.unlink(missing_ok=True)
+        for path, _ in (state.damaged if state else ()):
+            path.replace(damaged_path(path))
+            record_path(out_dir, path.name).unlink(missing_ok=True)
+        for path in scan_parts(out_dir, verify=False).orphan_records:
+            path.unlink(missing_ok=True)
+    records.mkdir(exist_ok=True)
+    for path in records.iterdir():
+        if is_temp_name(path.name):
+            path.unlink(missing_ok=True)
+    manifest = {"version": MANIFEST_VERSION, "fingerprint": _as_json(fingerprint)}
+    text = json.dumps(manifest, indent=2, sort_keys=True)
+    write_atomically(out_dir / MANIFEST_NAME, lambda temp: temp.write_text(text, encoding="utf-8"))

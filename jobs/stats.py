@@ -2,10 +2,16 @@
 
 Engine counters (prefix reuse, state tracking, ReplaySSM flushes, memory) come from
 `engine.stats`; the job adds rows, errors and its own wall time, and derives rates.
+Samples and errors count what is on disk (in committed parts), whatever stopped the run.
+Memory is reported twice, each labelled: the engine's own peak figure on its device
+(`peak_memory_bytes`, `peak_memory_device`), and this process's peak resident set
+(`process_peak_rss_bytes`, from getrusage), which on the CPU is the figure that matters.
 """
 from __future__ import annotations
 
 import json
+import resource
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -13,7 +19,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-from jobs.outputs import write_atomically
+from jobs.atomic_files import write_atomically
 
 ENGINE_COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "theoretical_max_cached_tokens",
                    "discarded_kv_tokens", "states_tracked", "states_donated", "states_evicted",
@@ -28,13 +34,19 @@ class JobCounters:
     rows: int                # input rows in the job (after limit)
     samples_total: int       # rows x n
     samples_resumed: int     # found in finished parts, not run again
-    samples_written: int     # written by this run
-    errors: int              # samples written with finish_reason "error"
+    samples_written: int     # committed to parts by this run (on disk)
+    errors: int              # of those, finish_reason "error"
     wall_seconds: float
 
 
+def process_peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 def build_stats(job_name: str, counters: JobCounters, engine_stats: Any, settings: dict[str, Any],
-                status: str, failure: Optional[str] = None) -> dict[str, Any]:
+                status: str, failure: Optional[str] = None, interrupted_by: Optional[str] = None) -> dict[str, Any]:
     engine = {name: getattr(engine_stats, name, 0) if engine_stats is not None else 0 for name in ENGINE_COUNTERS}
     wall = max(counters.wall_seconds, 1e-9)
     stats: dict[str, Any] = {
@@ -52,10 +64,15 @@ def build_stats(job_name: str, counters: JobCounters, engine_stats: Any, setting
         "wall_seconds": counters.wall_seconds,
         "prompt_tokens_per_second": engine["prompt_tokens"] / wall,
         "output_tokens_per_second": engine["output_tokens"] / wall,
+        # What peak_memory_bytes measures: the engine's device (None: no engine was loaded).
+        "peak_memory_device": settings.get("device") if engine_stats is not None else None,
+        "process_peak_rss_bytes": process_peak_rss_bytes(),
         "engine_settings": settings,
     }
     if failure is not None:
         stats["failure"] = failure
+    if interrupted_by is not None:
+        stats["interrupted_by"] = interrupted_by
     return stats
 
 
@@ -89,7 +106,10 @@ def render_summary(console: Console, stats: dict[str, Any]) -> None:
         ("prompt / output tok/s",
          f"{stats['prompt_tokens_per_second']:,.1f} / {stats['output_tokens_per_second']:,.1f}"),
         ("wall time", f"{stats['wall_seconds']:.1f} s"),
-        ("peak memory", f"{stats['peak_memory_bytes'] / 2**20:,.1f} MiB"),
+        (f"peak memory (engine, {stats['peak_memory_device']})" if stats.get("peak_memory_device")
+         else "peak memory (no engine loaded)",
+         f"{stats['peak_memory_bytes'] / 2**20:,.1f} MiB"),
+        ("peak RSS (this process)", f"{stats.get('process_peak_rss_bytes', 0) / 2**20:,.1f} MiB"),
     ]
     for name, value in rows:
         table.add_row(name, value)

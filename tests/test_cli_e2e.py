@@ -4,37 +4,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
 from batchinfer.cli import main
-from batchinfer.demo import demo_checkpoint
 from jobs.outputs import RESULT_COLUMNS
+from tests.job_process import demo_cache, read_parts, start_run, wait_for, write_demo_job  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, rag_table, write_job_file, write_parquet
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
-def demo_cache(tmp_path_factory, monkeypatch) -> Path:
-    """One demo checkpoint for the whole session (the build is idempotent and cached)."""
-    cache = tmp_path_factory.getbasetemp() / "demo-cache"
-    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(cache))
-    demo_checkpoint()
-    return cache
-
-
-def read_parts(out_dir: Path) -> pa.Table:
-    parts = sorted(out_dir.glob("part-*.parquet"))
-    return pa.concat_tables(pq.read_table(p) for p in parts).sort_by(
-        [("row_index", "ascending"), ("sample_index", "ascending")])
+def uses_the_demo_cache(demo_cache) -> Path:  # noqa: F811 - every test here runs the demo model
+    return demo_cache
 
 
 def invoke(folder: Path, *args: str):
@@ -87,23 +70,13 @@ def test_run_and_plan_a_chat_job_with_samples_and_a_bad_row(tmp_path):
 def _start_job_and_signal_after_first_part(tmp_path: Path, demo_cache: Path, rows: int, sig: int):
     """Run a CPU job as a real process; send `sig` once its first part is on disk.
     → (returncode, stderr, out_dir)."""
-    write_parquet(rag_table(rows), tmp_path / "data" / "rag.parquet")
     # Three sequences at a time, flushed as each wave finishes: parts appear well before the end.
-    # On the CPU everywhere, so a fast GPU cannot finish the job before the signal lands.
-    write_job_file(tmp_path, [job_entry(
-        model="demo", sampling={"max_tokens": 6, "ignore_eos": True},
-        engine={"max_running": 3, "device": "cpu"}, output={"path": "out/rag", "flush_rows": 3})])
-    out_dir = tmp_path / "out" / "rag"
-    env = {**os.environ, "BATCHINFER_CACHE_DIR": str(demo_cache),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    process = subprocess.Popen([sys.executable, "-m", "batchinfer", "run", "jobs.yaml"], cwd=tmp_path, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not list(out_dir.glob("part-*.parquet")) and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    out_dir = write_demo_job(tmp_path, rows)
+    process = start_run(tmp_path, demo_cache)
+    wait_for(lambda: bool(list(out_dir.glob("part-*.parquet"))), process)
     process.send_signal(sig)
     _, stderr = process.communicate()
-    return process.returncode, stderr.decode(), out_dir
+    return process.returncode, stderr, out_dir
 
 
 def test_ctrl_c_keeps_finished_parts_exits_130_and_a_rerun_completes(tmp_path, demo_cache):
@@ -126,6 +99,7 @@ def test_resume_after_kill_9_holds_every_row_and_sample_exactly_once(tmp_path, d
     rows = 13
     code, stderr, out_dir = _start_job_and_signal_after_first_part(tmp_path, demo_cache, rows, signal.SIGKILL)
     assert code == -signal.SIGKILL, stderr  # killed mid-job, not finished
+    assert (out_dir / "_lock.json").is_file()  # left behind by the dead run: the rerun takes it over
     before = {p.name: p.read_bytes() for p in out_dir.glob("part-*.parquet")}
     done_before = read_parts(out_dir).num_rows
     assert 0 < done_before < rows
@@ -136,6 +110,6 @@ def test_resume_after_kill_9_holds_every_row_and_sample_exactly_once(tmp_path, d
     assert out["row_index"].to_pylist() == list(range(rows)) and set(out["sample_index"].to_pylist()) == {0}
     assert all(n == 6 for n in out["completion_tokens"].to_pylist())
     assert {name: (out_dir / name).read_bytes() for name in before} == before  # never rewritten
-    assert not [p for p in out_dir.iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in out_dir.iterdir() if p.name.endswith(".tmp")] and not (out_dir / "_lock.json").exists()
     stats = json.loads((out_dir / "_stats.json").read_text())
     assert stats["samples_resumed"] == done_before and stats["samples_written"] == rows - done_before

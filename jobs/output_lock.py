@@ -1,0 +1,370 @@
+"""One run per output folder: a lock file naming its holder, kept fresh by a heartbeat.
+
+`_lock.json` in the output folder names the holder (host, pid, start time, a random token)
+and is held by the run's parent process for the whole run; workers that commit parts into
+the folder (other processes, other hosts) never take it. It works on shared filesystems:
+
+- Creation is atomic: the content is written to a temporary file and hard-linked to the
+  lock name (fails if the name exists; the NFS-safe form of O_EXCL). Where hard links are
+  not supported, `O_CREAT | O_EXCL`.
+- A heartbeat thread refreshes the file's mtime every `HEARTBEAT_SECONDS`.
+- A lock is stale when its holder is gone: on the same host (same hostname, boot and pid
+  namespace) when the pid is dead or now belongs to another process (its start time
+  differs); held from elsewhere, when the heartbeat is older than `STALE_AFTER_SECONDS`,
+  measured against the filesystem's own clock (a probe file's mtime), so clock skew
+  between hosts does not matter.
+- Taking over a stale lock deletes it only under `.lock-guard` (created on the first
+  take-over), a POSIX record lock (`lockf`, served by the NFS lock manager on shared
+  mounts), and only if the file is still the one judged stale; the take-over then creates
+  its own lock like anyone else. Two contenders therefore cannot both win: one creates,
+  the other finds a fresh lock.
+- Release moves the lock aside, checks it is its own, and links it back if it is not.
+- The holder checks on every heartbeat that the lock is still its own; if it was taken
+  over (it went unrefreshed for longer than the stale timeout: a suspended host),
+  `ensure_held()` raises `LockLost` and the run must stop before committing more parts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: take-overs are not serialised beyond the atomic create
+    fcntl = None
+
+LOCK_NAME = "_lock.json"
+GUARD_NAME = ".lock-guard"
+HEARTBEAT_SECONDS = 10.0
+STALE_AFTER_SECONDS = 120.0  # twelve missed heartbeats; above NFS's attribute-cache lag (up to 60 s)
+GUARD_WAIT_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds an output folder, as written in its lock file."""
+
+    host: str
+    pid: int
+    started: float                 # unix time the lock was taken
+    token: str                     # random: tells this holder's lock from any other
+    boot_id: Optional[str] = None  # with host and pid_ns: "the same host" for pid checks
+    pid_ns: Optional[str] = None
+    pid_start: Optional[int] = None  # the process's start time (clock ticks since boot)
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started))
+        return f"pid {self.pid} on host {self.host} since {since}"
+
+    def same_host(self, other: "LockHolder") -> bool:
+        return (self.host, self.boot_id, self.pid_ns) == (other.host, other.boot_id, other.pid_ns)
+
+
+class OutputBusy(Exception):
+    """The folder is held by a live run."""
+
+    def __init__(self, holder: Optional[LockHolder], heartbeat_age: Optional[float]) -> None:
+        self.holder = holder
+        self.heartbeat_age = heartbeat_age
+        if holder is None:
+            what = "is in use (its lock file cannot be read)"
+        else:
+            what = f"is in use by {holder.describe()}"
+        if heartbeat_age is not None:
+            what += (f" (last heartbeat {heartbeat_age:.0f} s ago; a lock counts as stale after "
+                     f"{STALE_AFTER_SECONDS:.0f} s without one)")
+        super().__init__(what)
+
+
+class LockLost(Exception):
+    """Another run took this run's lock over; it must not write more."""
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def _process_state(pid: int) -> Optional[tuple[str, int]]:
+    """(state letter, start time in clock ticks since boot) from /proc, None where unknown."""
+    text = _read_text(f"/proc/{pid}/stat")
+    if not text:
+        return None
+    fields = text[text.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def this_process() -> LockHolder:
+    try:
+        pid_ns: Optional[str] = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = None
+    state = _process_state(os.getpid())
+    return LockHolder(host=socket.gethostname(), pid=os.getpid(), started=time.time(), token=uuid.uuid4().hex,
+                      boot_id=_read_text("/proc/sys/kernel/random/boot_id"), pid_ns=pid_ns,
+                      pid_start=state[1] if state else None)
+
+
+def _alive(holder: LockHolder) -> bool:
+    """Whether the holder's process still runs (on this host)."""
+    try:
+        os.kill(holder.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        pass
+    state = _process_state(holder.pid)
+    if state is None:
+        return True
+    letter, start = state
+    return letter not in ("Z", "X") and (holder.pid_start is None or start == holder.pid_start)
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """A lock file as read once: its text (None when unparseable), inode and mtime."""
+
+    text: str
+    holder: Optional[LockHolder]
+    inode: int
+    mtime: float
+
+
+def _read_lock(path: Path) -> Optional[_Seen]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            stat = os.fstat(handle.fileno())
+            text = handle.read()
+    except FileNotFoundError:
+        return None
+    try:
+        raw = json.loads(text)
+        holder: Optional[LockHolder] = LockHolder(**{key: raw.get(key) for key in LockHolder.__dataclass_fields__})
+        if not isinstance(holder.pid, int) or not isinstance(holder.token, str):
+            holder = None
+    except (ValueError, TypeError):
+        holder = None  # half written (O_EXCL fallback) or foreign
+    return _Seen(text, holder, stat.st_ino, stat.st_mtime)
+
+
+def _filesystem_now(folder: Path) -> float:
+    """The current time as the folder's filesystem stamps it (an NFS server's clock, say)."""
+    probe = folder / f".lock-clock.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        probe.touch()
+        try:
+            return probe.stat().st_mtime
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError:
+        return time.time()
+
+
+def _heartbeat_age(seen: _Seen, folder: Path) -> float:
+    return max(0.0, _filesystem_now(folder) - seen.mtime)
+
+
+def _is_stale(seen: _Seen, me: LockHolder, folder: Path, stale_after: float) -> tuple[bool, Optional[float]]:
+    """(stale?, heartbeat age when the judgement rested on it)."""
+    if seen.holder is not None and seen.holder.same_host(me):
+        return not _alive(seen.holder), None
+    age = _heartbeat_age(seen, folder)
+    return age > stale_after, age
+
+
+@contextmanager
+def _guard(folder: Path) -> Iterator[bool]:
+    """Serialise take-overs of the folder's lock; yields False if another holds the guard too long.
+
+    Where record locks are unavailable (no fcntl, an NFS mount with `nolock`) it yields True
+    unguarded: the atomic create still keeps two runs from holding the lock at once.
+    """
+    if fcntl is None:
+        yield True
+        return
+    fd = os.open(folder / GUARD_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + GUARD_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except (BlockingIOError, PermissionError):  # held by another contender
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.01)
+            except OSError:  # no lock manager
+                break
+        yield True
+    finally:
+        os.close(fd)  # closing drops the record lock
+
+
+def _create(path: Path, text: str) -> bool:
+    """Create the lock file holding `text` atomically; False if it exists."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    temp.write_text(text, encoding="utf-8")
+    try:
+        os.link(temp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        # NFS may report an error for a link that took effect (a lost reply): the count tells.
+        try:
+            if temp.stat().st_nlink == 2:
+                return True
+        except OSError:
+            pass
+        return _create_exclusive(path, text)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def _create_exclusive(path: Path, text: str) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return True
+
+
+def _make_dirs(folder: Path) -> list[Path]:
+    """mkdir -p; → the folders this call created, deepest first (removed again on release if empty)."""
+    missing = []
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+class OutputLock:
+    """A held output-folder lock; `acquire` it, `release` it (or use it as a context manager)."""
+
+    def __init__(self, folder: Path, holder: LockHolder, text: str, created_dirs: list[Path],
+                 heartbeat_seconds: Optional[float]) -> None:
+        self.folder = folder
+        self.path = folder / LOCK_NAME
+        self.holder = holder
+        self._text = text
+        self._created_dirs = created_dirs
+        self._lost = False
+        self._released = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        if heartbeat_seconds is not None:
+            self._thread = threading.Thread(target=self._beat_every, args=(heartbeat_seconds,), daemon=True,
+                                            name="output-lock-heartbeat")
+            self._thread.start()
+
+    @classmethod
+    def acquire(cls, folder: Path, heartbeat_seconds: Optional[float] = HEARTBEAT_SECONDS,
+                stale_after: float = STALE_AFTER_SECONDS) -> "OutputLock":
+        """Take the folder (creating it), or raise `OutputBusy` naming the live holder."""
+        created = _make_dirs(folder)
+        path = folder / LOCK_NAME
+        me = this_process()
+        text = json.dumps(asdict(me), indent=2)
+        try:
+            for _ in range(10):
+                if _create(path, text):
+                    return cls(folder, me, text, created, heartbeat_seconds)
+                seen = _read_lock(path)
+                if seen is None:
+                    continue  # released meanwhile
+                stale, age = _is_stale(seen, me, folder, stale_after)
+                if not stale:
+                    raise OutputBusy(seen.holder, age)
+                with _guard(folder) as guarded:
+                    if not guarded:
+                        raise OutputBusy(seen.holder, age)
+                    now = _read_lock(path)
+                    if now is not None and (now.inode, now.text) == (seen.inode, seen.text):
+                        path.unlink(missing_ok=True)  # still the stale one: nobody took it over meanwhile
+            raise OutputBusy(seen.holder if seen else None, None)  # lost every round to other runs
+        except BaseException:
+            _remove_empty(created)
+            raise
+
+    def beat(self) -> None:
+        """Refresh the heartbeat, or notice the lock is no longer ours."""
+        seen = _read_lock(self.path)
+        if seen is None or seen.text != self._text:
+            self._lost = True
+            return
+        try:
+            os.utime(self.path)
+        except OSError:
+            pass  # a transient error on a shared mount: the next beat tries again
+
+    def _beat_every(self, seconds: float) -> None:
+        while not self._stop.wait(seconds):
+            self.beat()
+
+    @property
+    def lost(self) -> bool:
+        """Whether a heartbeat found the lock taken over by another run."""
+        return self._lost
+
+    def ensure_held(self) -> None:
+        if self._lost:
+            raise LockLost(f"{self.path} was taken over by another run")
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours (moved aside first, so a take-over's fresh lock is put back)."""
+        if self._released or os.getpid() != self.holder.pid:  # a forked worker never releases its parent's lock
+            return
+        self._released = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        aside = self.folder / f".{LOCK_NAME}.{self.holder.token}.released.tmp"
+        try:
+            os.rename(self.path, aside)
+        except OSError:
+            aside = None  # gone already, or the folder turned read-only: nothing to release
+        if aside is not None:
+            moved = _read_lock(aside)
+            if moved is not None and moved.text != self._text:
+                try:
+                    os.link(aside, self.path)  # another run's lock: give it back
+                except OSError:
+                    pass
+            aside.unlink(missing_ok=True)
+        _remove_empty(self._created_dirs)
+
+    def __enter__(self) -> "OutputLock":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove folders this run created, deepest first, where nothing was put in them."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
