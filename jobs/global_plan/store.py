@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from jobs.global_plan.external_sort import RunWriter, SortBudget, merge_runs
 from jobs.global_plan.progress import NoProgress, PlanningProgress
 from jobs.global_plan.sorted_rows import SortedRowsReader, SpillTotals, UnitRow, iter_profile, write_sorted_rows
-from jobs.global_plan.spill import spill_prompts
+from jobs.global_plan.spill import SPILL_WINDOW_ROWS, spill_prompts
 from jobs.global_plan.units import GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
 from jobs.outputs import TEMP_SUFFIX, write_atomically
 from jobs.prepare import PreparedJob
@@ -140,11 +140,11 @@ def remove_work_dir(work_dir: Path) -> None:
         work_dir.rmdir()
 
 
-def _build_sorted_rows(job: PreparedJob, work_dir: Path, build: Path, budget: SortBudget,
-                       progress: Progress) -> SpillTotals:
+def _build_sorted_rows(job: PreparedJob, work_dir: Path, build: Path, budget: SortBudget, progress: Progress,
+                       window_rows: int) -> SpillTotals:
     runs = RunWriter(build / "runs", budget)
     progress.phase("tokenise", job.rows)
-    counts = spill_prompts(job, runs, on_rows=progress.advance)
+    counts = spill_prompts(job, runs, on_rows=progress.advance, window_rows=window_rows)
     run_paths = runs.finish()
     progress.phase("sort", counts.rows)
     (build / "merge").mkdir(parents=True, exist_ok=True)
@@ -177,9 +177,11 @@ def _summary(manifest: dict[str, Any]) -> GlobalPlanSummary:
 
 
 def build_work_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitConfig(),
-                    progress: Optional[Progress] = None, budget: SortBudget = SortBudget()) -> WorkPlan:
+                    progress: Optional[Progress] = None, budget: SortBudget = SortBudget(),
+                    window_rows: int = SPILL_WINDOW_ROWS) -> WorkPlan:
     """The job's global plan in `work_dir`: reused when committed from the same input, prompt and
-    model (units recut if the unit config or sampling changed), else built from scratch."""
+    model (units recut if the unit config or sampling changed), else built from scratch
+    (`window_rows` input rows tokenised at a time)."""
     progress = progress or NoProgress()
     work_dir.mkdir(parents=True, exist_ok=True)
     sampling = job.spec.sampling
@@ -187,15 +189,14 @@ def build_work_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitC
     manifest = _read_manifest(work_dir)
     totals = _committed_spill(work_dir, manifest, digest)
     build = work_dir / BUILD_NAME
-    shutil.rmtree(build, ignore_errors=True)  # what a killed build left
-    for leftover in work_dir.glob(f".*{TEMP_SUFFIX}"):
+    for leftover in work_dir.glob(f".*{TEMP_SUFFIX}"):  # what a killed build left (.build goes at the end)
         leftover.unlink()
     reused = totals is not None
     if totals is None:
         _forget(work_dir)
         manifest = None
         build.mkdir()
-        totals = _build_sorted_rows(job, work_dir, build, budget, progress)
+        totals = _build_sorted_rows(job, work_dir, build, budget, progress, window_rows)
     units_digest = _units_digest(digest, config, sampling.n, sampling.max_tokens)
     units_name = f"units-{units_digest[:16]}.parquet"
     if manifest is not None and manifest.get("units_sha256") == units_digest and (work_dir / units_name).is_file():

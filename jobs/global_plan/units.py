@@ -5,8 +5,9 @@ exactly that row's reuse, d_b = min(lcp_b, len_b - 1) tokens: the unit it starts
 recomputes them (a shared root computed once more). So a cut between prefix groups is
 free, and a group larger than a unit can only be cut inside, below its shared root. The
 cut is a shortest path over boundaries (a dynamic program with a sliding-window minimum):
-every unit at most `max_rows` rows and `target_cost` estimated cost, minimising first the
-recomputed tokens, then the number of units. That keeps every group that fits a unit
+every unit at most `max_rows` rows and `target_cost` estimated cost, minimising the
+recomputed tokens; among equally cheap unit starts the earliest wins (each unit as large as
+its limits allow), which leaves as few units as possible. That keeps every group that fits a unit
 whole, packs small groups together, and splits a larger group only at its root's
 children, as few times as possible.
 
@@ -30,8 +31,6 @@ import numpy as np
 from jobs.global_plan.sorted_rows import SpillTotals
 
 DECODE_TOKEN_COST = 1.25
-_UNIT_STEP = 1        # a unit adds 1 to the path cost ...
-_TOKEN_STEP = 1 << 40  # ... a recomputed token dominates any number of units
 
 
 @dataclass(frozen=True)
@@ -178,7 +177,7 @@ def _cut_starts(profile: Iterable[tuple[np.ndarray, np.ndarray]], n: int, max_to
                 target: float, scratch: Path) -> list[int]:
     """Unit starts (sorted positions) of the cheapest cut; see the module docstring."""
     predecessors = _Predecessors(scratch)
-    window: deque[tuple[int, int]] = deque()     # (start a, path cost g(a)): g ascending, earliest kept on ties
+    window: deque[tuple[int, int]] = deque()     # (start a, path cost g(a)): g ascending, the earliest kept on ties
     prefix: deque[tuple[int, float]] = deque()   # (a, Σ cost of rows before a) for a not yet too far back
     path_cost = 0          # best cost of a cut ending at the current boundary, before its own cut
     spent = 0.0            # Σ cost of the rows seen
@@ -188,7 +187,7 @@ def _cut_starts(profile: Iterable[tuple[np.ndarray, np.ndarray]], n: int, max_to
         rows = _row_quantities(lcp, tokens, n, max_tokens, config.decode_token_cost)
         for cut_tokens, cost in zip(rows.reuse_first.tolist(), rows.cost.tolist()):
             # Boundary `row` (before this row) as a unit start: pay for the reuse the cut loses.
-            candidate = path_cost + cut_tokens * _TOKEN_STEP
+            candidate = path_cost + cut_tokens
             while window and window[-1][1] > candidate:
                 window.pop()
             window.append((row, candidate))
@@ -201,7 +200,7 @@ def _cut_starts(profile: Iterable[tuple[np.ndarray, np.ndarray]], n: int, max_to
             while window[0][0] < prefix[0][0]:
                 window.popleft()
             start, start_cost = window[0]
-            path_cost = start_cost + _UNIT_STEP
+            path_cost = start_cost
             predecessors.append(start)
     return predecessors.backtrack(row)
 
