@@ -119,12 +119,20 @@ def _lock_all(prepared: list[PreparedJob], held: ExitStack) -> dict[Path, Output
 @main.command()
 @click.argument("job_file", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--job", "job_name", default=None, help="Plan only the job with this name.")
-def plan(job_file: Path, job_name: Optional[str]) -> None:
-    """Tokenise and plan the jobs of JOB_FILE without loading a model."""
-    from jobs.planning import plan_job, render_plan
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Also predict the balance of the work units over N workers.")
+@click.option("--per-window", is_flag=True, help="Also plan in the engine's windows of rows, for comparison.")
+@click.option("--unit-rows", type=click.IntRange(min=1), default=None, help="Rows per work unit (default: automatic).")
+def plan(job_file: Path, job_name: Optional[str], workers: Optional[int], per_window: bool,
+         unit_rows: Optional[int]) -> None:
+    """Tokenise and plan the jobs of JOB_FILE globally without loading a model."""
+    from jobs.global_plan import UnitConfig
+    from jobs.planning import plan_job_globally, render_global_plan, unit_config_with
 
-    # Planning writes nothing, so an existing output folder is no reason to refuse.
+    # Planning writes nothing into the output folder, so an existing one is no reason to refuse.
     prepared = _prepare_all(job_file, job_name, overwrite=True)
     console = Console()
+    config = unit_config_with(UnitConfig(), unit_rows)
     for job in prepared:
-        render_plan(console, plan_job(job))
+        render_global_plan(console, plan_job_globally(job, console, workers=workers, per_window=per_window,
+                                                      config=config))
