@@ -28,7 +28,7 @@ from jobs.prepare import PreparedJob
 from jobs.progress import ProgressReporter
 from jobs.prompts import build_prompts
 from jobs.resume import STATS_NAME, ResumeState, check_resumable, prepare_output_dir, read_resume_state
-from jobs.spec import JobSpec, engine_settings_dict
+from jobs.spec import JobSpec, engine_config_kwargs, engine_settings_dict
 from jobs.stats import JobCounters, build_stats, render_summary, write_stats
 
 WINDOW_ROWS = 4096  # rows tokenised, planned and held in memory at a time
@@ -49,7 +49,7 @@ def open_engine(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> EngineLike:
 
     # The engine plans `plan_window` requests at a time and pulls the next window only when
     # its queue runs dry: memory stays bounded and there is no pause between windows.
-    config = EngineConfig(**engine_settings_dict(job.spec.engine), plan_window=window_rows)
+    config = EngineConfig(**engine_config_kwargs(job.spec.engine), plan_window=window_rows)
     return Engine.from_pretrained(str(job.checkpoint), config, eos_token_ids=job.tokenizer.eos_token_ids,
                                   detokenize=job.tokenizer.decode)
 
