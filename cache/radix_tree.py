@@ -104,7 +104,7 @@ class RadixTree:
       it (the only moment a state in the tree is read); a pinned state is never evicted.
     - `expect_followers(node, n)` / `follower_admitted(node)`: the planner's promise that n
       more admissions will resume from this node's state (a branch state whose followers wait
-      for room). Such a state is evicted last, and never when the caller asks to spare it
+      for room); `forget_followers(node)` withdraws it. Such a state is evicted last, and never when the caller asks to spare it
       (`spare_expected`: a tracked interval state is worth less than a planned branch state).
     - `evict` frees least-recently-used material: states first if asked (any node whose state
       is not pinned, inner and locked ones included — states without expected followers first,
@@ -277,6 +277,13 @@ class RadixTree:
         the state may have been evicted, which clears the count)."""
         if node.followers > 0:
             node.followers -= 1
+            self._spared_states -= not self._is_spared(node)
+            self._offer(node)
+
+    def forget_followers(self, node: RadixNode) -> None:
+        """No planned admission will resume from `node`'s state any more (a no-op when none was expected)."""
+        if node.followers > 0:
+            node.followers = 0
             self._spared_states -= not self._is_spared(node)
             self._offer(node)
 
