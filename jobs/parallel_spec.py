@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 from jobs import spec_checks as check
+from jobs.executors.ray_executor import EXECUTORS, executor_problem
 
 
 def workers_count(value: Any) -> Union[str, int]:
@@ -20,9 +21,18 @@ def workers_count(value: Any) -> Union[str, int]:
     return value
 
 
+def executor_name(value: Any) -> str:
+    """`local` or `ray`; `ray` only where Ray is installed, so `run` and `plan` both refuse it at validation."""
+    value = check.choice(*EXECUTORS)(value)
+    problem = executor_problem(value)
+    if problem is not None:
+        raise ValueError(problem.removeprefix("executor: "))  # the key is already in the error's location
+    return value
+
+
 PARALLEL_KEYS: dict[str, Callable[[Any], Any]] = {
     "workers": workers_count,
-    "executor": check.choice("local", "ray"),
+    "executor": executor_name,
     "ray_address": check.text(),
 }
 
