@@ -234,7 +234,7 @@ def plan_token_prompts(prompts: list[np.ndarray], n: int, max_tokens: int, folde
 
 
 def bench_makespan(folder: Path, workers: tuple[int, ...] = (2, 4, 8)) -> dict:
-    from jobs.global_plan import predict_balance
+    from jobs.executors.balance import predict_balance
     from jobs.global_plan.units import unit_size_quantiles
 
     results = {}

@@ -21,8 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from batchinfer.engine.planner import plan_prompts
-from jobs.global_plan import (Balance, GlobalPlanSummary, PlanningProgress, SortBudget, UnitConfig, WorkUnit,
-                              build_work_plan, open_matching_plan, predict_balance, work_dir_for)
+from jobs.executors.balance import Balance, predict_balance
+from jobs.global_plan import (GlobalPlanSummary, PlanningProgress, SortBudget, UnitConfig, WorkUnit, build_work_plan,
+                              open_matching_plan, work_dir_for)
 from jobs.global_plan.units import unit_size_quantiles
 from jobs.inputs import iter_windows
 from jobs.prompts import build_prompts

@@ -55,11 +55,11 @@ def test_predict_balance_is_lpt():
     balance = predict_balance([3, 5, 3, 4, 3], workers=2)
     # 5 -> w0, 4 -> w1, 3 (first) -> w1 (7), 3 -> w0 (8), 3 -> w1 (10)
     assert balance.assignment == (1, 0, 0, 1, 1)
-    assert balance.worker_costs == (8.0, 10.0)
-    assert (balance.makespan, balance.ideal, balance.total_cost) == (10.0, 9.0, 18.0)
-    assert balance.ratio == pytest.approx(10 / 9)
-    assert predict_balance([10, 1, 1], workers=2).ratio == 1.0  # the largest unit bounds the ideal
-    assert predict_balance([], workers=3).worker_costs == (0.0, 0.0, 0.0)
+    assert balance.loads == (8.0, 10.0) and balance.unit_counts == (2, 3)
+    assert (balance.makespan, balance.ideal, balance.total) == (10.0, 9.0, 18.0)
+    assert balance.overhead == pytest.approx(1 / 9)
+    assert predict_balance([10, 1, 1], workers=2).overhead == 0.0  # the largest unit bounds the ideal
+    assert predict_balance([], workers=3).loads == (0.0, 0.0, 0.0)
 
 
 def test_rate_limited_sink_bounds_messages_and_drops_a_finished_units_leftover():

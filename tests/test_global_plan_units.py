@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from batchinfer.engine.planner import make_plan
-from jobs.global_plan.balance import predict_balance
+from jobs.executors.balance import predict_balance
 from jobs.global_plan.keys import common_prefix_tokens, encode_key
 from jobs.global_plan.sorted_rows import SpillTotals
 from jobs.global_plan.units import UnitConfig, _row_quantities, cut_units

@@ -7,9 +7,9 @@
 Modules, one job each: `spill` (tokenising pass into sorted runs), `external_sort` (runs and
 their k-way merge in bounded memory), `sorted_rows` (the globally sorted rows on disk, with
 each row's lcp), `units` (cutting them into units, costs), `store` (the work folder, its
-atomic commit and reuse, `WorkPlan`), `balance` (units over N workers), `progress`.
+atomic commit and reuse, `WorkPlan`), `progress`. The balance of units over N workers is the
+executors' (`jobs.executors.balance`), so `plan --workers` predicts the order they dispatch in.
 """
-from jobs.global_plan.balance import Balance, predict_balance
 from jobs.global_plan.external_sort import SortBudget
 from jobs.global_plan.progress import NoProgress, PlanningProgress
 from jobs.global_plan.sorted_rows import SpillTotals, UnitRow
@@ -17,7 +17,7 @@ from jobs.global_plan.store import (PlanNotFound, WorkPlan, build_work_plan, ope
                                     remove_work_dir, work_dir_for)
 from jobs.global_plan.units import DECODE_TOKEN_COST, GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
 
-__all__ = ["Balance", "DECODE_TOKEN_COST", "GlobalPlanSummary", "NoProgress", "PlanNotFound", "PlanningProgress",
+__all__ = ["DECODE_TOKEN_COST", "GlobalPlanSummary", "NoProgress", "PlanNotFound", "PlanningProgress",
            "SortBudget", "SpillTotals", "UnitConfig", "UnitRow", "WorkPlan", "WorkUnit", "build_work_plan",
-           "cut_units", "open_matching_plan", "open_work_plan", "predict_balance", "remove_work_dir",
+           "cut_units", "open_matching_plan", "open_work_plan", "remove_work_dir",
            "work_dir_for"]
