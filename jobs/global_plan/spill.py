@@ -33,7 +33,8 @@ def _prompt_batches(job: PreparedJob, window_rows: int) -> Iterator[tuple[RowWin
     spec = job.spec
 
     def tokenise(window: RowWindow) -> PromptBatch:
-        return build_prompts(window.table, spec.prompt, job.tokenizer, spec.chat, spec.system, job.vocab_size)
+        return build_prompts(window.table, spec.prompt, job.tokenizer, spec.chat, spec.system, job.vocab_size,
+                             id_column=spec.id_column)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-tokenise") as pool:
         windows = iter_windows(job.inputs, window_rows, spec.limit)

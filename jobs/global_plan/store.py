@@ -53,10 +53,11 @@ def work_dir_for(out_dir: Path) -> Path:
 
 
 def spill_fingerprint(job: PreparedJob) -> dict[str, Any]:
-    """What the sorted rows depend on: not sampling, not the engine."""
+    """What the sorted rows depend on: not sampling, not the engine (the id column makes rows with an
+    id that is not UTF-8 errors)."""
     fingerprint = job.fingerprint
     return {"format": FORMAT, "model": fingerprint["model"], "prompt": fingerprint["prompt"],
-            "input": fingerprint["input"], "rows": job.rows}
+            "id_column": job.spec.id_column, "input": fingerprint["input"], "rows": job.rows}
 
 
 def _units_digest(spill_digest: str, config: UnitConfig, n: int, max_tokens: int) -> str:
@@ -72,6 +73,7 @@ class WorkPlan:
     units: tuple[WorkUnit, ...]
     spill: SpillTotals
     reused_spill: bool = False   # the sorted rows came from an earlier run's work folder
+    units_digest: str = ""       # identifies the units (the spill, unit config and sampling they were cut for)
     _rows: SortedRowsReader = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -217,7 +219,8 @@ def build_work_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitC
             if stale.name != units_name:
                 stale.unlink()
     shutil.rmtree(build, ignore_errors=True)
-    return WorkPlan(work_dir=work_dir, summary=summary, units=units, spill=totals, reused_spill=reused)
+    return WorkPlan(work_dir=work_dir, summary=summary, units=units, spill=totals, reused_spill=reused,
+                    units_digest=units_digest)
 
 
 def open_work_plan(work_dir: Path) -> WorkPlan:
@@ -231,7 +234,8 @@ def open_work_plan(work_dir: Path) -> WorkPlan:
     if not units_path.is_file() or not (work_dir / SORTED_NAME).is_file():
         raise PlanNotFound(f"{work_dir}: {MANIFEST_NAME} names files that are missing")
     return WorkPlan(work_dir=work_dir, summary=_summary(manifest), units=_read_units(units_path),
-                    spill=SpillTotals(**manifest["spill"]), reused_spill=True)
+                    spill=SpillTotals(**manifest["spill"]), reused_spill=True,
+                    units_digest=str(manifest.get("units_sha256", "")))
 
 
 def open_matching_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitConfig()) -> Optional[WorkPlan]:
@@ -244,11 +248,12 @@ def open_matching_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = Un
         return None
     sampling = job.spec.sampling
     units_path = work_dir / manifest.get("units_file", "")
-    if manifest.get("units_sha256") == _units_digest(digest, config, sampling.n, sampling.max_tokens) \
-            and units_path.is_file():
+    units_digest = _units_digest(digest, config, sampling.n, sampling.max_tokens)
+    if manifest.get("units_sha256") == units_digest and units_path.is_file():
         units, summary = _read_units(units_path), _summary(manifest)
     else:
         with tempfile.TemporaryDirectory(prefix="batchinfer-cut-") as scratch:
             units, summary = cut_units(lambda: iter_profile(work_dir / SORTED_NAME), totals, sampling.n,
                                        sampling.max_tokens, config, scratch=Path(scratch))
-    return WorkPlan(work_dir=work_dir, summary=summary, units=units, spill=totals, reused_spill=True)
+    return WorkPlan(work_dir=work_dir, summary=summary, units=units, spill=totals, reused_spill=True,
+                    units_digest=units_digest)
