@@ -156,7 +156,7 @@ class Scheduler:
             plan.failed.append(seq)
             seq.error = f"the cache cannot hold this sequence ({len(seq.tokens)} tokens) even alone"
             if first:
-                self._follower_gone(seq)
+                self._follower_gone(seq, admitted=False)
             return True
         self.waiting.take(position)
         self._start(seq, handle)
@@ -203,7 +203,7 @@ class Scheduler:
         return self._live_branches.get((seq, depth), 0)
 
     def _note_first_admission(self, seq: Sequence, handle, dropped: tuple[int, ...]) -> None:
-        self._follower_gone(seq)
+        self._follower_gone(seq, admitted=True)
         for depth, followers in seq.followers.items():
             if depth in dropped:
                 continue
@@ -213,18 +213,20 @@ class Scheduler:
             if depth <= handle.resume_len and not self.cache.expect_followers(handle, depth, len(followers)):
                 del self._live_branches[(seq, depth)]
 
-    def _follower_gone(self, seq: Sequence) -> None:
-        """`seq` no longer waits for its branch state (admitted, or failed before): the last one
-        to go closes the branch, and the cache stops holding the state for it."""
+    def _follower_gone(self, seq: Sequence, admitted: bool) -> None:
+        """`seq` no longer waits for its branch state: the last follower to go closes the
+        branch. An admission told the cache itself (`admit`'s planned_resume); one that
+        failed before it must, or the state would be held for it for good."""
         key = (seq.leader, seq.planned_reuse)
         left = self._live_branches.get(key)
         if left is None:
             return
         if left > 1:
             self._live_branches[key] = left - 1
-            return
-        del self._live_branches[key]
-        self.cache.forget_followers(seq.leader.tokens, seq.planned_reuse)
+        else:
+            del self._live_branches[key]
+        if not admitted:
+            self.cache.forget_followers(seq.leader.tokens, seq.planned_reuse, 1)
 
     def _start(self, seq: Sequence, handle) -> None:
         seq.handle = handle
@@ -303,6 +305,6 @@ class Scheduler:
         for seq in list(self.running):
             self._drop(seq)
         self.waiting.clear()
-        for leader, depth in self._live_branches:
-            self.cache.forget_followers(leader.tokens, depth)
+        for (leader, depth), left in self._live_branches.items():
+            self.cache.forget_followers(leader.tokens, depth, left)
         self._live_branches.clear()
