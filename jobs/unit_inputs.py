@@ -141,7 +141,7 @@ def _spill_rows(job: PreparedJob, row_units: np.ndarray, bucket_of_unit: np.ndar
             on_rows(count)
 
 
-def _write_bucket(spilled: Path, row_units: np.ndarray, target: Path) -> None:
+def _write_bucket(spilled: Path, row_units: np.ndarray, target: Path, group_rows: int) -> None:
     """Pass 2 for one bucket: sort its rows by (unit, row_index), row groups at unit boundaries."""
     with pa.ipc.open_stream(str(spilled)) as reader:
         table = reader.read_all()
@@ -153,14 +153,15 @@ def _write_bucket(spilled: Path, row_units: np.ndarray, target: Path) -> None:
     with pq.ParquetWriter(target, table.schema, compression="zstd", compression_level=1) as writer:
         start = 0
         while start < table.num_rows:
-            past = boundaries[boundaries >= start + GROUP_ROWS]
+            past = boundaries[boundaries >= start + group_rows]
             stop = int(past[0]) if len(past) else table.num_rows
             writer.write_table(table.slice(start, stop - start), row_group_size=stop - start)
             start = stop
 
 
 def build_unit_inputs(job: PreparedJob, plan: WorkPlan, on_rows: Optional[Callable[[int], None]] = None,
-                      bucket_bytes: int = BUCKET_BYTES, spill_bytes: int = SPILL_BYTES) -> "UnitInputs":
+                      bucket_bytes: int = BUCKET_BYTES, spill_bytes: int = SPILL_BYTES,
+                      group_rows: int = GROUP_ROWS) -> "UnitInputs":
     """The plan's unit inputs: reused when committed for these units, else built (one input pass)."""
     folder = inputs_dir_for(plan)
     for stale in plan.work_dir.glob("inputs-*"):  # made for other units (config or sampling changed)
@@ -186,7 +187,7 @@ def build_unit_inputs(job: PreparedJob, plan: WorkPlan, on_rows: Optional[Callab
         spilled = spill.path(bucket)
         target = folder / f"bucket-{bucket:05d}.parquet"
         if spilled.exists():
-            _write_bucket(spilled, row_units, target)
+            _write_bucket(spilled, row_units, target, group_rows)
             spilled.unlink()
         else:  # every unit of the bucket is empty: an empty file keeps the layout simple
             pq.write_table(schema.empty_table(), target)
