@@ -12,12 +12,13 @@ import pytest
 
 from jobs.executors.balance import predict_balance
 from jobs.executors.contract import UnitResult
-from jobs.executors.dispatch import Finished, Ready, run_dispatch
+from jobs.executors.dispatch import Finished, Ready, Want, run_dispatch
 from jobs.executors.unit_queue import UnitQueue, UnitSpec
 
 
 class SimulatedTransport:
-    """Workers are ready at once; a unit finishes `cost` virtual seconds after it was assigned."""
+    """Workers are ready at once; a unit finishes `cost` virtual seconds after it was assigned, and its
+    worker then asks for the next (as a worker without an overlapping engine does)."""
 
     def __init__(self, costs: list[float]) -> None:
         self.costs = costs
@@ -41,7 +42,10 @@ class SimulatedTransport:
             return []
         # One event at a time: the earliest finish (ties: the lowest slot, as LPT's heap breaks them).
         self.now, slot, unit_id = heapq.heappop(self.running)
-        return [Finished(slot, UnitResult(unit_id, samples_written=1))]
+        return [Finished(slot, UnitResult(unit_id, samples_written=1)), Want(slot)]
+
+    def drain(self, slot: int) -> None:
+        pass
 
     def shutdown(self, graceful: bool) -> None:
         pass
