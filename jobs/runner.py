@@ -376,6 +376,8 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
                 with progress:
                     work.run(unit_ids)
         else:
+            if overwrite:  # a global plan of an earlier run goes with everything else it wrote
+                remove_work_dir(work_dir_for(out_dir))
             writer = PartWriter(out_dir, spec.output.flush_rows, resume.next_part, before_commit=lock.ensure_held)
             work = _JobRun(job, engine, writer, progress, resume.done, options.window_rows)
             with progress:

@@ -37,8 +37,8 @@ from jobs.prepare import PreparedJob
 RECORD_NAME = "inputs.json"
 ROW_UNITS_NAME = "row_units.npy"
 FORMAT = 1
-BUCKET_BYTES = 256 << 20   # input bytes a bucket holds (pass 2 holds one, and its sorted copy)
-SPILL_BYTES = 64 << 20     # rows buffered in pass 1 before they go to their bucket files
+BUCKET_BYTES = 64 << 20    # input bytes a bucket holds (pass 2 holds one, and its sorted copy)
+SPILL_BYTES = 32 << 20     # rows buffered in pass 1 before they go to their bucket files
 GROUP_ROWS = 1024          # a row group closes at the first unit boundary past this many rows
 WINDOW_ROWS = 8192         # input rows read at a time
 
