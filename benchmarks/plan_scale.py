@@ -13,8 +13,9 @@ against the tokenizers library's own `encode_batch` over the same prompt texts (
 (b) 30,000 documents of 32 tokens x 10 questions of 8 tokens, shuffled, as token-id
 prompts: `batchinfer plan --per-window` reports today's per-window ideal beside the global one.
 (c) rag, fewshot and no-sharing token-id jobs of 100,000 rows, sorted and cut with the default
-unit config (token ids straight into the sort: no tokenizer); each job's units balanced over 2 / 4 / 8 workers (largest first to the least loaded):
-predicted makespan against the ideal (total / N, or the largest unit).
+unit config (token ids straight into the sort: no tokenizer); each job's units balanced over
+2 / 4 / 8 workers (largest first to the least loaded): predicted makespan against the ideal
+(total / N, or the largest unit).
 """
 from __future__ import annotations
 
