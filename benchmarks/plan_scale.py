@@ -13,8 +13,9 @@ against the tokenizers library's own `encode_batch` over the same prompt texts (
 (b) 30,000 documents of 32 tokens x 10 questions of 8 tokens, shuffled, as token-id
 prompts: `batchinfer plan --per-window` reports today's per-window ideal beside the global one.
 (c) rag, fewshot and no-sharing token-id jobs of 100,000 rows, sorted and cut with the default
-unit config (token ids straight into the sort: no tokenizer); each job's units balanced over 2 / 4 / 8 workers (largest first to the least loaded):
-predicted makespan against the ideal (total / N, or the largest unit).
+unit config (token ids straight into the sort: no tokenizer); each job's units balanced over
+2 / 4 / 8 workers (largest first to the least loaded): predicted makespan against the ideal
+(total / N, or the largest unit).
 """
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ WORDS = sorted(set(re.findall(r"[A-Za-z]+", DEMO_CORPUS)))
 ENCODE_BATCH_ROWS = 4096  # = jobs.global_plan.spill.SPILL_WINDOW_ROWS, so both encode in the same batches
 
 
-def write_job(folder: Path, input_path: Path, prompt: dict, sampling: dict, name: str = "bench") -> Path:
+def write_job(folder: Path, input_path: Path, prompt: dict, sampling: dict, name: str = "bench",
+              limit: Optional[int] = None) -> Path:
     job = {"name": name, "model": "demo", "input": str(input_path), "prompt": prompt, "sampling": sampling,
-           "output": str(folder / "out" / name)}
+           "output": str(folder / "out" / name), "limit": limit}
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"jobs": [job]}, sort_keys=False))
     return path
@@ -86,20 +88,26 @@ def write_text_input(path: Path, documents: int, questions: int, words: int, see
     return docs
 
 
-def baseline_encode_rate(texts: list[str]) -> tuple[float, int, float]:
-    """tokenizers' own encode_batch over `texts` in the plan's batch size: (tokens/s, tokens, seconds)."""
+def baseline_encode_rate(texts: list[str]) -> tuple[float, float]:
+    """tokenizers' own encode_batch over `texts` in the plan's batch size: (tokens per second,
+    tokens per CPU second of this process, its Rust threads included)."""
     from tokenizers import Tokenizer
     tokenizer = Tokenizer.from_file(str(demo_checkpoint() / "tokenizer.json"))
-    tokens, start = 0, time.perf_counter()
+    tokens, start, cpu_start = 0, time.perf_counter(), _cpu_seconds(os.times(), children=False)
     for first in range(0, len(texts), ENCODE_BATCH_ROWS):
         tokens += sum(len(e.ids) for e in tokenizer.encode_batch(texts[first:first + ENCODE_BATCH_ROWS]))
-    seconds = time.perf_counter() - start
-    return tokens / seconds, tokens, seconds
+    seconds, cpu = time.perf_counter() - start, _cpu_seconds(os.times(), children=False) - cpu_start
+    return tokens / seconds, tokens / cpu
+
+
+def _cpu_seconds(times: os.times_result, children: bool) -> float:
+    return times.children_user + times.children_system if children else times.user + times.system
 
 
 @dataclass(frozen=True)
 class ChildRun:
     seconds: float
+    cpu_seconds: float     # user + system, its threads included
     max_rss_bytes: int
     returncode: int
     output: str
@@ -116,7 +124,8 @@ def run_child(args: list[str], cwd: Path) -> ChildRun:
                                    stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
-    return ChildRun(seconds=time.monotonic() - start, max_rss_bytes=usage.ru_maxrss * 1024,
+    return ChildRun(seconds=time.monotonic() - start, cpu_seconds=usage.ru_utime + usage.ru_stime,
+                    max_rss_bytes=usage.ru_maxrss * 1024,
                     returncode=process.returncode, output=log.read_text())
 
 
@@ -140,6 +149,9 @@ def bench_text(folder: Path, documents: int, questions: int, words: int, baselin
              zip(head["document"].to_pylist(), head["question"].to_pylist())]
     del docs
     before = baseline_encode_rate(texts)
+    # The CPU time of starting `batchinfer plan` (imports, checks) on 10 of the same rows.
+    startup = run_child(["plan", str(write_job(folder / "text", input_path, {"template": TEMPLATE},
+                                              {"max_tokens": 64}, name="startup", limit=10))], folder / "text")
     child = run_child(["plan", str(job_file)], folder / "text")
     after = baseline_encode_rate(texts)
     if child.returncode != 0:
@@ -161,6 +173,13 @@ def bench_text(folder: Path, documents: int, questions: int, words: int, baselin
         "encode_batch_tokens_per_s_before": before[0], "encode_batch_tokens_per_s_after": after[0],
         "baseline_rows": len(texts),
         "tokenise_rate_vs_encode_batch": prompt_tokens / tokenise / baseline,
+        # Per CPU second, less sensitive to other load on a shared machine: the plan's CPU time
+        # less its start-up's; it still holds the sort and the cut, so this ratio is a lower bound.
+        "plan_cpu_seconds": child.cpu_seconds, "startup_cpu_seconds": startup.cpu_seconds,
+        "plan_tokens_per_cpu_s": prompt_tokens / (child.cpu_seconds - startup.cpu_seconds),
+        "encode_batch_tokens_per_cpu_s": (before[1] + after[1]) / 2,
+        "per_cpu_second_ratio": prompt_tokens / (child.cpu_seconds - startup.cpu_seconds)
+        / ((before[1] + after[1]) / 2),
         "key_bytes": prompt_tokens * 4,
     }
 

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
+import jobs.global_plan.sorted_rows as sorted_rows_module
 import jobs.global_plan.spill as spill_module
 from batchinfer.cli import main
 from batchinfer.engine.planner import make_plan
@@ -101,6 +102,17 @@ def test_shuffled_and_grouped_copies_plan_the_same_units_whose_ideals_sum_to_the
     assert [(r.token_ids, r.error) for r in errors] == [(None, "template column 'document' is null")]
     costs = [u.cost for u in plan.iter_units_by_cost()]
     assert costs == sorted(costs, reverse=True)
+
+
+def test_units_read_the_same_rows_whatever_the_row_groups_of_the_sorted_file(tmp_path, checkpoint, monkeypatch):
+    job = prepared(make_job(tmp_path, checkpoint, rag_rows(20, 4)))
+    plan = build(job, tmp_path / "a")
+    monkeypatch.setattr(sorted_rows_module, "ROW_GROUP_ROWS", 4)
+    monkeypatch.setattr(sorted_rows_module, "MAX_ROW_GROUPS", 3)
+    regrouped = build(job, tmp_path / "b")
+    assert pq.ParquetFile(tmp_path / "b" / "sorted.parquet").num_row_groups == 3  # 80 rows: 27 a group
+    assert regrouped.units == plan.units
+    assert [regrouped.read_unit(u.unit_id) for u in plan.units] == [plan.read_unit(u.unit_id) for u in plan.units]
 
 
 def test_a_rerun_reuses_the_spill_and_recuts_units_when_only_the_unit_config_or_sampling_changed(

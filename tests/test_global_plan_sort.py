@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from jobs.global_plan.external_sort import RunWriter, SortBudget, merge_runs
 from jobs.global_plan.keys import common_prefix_tokens, decode_key, encode_key
-from jobs.global_plan.sorted_rows import SortedRowsReader, write_sorted_rows
+from jobs.global_plan.sorted_rows import SortedRowsReader, row_group_rows_for, write_sorted_rows
 
 token_lists = st.lists(st.integers(0, (1 << 32) - 1) | st.integers(0, 3), max_size=12)
 
@@ -108,3 +108,8 @@ def test_sorted_rows_store_lcp_totals_and_ranges(tmp_path):
             [(r, t if t else None) for t, r in rows[start:start + count]]
     with pytest.raises(IndexError):
         reader.read(290, 11)
+
+
+def test_row_groups_grow_so_the_footer_stays_small():
+    assert row_group_rows_for(0) == row_group_rows_for(1_000_000) == 1024
+    assert row_group_rows_for(100_000_000) == 12_208  # 8,192 row groups

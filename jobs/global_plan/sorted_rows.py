@@ -2,7 +2,7 @@
 
 `sorted.parquet` holds every row in (key, row_index) order with its longest common prefix
 with the row before (`lcp`) and its prompt length (`tokens`, 0 for an error row), in row
-groups of `row_group_rows`. Units are contiguous ranges of this order, so reading one
+groups of `row_group_rows_for(rows)`. Units are contiguous ranges of this order, so reading one
 touches only the row groups that overlap it, and the cutting passes read just the two
 small integer columns.
 """
@@ -26,7 +26,12 @@ SORTED_SCHEMA = pa.schema([
     ("lcp", pa.int32()),       # tokens shared with the previous row in this order
     ("tokens", pa.int32()),    # prompt length
 ])
-ROW_GROUP_ROWS = 1024
+ROW_GROUP_ROWS = 1024   # rows per row group, until ...
+MAX_ROW_GROUPS = 8192   # ... the footer (read by every worker) would describe more row groups than this
+
+
+def row_group_rows_for(rows: int) -> int:
+    return max(ROW_GROUP_ROWS, -(-rows // MAX_ROW_GROUPS))
 
 
 @dataclass(frozen=True)

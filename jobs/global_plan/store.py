@@ -28,7 +28,8 @@ import pyarrow.parquet as pq
 
 from jobs.global_plan.external_sort import RunWriter, SortBudget, merge_runs
 from jobs.global_plan.progress import NoProgress, PlanningProgress
-from jobs.global_plan.sorted_rows import SortedRowsReader, SpillTotals, UnitRow, iter_profile, write_sorted_rows
+from jobs.global_plan.sorted_rows import (SortedRowsReader, SpillTotals, UnitRow, iter_profile, row_group_rows_for,
+                                         write_sorted_rows)
 from jobs.global_plan.spill import SPILL_WINDOW_ROWS, spill_prompts
 from jobs.global_plan.units import GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
 from jobs.outputs import TEMP_SUFFIX, write_atomically
@@ -152,7 +153,8 @@ def _build_sorted_rows(job: PreparedJob, work_dir: Path, build: Path, budget: So
     (build / "merge").mkdir(parents=True, exist_ok=True)
     written: list[SpillTotals] = []
     write_atomically(work_dir / SORTED_NAME, lambda temp: written.append(write_sorted_rows(
-        merge_runs(run_paths, build / "merge", budget), temp, on_rows=progress.advance)))
+        merge_runs(run_paths, build / "merge", budget), temp, on_rows=progress.advance,
+        row_group_rows=row_group_rows_for(counts.rows))))
     totals = written[0]
     if (totals.rows, totals.error_rows, totals.prompt_tokens) != (counts.rows, counts.error_rows,
                                                                   counts.prompt_tokens):

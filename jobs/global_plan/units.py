@@ -7,7 +7,8 @@ free, and a group larger than a unit can only be cut inside, below its shared ro
 cut is a shortest path over boundaries (a dynamic program with a sliding-window minimum):
 every unit at most `max_rows` rows and `target_cost` estimated cost, minimising the
 recomputed tokens; among equally cheap unit starts the earliest wins (each unit as large as
-its limits allow), which leaves as few units as possible. That keeps every group that fits a unit
+its limits allow), which leaves as few units as the cheapest cut allows (the tests check both
+against every partition of small inputs). That keeps every group that fits a unit
 whole, packs small groups together, and splits a larger group only at its root's
 children, as few times as possible.
 
@@ -145,11 +146,9 @@ class _Predecessors:
         self._path = scratch / "predecessors.i64"
         self._file = open(self._path, "wb")
         self._block = array.array("q")
-        self.count = 0
 
     def append(self, value: int) -> None:
         self._block.append(value)
-        self.count += 1
         if len(self._block) == self.BLOCK:
             self._block.tofile(self._file)
             self._block = array.array("q")
