@@ -166,8 +166,8 @@ def warn_on_stderr(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-# A parallel run of the units: (job, plan, output folder, console) → jobs.executors.ExecutionReport
-UnitExecutor = Callable[[PreparedJob, Any, Path, Console], Any]
+# A parallel run of units: (job, plan, output folder, console, unit_ids=...) → jobs.executors.ExecutionReport
+UnitExecutor = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,16 @@ def _resolved_workers(job: PreparedJob) -> int:
     from jobs.executors.placement import visible_gpus
 
     return max(len(visible_gpus()), 1)
+
+
+def _raise_interruption(report: Any) -> None:
+    """Stop as for the signal that interrupted the workers (the parallel run's own rule)."""
+    try:
+        from jobs.parallel_run import raise_interruption
+    except ImportError:
+        raise KeyboardInterrupt() from None
+    raise_interruption(report)
+    raise KeyboardInterrupt()
 
 
 def _rows_on_disk(out_dir: Path) -> int:
@@ -364,11 +374,11 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             unit_ids = prepare_units(job, planned, out_dir, resume)
             if executor is not None:
                 work = _ParallelWork(out_dir)
-                work.report = executor(job, planned.plan, out_dir, console)
+                work.report = executor(job, planned.plan, out_dir, console, unit_ids=unit_ids)
                 parallel_report.append(work.report)
                 status = getattr(work.report, "status", "done")
                 if status == "interrupted":
-                    raise KeyboardInterrupt()
+                    _raise_interruption(work.report)
                 if status != "done":
                     raise RuntimeError(getattr(work.report, "failure", None) or "the workers failed")
             else:

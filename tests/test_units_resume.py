@@ -196,13 +196,14 @@ def test_a_unit_run_twice_rewrites_its_names_and_the_executor_seam_gets_the_plan
     job_file = make_job(tmp_path, checkpoint)
     calls = []
 
-    def executor(job, plan, out_dir, console):
+    def executor(job, plan, out_dir, console, unit_ids):
         calls.append(plan)
+        assert unit_ids == [unit.unit_id for unit in plan.iter_units_by_cost()]  # none finished yet
         engine = FakeEngine()
         runner = UnitRunner(job, engine, plan, out_dir, None)
         results = {}
-        for unit in plan.iter_units_by_cost():
-            results[unit.unit_id] = next(iter(runner.run_units([unit.unit_id])))
+        for unit_id in unit_ids:
+            results[unit_id] = next(iter(runner.run_units([unit_id])))
         again = list(runner.run_units([plan.units[0].unit_id]))  # a repeated attempt
         assert again[0].samples_written == 0 and again[0].parts == results[plan.units[0].unit_id].parts
         return type("Report", (), {"status": "done", "failure": None, "stats": {"workers": 1},
