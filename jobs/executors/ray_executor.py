@@ -222,8 +222,8 @@ class RayExecutor:
                  policy: RetryPolicy = RetryPolicy(), progress_interval: float = 0.5,
                  on_progress: Optional[Callable[[ProgressSnapshot], None]] = None,
                  runtime_env: Optional[dict[str, Any]] = None) -> None:
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
+        if device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be 'cuda', 'cpu' or 'auto' (cuda where the cluster has GPUs), not {device!r}")
         if not 0 < gpus_per_worker <= 1:
             raise ValueError("gpus_per_worker must be in (0, 1]")
         self.recipe = recipe
@@ -241,10 +241,10 @@ class RayExecutor:
     def stop(self) -> None:
         self.stop_flag.set()
 
-    def _worker_count(self, ray: Any) -> int:
+    def _worker_count(self, ray: Any, device: str) -> int:
         if self.workers != "auto":
             return int(self.workers)
-        if self.device == "cpu":
+        if device == "cpu":
             return 1
         return int(ray.cluster_resources().get("GPU", 0) / self.gpus_per_worker)
 
@@ -258,11 +258,13 @@ class RayExecutor:
         if connected_here:
             ray.init(address=self.address, runtime_env=self.runtime_env, log_to_driver=True)
         try:
-            if self.device == "cuda" and ray.cluster_resources().get("GPU", 0) < self.gpus_per_worker:
+            has_gpu = ray.cluster_resources().get("GPU", 0) >= self.gpus_per_worker
+            device = ("cuda" if has_gpu else "cpu") if self.device == "auto" else self.device
+            if device == "cuda" and not has_gpu:
                 raise RuntimeError("the Ray cluster has no GPU for the CUDA workers")  # else actors wait forever
-            workers = self._worker_count(ray)
+            workers = self._worker_count(ray, device)
             recipe = self.recipe
-            if self.device == "cuda":
+            if device == "cuda":
                 resources = {"num_cpus": 1, "num_gpus": self.gpus_per_worker}
                 if self.gpus_per_worker < 1:  # actors sharing a GPU share its memory too
                     recipe = recipe.with_overrides(**{MEMORY_FRACTION_KEY: self.memory_fraction * self.gpus_per_worker})
