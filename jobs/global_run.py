@@ -105,6 +105,10 @@ class UnitsInProcess:
         for _ in self.runner.run_units(unit_ids):
             pass
 
+    def flush_partial(self) -> None:
+        """The run stops early: commit what its open chunks hold."""
+        self.runner.flush_partial()
+
 
 def summed_counters(results: Any) -> Optional[SimpleNamespace]:
     """Engine counters of a parallel run's unit results, as `build_stats` reads them (peaks: the max)."""

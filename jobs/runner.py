@@ -354,6 +354,11 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         render_summary(console, stats)
         return stats
     executor = _parallel_executor(job, options.executor) if spec.engine.plan == "global" else None
+    if executor is None:  # first: a model that cannot load leaves the folder as it was
+        try:
+            engine = options.engine_factory(job, options.window_rows)
+        except Exception as exc:
+            raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
     if spec.engine.plan == "global":
         if lock.lost:  # planning writes into the folder: only while it is ours
             raise _lost(lock, spec)
@@ -361,11 +366,6 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         if overwrite:
             remove_work_dir(work_dir)
         planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget)
-    if executor is None:
-        try:
-            engine = options.engine_factory(job, options.window_rows)
-        except Exception as exc:
-            raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
     _prepare_output_dir(job, overwrite, resume, lock)
     progress = ProgressReporter(console, spec.name, total, resumed)
     writer: Optional[PartWriter] = None
@@ -398,9 +398,11 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
     except BaseException as exc:
         if lock.lost:
             raise _lost(lock, spec) from None
-        try:
+        try:  # every buffered sample is complete: keep it
             if writer is not None:
-                writer.flush()  # every buffered sample is complete: keep it
+                writer.flush()
+            elif isinstance(work, UnitsInProcess):
+                work.flush_partial()
         except Exception:  # e.g. the disk is full: report the original failure, not this one
             pass
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SIGTERM, SystemExit: stop quietly

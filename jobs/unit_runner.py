@@ -133,6 +133,7 @@ class UnitRunner:
         self._counters = _stats_numbers(getattr(engine, "stats", None))
         self.samples_committed = 0  # over every unit run, in committed parts (on disk)
         self.errors_committed = 0
+        self._open_units: list[_OpenUnit] = []
 
     # ---- one unit ---------------------------------------------------------------------------
     def _open(self, unit_id: int) -> _OpenUnit:
@@ -210,11 +211,22 @@ class UnitRunner:
                           cached_tokens=unit.cached_tokens, output_tokens=unit.output_tokens, errors=unit.errors,
                           parts=tuple(unit.parts), counters=counters)
 
+    def flush_partial(self) -> None:
+        """Commit what the open chunks hold, each under its chunk's name, when the run ends early
+        (interrupted, or failed): nothing finished is lost. Only then: another attempt at these
+        units in the same run would take such a part for a whole chunk. The next run renames it
+        to a numbered part (`unit_parts.retire_foreign_unit_parts`) before redoing the chunk."""
+        for unit in self._open_units:
+            for chunk in list(unit.pending):
+                if unit.pending[chunk]:
+                    self._commit(unit, chunk)
+
     # ---- many units -------------------------------------------------------------------------
     def run_units(self, unit_ids: Iterable[int]) -> Iterator[UnitResult]:
         """Run the units (in the order given; the engine overlaps consecutive ones) and yield each
         one's result once all its parts are committed."""
         pulled: list[_OpenUnit] = []       # the engine's unit_index → unit
+        self._open_units = pulled
         complete: list[_OpenUnit] = []     # finished without the engine (nothing left, or only errors)
         stops = self.job.spec.sampling.stop
 

@@ -300,3 +300,21 @@ def test_kill_9_during_the_rewrite_in_input_order_then_each_pair_once(tmp_path, 
     assert all(not UNIT_PART_PATTERN.match(p.name) for p in parts_of(tmp_path))
     assert not (out_of(tmp_path) / "_compact.json").exists() and stats["status"] == "done"
     assert json.loads((out_of(tmp_path) / "_stats.json").read_text())["samples"] == ROWS * 2
+
+
+def test_a_failed_run_keeps_every_finished_sample_and_the_rerun_completes_each_pair_once(tmp_path, checkpoint):
+    from jobs.errors import JobRuntimeError
+
+    table = rag_table(ROWS).take(list(reversed(range(ROWS))))  # no error row: every sample is the engine's
+    output = {"path": "out/rag", "flush_rows": 8}
+    run(make_job(tmp_path / "reference", checkpoint, table=table, output=output))
+    job_file = make_job(tmp_path, checkpoint, table=table, output=output)
+    with pytest.raises(JobRuntimeError, match="out of memory"):
+        run(job_file, FakeEngine(fail_after=13))
+    # 13 samples came out of the fake, which holds each back until the next: 12 reached the runner,
+    # in whole chunks and in partial ones, and all 12 are on disk.
+    assert len(pairs(read_output(tmp_path))) == 12
+    stats = run(job_file)
+    out = read_output(tmp_path)
+    assert pairs(out) == all_pairs() and comparable(out).equals(comparable(read_output(tmp_path / "reference")))
+    assert stats["samples_resumed"] == 12
