@@ -131,7 +131,7 @@ def test_importing_the_package_does_not_import_ray_and_a_missing_ray_is_one_line
 
 def test_two_workers_commit_the_same_outputs_as_one(tmp_path):
     one = _run(tmp_path / "one", 1, sleep=0.01)
-    two = _run(tmp_path / "two", 2, sleep=0.01)
+    two = _run(tmp_path / "two", 2, sleep=0.01, open_barrier=2)
     for report, folder in ((one, tmp_path / "one"), (two, tmp_path / "two")):
         assert report.status == "done" and report.failure is None
         assert sorted(committed_rows(folder)) == _expected_rows(UNIT_ROWS)
@@ -141,6 +141,7 @@ def test_two_workers_commit_the_same_outputs_as_one(tmp_path):
     assert sum(w["units"] for w in stats["per_worker"]) == len(UNIT_ROWS)
     assert all(w["units"] > 0 and w["busy_seconds"] > 0 for w in stats["per_worker"])
     assert stats["counters"] == {"states_evicted": len(UNIT_ROWS), "peak_memory_bytes": 107}  # summed; peak maxed
+    assert max(w["peak_memory_bytes"] for w in stats["per_worker"]) == 107  # each worker's own peak too
 
 
 def test_one_worker_runs_units_largest_estimated_cost_first(tmp_path):

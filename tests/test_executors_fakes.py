@@ -28,7 +28,8 @@ def write_fake_job(folder: Path, unit_rows: dict[int, int], **settings: Any) -> 
     attempt only), always_kill (units), raise_in (units; raise RuntimeError), fail_open (bool),
     cuda (bool: hold a CUDA tensor under the recipe's memory fraction and compute with it per chunk),
     streaming (bool: `run_units` holds two units at once, their chunks taking turns, as an engine
-    overlaps the end of one unit with the start of the next)."""
+    overlaps the end of one unit with the start of the next), open_barrier (N: open returns once N
+    workers have opened, so a slow start cannot leave one worker every unit)."""
     config = {"out": str(folder / "out"), "log": str(folder / "attempts.log"), "markers": str(folder),
               "units": {str(unit): rows for unit, rows in unit_rows.items()}, **settings}
     folder.mkdir(parents=True, exist_ok=True)
@@ -80,6 +81,10 @@ class FakeUnitWorker:
             self.block = torch.ones(1024, 1024, device=device)
             seen["cuda_device_count"] = torch.cuda.device_count()
         Path(self.config["markers"], f"opened-{worker_index}-{os.getpid()}.json").write_text(json.dumps(seen))
+        deadline = time.monotonic() + 60
+        while len(list(Path(self.config["markers"]).glob("opened-*.json"))) < self.config.get("open_barrier", 0):
+            assert time.monotonic() < deadline, "the other workers never opened"
+            time.sleep(0.01)
 
     def _first_time(self, unit_id: int) -> bool:
         try:  # O_EXCL: exactly one attempt over all processes creates it

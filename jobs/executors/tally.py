@@ -58,6 +58,7 @@ class WorkerStats:
     load_seconds: float = 0.0
     restarts: int = 0
     failures: list[str] = field(default_factory=list)
+    peaks: dict[str, float] = field(default_factory=dict)   # its units' peak_* counters (e.g. device memory)
     started_at: Optional[float] = None    # the current process / actor was asked to start
     ready_at: Optional[float] = None
     holding: int = 0                      # units it holds now (an engine may overlap two)
@@ -128,6 +129,8 @@ class Tally:
         self.live.pop(result.unit_id, None)
         self.results[result.unit_id] = result
         _merge_counters(self.counters, result.counters)
+        _merge_counters(worker.peaks, {name: value for name, value in result.counters.items()
+                                       if name.startswith("peak_")})
 
     def worker_died(self, slot: int, unit_ids: Sequence[int], reason: str) -> None:
         worker = self.workers[slot]
@@ -184,6 +187,6 @@ class Tally:
                 "worker": w.worker, "device": w.device, "units": w.units, "samples": w.samples,
                 "busy_seconds": w.busy_seconds, "load_seconds": w.load_seconds,
                 "idle_tail_seconds": _idle_tail(w, last_unit),
-                "restarts": w.restarts, "failures": list(w.failures),
+                "restarts": w.restarts, "failures": list(w.failures), **w.peaks,
             } for w in self.workers],
         }
