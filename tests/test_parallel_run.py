@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from jobs.prepare import prepare_job
 from jobs.runner import run_job
 from jobs.spec import load_job_file
 from jobs.unit_worker import KILL_AFTER_ENV
-from tests.job_process import demo_cache, run_in_this_process  # noqa: F401 (fixture)
+from tests.job_process import demo_cache, run_in_this_process, start_run, wait_for  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 
 TEMPLATE = "{document}\n\nQuestion: {question}\nAnswer:"
@@ -127,3 +128,24 @@ def test_run_workers_overrides_the_job_file(tmp_path):
     assert result.exit_code == 0, (result.output, result.exception)
     stats = json.loads((tmp_path / "out" / "rag" / "_stats.json").read_text())
     assert stats["executor"]["workers"] == 2 and stats["samples_written"] == DOCS * QUESTIONS
+
+
+def test_sigterm_of_the_parent_stops_the_workers_exits_143_and_a_rerun_completes_each_sample_once(tmp_path,
+                                                                                                demo_cache):  # noqa: F811
+    write_job(tmp_path, {"max_tokens": 40, "ignore_eos": True}, workers=2)
+    out_dir = tmp_path / "out" / "rag"
+    first = start_run(tmp_path, demo_cache)
+    wait_for(lambda: any(out_dir.glob("part-u*.parquet")), first)  # a worker has committed a part
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 143, stderr
+    assert stderr.splitlines()[-1] == "error: job rag: terminated by SIGTERM (finished parts are kept; rerun to resume)"
+    stats = json.loads((out_dir / "_stats.json").read_text())
+    assert stats["status"] == "interrupted" and stats["interrupted_by"] == "SIGTERM"
+    assert stats["executor"]["status"] == "interrupted"
+    kept = set(generations(pq.read_table(out_dir)))
+    assert 0 < len(kept) < DOCS * QUESTIONS
+    result = run_in_this_process(tmp_path)
+    assert result.exit_code == 0, (result.output, result.exception)
+    done = generations(pq.read_table(out_dir))     # asserts each (row, sample) at most once
+    assert set(done) == {(row, 0) for row in range(DOCS * QUESTIONS)} and kept <= set(done)
