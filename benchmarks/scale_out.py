@@ -70,7 +70,8 @@ def workloads(engines: int, smoke: bool) -> dict[str, Workload]:
     if smoke:  # 64 rows per engine: one default-size unit (64 rows) each
         return {"rag": Workload("rag", 8 * engines, 8, 24, 6), "fewshot": Workload("fewshot", 16 * engines, 4, 12, 6),
                 "control": Workload("control", 64 * engines, 1, 0, 18)}
-    return {"rag": Workload("rag", 8 * engines, 32, 2048, 128), "fewshot": Workload("fewshot", 32 * engines, 8, 512, 128),
+    return {"rag": Workload("rag", 8 * engines, 32, 2048, 128),
+            "fewshot": Workload("fewshot", 32 * engines, 8, 512, 128),
             "control": Workload("control", 256 * engines, 1, 0, 640)}
 
 
@@ -241,7 +242,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--workloads", default=None, help="rag,fewshot,control (default: all; --smoke: rag)")
     parser.add_argument("--spread", action="store_true", help="one engine per GPU (default: all on GPU 0)")
     parser.add_argument("--preset", default=None, help="model shapes (default qwen3.5-27b; --smoke: tiny)")
-    parser.add_argument("--layers", type=int, default=None, help="layers of the preset (default 8; --smoke: the preset's)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers of the preset (default 8; --smoke: the preset's)")
     parser.add_argument("--output-tokens", type=int, default=None, help="per sample (default 64; --smoke: 4)")
     parser.add_argument("--max-running", type=int, default=None, help="engine.max_running (default 256; --smoke: 8)")
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="of each GPU, split by engines sharing it")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from jobs.executors.contract import ProgressSink, UnitResult, WorkerRecipe
+from jobs.executors.worker_loop import StopRequested
 from jobs.global_plan import open_work_plan, work_dir_for
 from jobs.outputs import SampleResult
 from jobs.prepare import PreparedJob, prepare_job
@@ -28,9 +29,11 @@ from jobs.unit_runner import SinkProgress, UnitRunner
 FACTORY = "jobs.unit_worker:build_job_worker"
 DEVICE_KEY = "engine.device"
 WORK_DIR_KEY = "work_dir"          # not a job key: where the parent's work plan is, when not <output>/_work
-# Test hook: "SAMPLES:MARKER" makes the first worker (over all processes) that has finished SAMPLES
-# samples SIGKILL itself, where it can create MARKER; for tests of a worker dying mid-job.
+# Test hooks, "SAMPLES:MARKER": the first worker (over all processes) that has finished SAMPLES samples
+# and can create MARKER SIGKILLs itself (a worker dying mid-job), or sends its parent SIGTERM (a run
+# stopped while units are half done).
 KILL_AFTER_ENV = "BATCHINFER_TEST_KILL_WORKER_AFTER"
+STOP_PARENT_AFTER_ENV = "BATCHINFER_TEST_SIGTERM_PARENT_AFTER"
 
 
 def job_recipe(spec: JobSpec, overrides: Optional[Mapping[str, Any]] = None) -> WorkerRecipe:
@@ -52,12 +55,13 @@ def apply_overrides(spec: JobSpec, overrides: Mapping[str, Any]) -> JobSpec:
     return spec
 
 
-class _KillAfter:
-    """Progress wrapper of the test hook in KILL_AFTER_ENV."""
+class _SignalAfter:
+    """Progress wrapper of the test hooks (KILL_AFTER_ENV, STOP_PARENT_AFTER_ENV)."""
 
-    def __init__(self, inner: SinkProgress, setting: str) -> None:
+    def __init__(self, inner: Any, setting: str, pid: int, signum: int) -> None:
         count, _, self.marker = setting.partition(":")
         self.inner, self.after, self.seen = inner, int(count), 0
+        self.pid, self.signum = pid, signum
 
     def sample_done(self, unit_id: int, result: SampleResult) -> None:
         self.inner.sample_done(unit_id, result)
@@ -67,7 +71,7 @@ class _KillAfter:
                 os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
             except FileExistsError:
                 return
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(self.pid, self.signum)
 
 
 class JobUnitWorker:
@@ -92,13 +96,24 @@ class JobUnitWorker:
         plan = open_work_plan(work_dir)
         sink_progress: Any = SinkProgress(progress)
         if os.environ.get(KILL_AFTER_ENV):
-            sink_progress = _KillAfter(sink_progress, os.environ[KILL_AFTER_ENV])
+            sink_progress = _SignalAfter(sink_progress, os.environ[KILL_AFTER_ENV], os.getpid(), signal.SIGKILL)
+        if os.environ.get(STOP_PARENT_AFTER_ENV):
+            sink_progress = _SignalAfter(sink_progress, os.environ[STOP_PARENT_AFTER_ENV], os.getppid(), signal.SIGTERM)
         self.runner = UnitRunner(self.job, engine, plan, spec.output.path, sink_progress)
 
     def run_units(self, unit_ids: Iterator[int]) -> Iterator[UnitResult]:
-        """Units through one engine call, pulled as the engine has room (it overlaps consecutive units)."""
+        """Units through one engine call, pulled as the engine has room (it overlaps consecutive units).
+
+        When the parent ends the run (StopRequested), the samples finished in open chunks are
+        committed first: no attempt at these units follows in this run, and the next run retires
+        such parts before it redoes their chunks. A worker that fails on its own commits nothing
+        partial, since its units run again in this run."""
         assert self.runner is not None, "open() first"
-        return self.runner.run_units(unit_ids)
+        try:
+            yield from self.runner.run_units(unit_ids)
+        except StopRequested:
+            self.runner.flush_partial()
+            raise
 
     def run_unit(self, unit_id: int) -> UnitResult:
         (result,) = list(self.run_units(iter([unit_id])))

@@ -22,7 +22,7 @@ from jobs.global_plan import UnitConfig
 from jobs.prepare import prepare_job
 from jobs.runner import run_job
 from jobs.spec import load_job_file
-from jobs.unit_worker import KILL_AFTER_ENV
+from jobs.unit_worker import KILL_AFTER_ENV, STOP_PARENT_AFTER_ENV
 from tests.job_process import demo_cache, run_in_this_process, start_run, wait_for  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 
@@ -63,12 +63,12 @@ def one_engine(tmp_path_factory):
     return get
 
 
-def write_job(folder: Path, sampling: dict, **parallel) -> Path:
+def write_job(folder: Path, sampling: dict, flush_rows: int = 2, **parallel) -> Path:
     write_parquet(rag_rows(), folder / "data" / "rag.parquet")
     return write_job_file(folder, [job_entry(
         model="demo", prompt={"template": TEMPLATE}, sampling=sampling,
         engine={"device": "cpu", "dtype": "float32", "max_running": 4, "track_interval": 16},
-        output={"path": "out/rag", "flush_rows": 2}, **({"parallel": parallel} if parallel else {}))])
+        output={"path": "out/rag", "flush_rows": flush_rows}, **({"parallel": parallel} if parallel else {}))])
 
 
 def run(folder: Path, sampling: dict, **parallel) -> tuple[dict, pa.Table]:
@@ -130,8 +130,8 @@ def test_run_workers_overrides_the_job_file(tmp_path):
     assert stats["executor"]["workers"] == 2 and stats["samples_written"] == DOCS * QUESTIONS
 
 
-def test_sigterm_of_the_parent_stops_the_workers_exits_143_and_a_rerun_completes_each_sample_once(tmp_path,
-                                                                                                demo_cache):  # noqa: F811
+def test_sigterm_of_the_parent_stops_the_workers_exits_143_and_a_rerun_completes_each_sample_once(
+        tmp_path, demo_cache):  # noqa: F811
     write_job(tmp_path, {"max_tokens": 40, "ignore_eos": True}, workers=2)
     out_dir = tmp_path / "out" / "rag"
     first = start_run(tmp_path, demo_cache)
@@ -149,3 +149,21 @@ def test_sigterm_of_the_parent_stops_the_workers_exits_143_and_a_rerun_completes
     assert result.exit_code == 0, (result.output, result.exception)
     done = generations(pq.read_table(out_dir))     # asserts each (row, sample) at most once
     assert set(done) == {(row, 0) for row in range(DOCS * QUESTIONS)} and kept <= set(done)
+
+
+def test_a_stopped_run_commits_what_its_workers_finished_in_open_chunks(tmp_path, monkeypatch):
+    # One chunk per unit (flush_rows 1000): without the workers' last commit, a run stopped before
+    # any unit completes would keep nothing. The first worker to finish 3 samples SIGTERMs this process.
+    job_file = write_job(tmp_path, {"max_tokens": 40, "ignore_eos": True}, flush_rows=1000, workers=2)
+    monkeypatch.setenv(STOP_PARENT_AFTER_ENV, f"3:{tmp_path / 'stopped'}")
+    with pytest.raises(KeyboardInterrupt):  # SIGTERM, with no handler of the CLI's to re-deliver it to
+        run_job(prepare_job(load_job_file(job_file).jobs[0]), Console(quiet=True), unit_config=UNITS)
+    out_dir = tmp_path / "out" / "rag"
+    stats = json.loads((out_dir / "_stats.json").read_text())
+    assert stats["status"] == "interrupted" and stats["executor"]["units_finished"] == 0
+    kept = set(generations(pq.read_table(out_dir))) if any(out_dir.glob("part-*.parquet")) else set()
+    assert len(kept) >= 3 and stats["samples_written"] == len(kept)
+    monkeypatch.delenv(STOP_PARENT_AFTER_ENV)
+    result = run_in_this_process(tmp_path)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert set(generations(pq.read_table(out_dir))) == {(row, 0) for row in range(DOCS * QUESTIONS)}

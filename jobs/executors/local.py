@@ -3,8 +3,9 @@
 Processes are started with the 'spawn' method (a fresh interpreter: no CUDA state or model copied
 from the parent), each with its placement's environment (CUDA_VISIBLE_DEVICES, thread counts). The
 parent talks to each worker over its own pipe, in the messages of `worker_loop.py`: units and
-drains one way; readiness, requests for work, progress (rate-bounded), results and failures the other. A worker that exits, is killed, or raises is detected through its
-process sentinel and pipe; the dispatch loop then retries its unit and restarts it.
+drains one way; readiness, requests for work, progress (rate-bounded), results and failures the
+other. A worker that exits, is killed, or raises is detected through its process sentinel and
+pipe; the dispatch loop then retries the units it held and restarts it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from jobs.executors.dispatch import (Died, Event, ExecutionReport, Finished, Pro
 from jobs.executors.placement import Placement
 from jobs.executors.tally import ProgressSnapshot
 from jobs.executors.unit_queue import UnitSpec
-from jobs.executors.worker_loop import describe_exception, exit_after_failure, serve  # noqa: F401 (re-exported)
+from jobs.executors.worker_loop import exit_after_failure, raise_stop_requested, serve
 
 CLOSE_SECONDS = 30.0      # a worker asked to close gets this long to release its device
 TERMINATE_SECONDS = 5.0   # then SIGTERM, then SIGKILL after this long
@@ -59,8 +60,9 @@ def _receive(conn: Connection) -> Optional[tuple]:
 
 def _worker_main(placement: Placement, recipe: WorkerRecipe, conn: Connection, progress_interval: float) -> None:
     """The worker process: the shared worker loop over this process's pipe."""
-    # Ctrl-C reaches the whole process group; only the parent decides what stops.
+    # Ctrl-C reaches the whole process group; only the parent decides what stops, with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, raise_stop_requested)
 
     def set_threads() -> None:
         if placement.torch_threads is not None and "torch" in sys.modules:

@@ -223,7 +223,8 @@ class RayExecutor:
                  on_progress: Optional[Callable[[ProgressSnapshot], None]] = None,
                  runtime_env: Optional[dict[str, Any]] = None) -> None:
         if device not in ("cpu", "cuda", "auto"):
-            raise ValueError(f"device must be 'cuda', 'cpu' or 'auto' (cuda where the cluster has GPUs), not {device!r}")
+            raise ValueError(f"device must be 'cuda', 'cpu' or 'auto' (cuda where the cluster has GPUs), "
+                             f"not {device!r}")
         if not 0 < gpus_per_worker <= 1:
             raise ValueError("gpus_per_worker must be in (0, 1]")
         self.recipe = recipe

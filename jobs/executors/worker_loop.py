@@ -14,12 +14,23 @@ Worker → parent: ("ready",), ("want",), ("progress", id, delta), ("done", resu
 """
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Any, Callable, Iterator, Optional
 
 from jobs.executors.contract import RateLimitedSink, UnitResult, UnitWorker, WorkerRecipe
 
 Receive = Callable[[], Optional[tuple]]   # the next message; None when the parent is gone
+
+
+class StopRequested(BaseException):
+    """The parent ended the run (it sends a worker process SIGTERM): no unit runs again in this run,
+    so a worker may commit what its open units hold before it exits."""
+
+
+def raise_stop_requested(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough; the parent kills after a grace period
+    raise StopRequested()
 Send = Callable[[tuple], None]
 
 
