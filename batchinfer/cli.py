@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import sys
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn, Optional
 
@@ -48,9 +49,13 @@ def _fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-def _prepare_all(job_file: Path, job_name: Optional[str], overwrite: bool) -> list[PreparedJob]:
+def _prepare_all(job_file: Path, job_name: Optional[str], overwrite: bool,
+                 workers: Optional[int] = None) -> list[PreparedJob]:
+    """Every selected job checked; `workers` (run --workers N) replaces each job's parallel.workers."""
     try:
         specs = load_job_file(job_file).select(job_name)
+        if workers is not None:
+            specs = tuple(replace(spec, parallel=replace(spec.parallel, workers=workers)) for spec in specs)
         return [prepare_job(spec, overwrite) for spec in specs]
     except JobError as exc:
         _fail(str(exc), EXIT_BAD_INPUT)
@@ -68,7 +73,9 @@ def main() -> None:
 @click.argument("job_file", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--job", "job_name", default=None, help="Run only the job with this name.")
 @click.option("--overwrite", is_flag=True, help="Delete earlier outputs of the job(s) instead of resuming.")
-def run(job_file: Path, job_name: Optional[str], overwrite: bool) -> None:
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Engines to run each job on (overrides the job's parallel.workers).")
+def run(job_file: Path, job_name: Optional[str], overwrite: bool, workers: Optional[int]) -> None:
     """Run the jobs of JOB_FILE (resuming where an earlier run stopped)."""
     try:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -76,7 +83,7 @@ def run(job_file: Path, job_name: Optional[str], overwrite: bool) -> None:
         previous = None
     current: Optional[str] = None
     try:
-        prepared = _prepare_all(job_file, job_name, overwrite)
+        prepared = _prepare_all(job_file, job_name, overwrite, workers)
         console = Console()
         with ExitStack() as held:
             locks = _lock_all(prepared, held)
@@ -119,12 +126,20 @@ def _lock_all(prepared: list[PreparedJob], held: ExitStack) -> dict[Path, Output
 @main.command()
 @click.argument("job_file", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--job", "job_name", default=None, help="Plan only the job with this name.")
-def plan(job_file: Path, job_name: Optional[str]) -> None:
-    """Tokenise and plan the jobs of JOB_FILE without loading a model."""
-    from jobs.planning import plan_job, render_plan
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Also predict the balance of the work units over N workers.")
+@click.option("--per-window", is_flag=True, help="Also plan in the engine's windows of rows, for comparison.")
+@click.option("--unit-rows", type=click.IntRange(min=1), default=None, help="Rows per work unit (default: automatic).")
+def plan(job_file: Path, job_name: Optional[str], workers: Optional[int], per_window: bool,
+         unit_rows: Optional[int]) -> None:
+    """Tokenise and plan the jobs of JOB_FILE globally without loading a model."""
+    from jobs.global_plan import UnitConfig
+    from jobs.planning import plan_job_globally, render_global_plan, unit_config_with
 
-    # Planning writes nothing, so an existing output folder is no reason to refuse.
+    # Planning writes nothing into the output folder, so an existing one is no reason to refuse.
     prepared = _prepare_all(job_file, job_name, overwrite=True)
     console = Console()
+    config = unit_config_with(UnitConfig(), unit_rows)
     for job in prepared:
-        render_plan(console, plan_job(job))
+        render_global_plan(console, plan_job_globally(job, console, workers=workers, per_window=per_window,
+                                                      config=config))

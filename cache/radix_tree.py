@@ -104,7 +104,7 @@ class RadixTree:
       it (the only moment a state in the tree is read); a pinned state is never evicted.
     - `expect_followers(node, n)` / `follower_admitted(node)`: the planner's promise that n
       more admissions will resume from this node's state (a branch state whose followers wait
-      for room). Such a state is evicted last, and never when the caller asks to spare it
+      for room); `forget_followers(node, n)` withdraws n of them. Such a state is evicted last, and never when the caller asks to spare it
       (`spare_expected`: a tracked interval state is worth less than a planned branch state).
     - `evict` frees least-recently-used material: states first if asked (any node whose state
       is not pinned, inner and locked ones included — states without expected followers first,
@@ -277,6 +277,14 @@ class RadixTree:
         the state may have been evicted, which clears the count)."""
         if node.followers > 0:
             node.followers -= 1
+            self._spared_states -= not self._is_spared(node)
+            self._offer(node)
+
+    def forget_followers(self, node: RadixNode, count: int) -> None:
+        """`count` of the planned admissions expected from `node`'s state will not come (at most
+        as many as are still expected are forgotten)."""
+        if node.followers > 0 and count > 0:
+            node.followers = max(0, node.followers - count)
             self._spared_states -= not self._is_spared(node)
             self._offer(node)
 

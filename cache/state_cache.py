@@ -227,6 +227,14 @@ class StateCache:
         self.tree.expect_followers(node, count)
         return True
 
+    def forget_followers(self, tokens: Sequence[int], position: int, count: int) -> None:
+        """`count` of the planned admissions expected to resume from the state at `position` of
+        `tokens` will not come (failed, or the run was abandoned); with none left to come it is
+        evicted like any other state."""
+        node = self.tree.node_at(tokens, position)
+        if node is not None and node.state_slot is not None:
+            self.tree.forget_followers(node, count)
+
     def finish(self, seq: SeqHandle, computed_len: Optional[int] = None) -> None:
         """The sequence is done: cache what the strategy keeps, free the rest, forget the handle.
 

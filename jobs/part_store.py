@@ -28,6 +28,8 @@ from jobs.atomic_files import fsync_dir, fsync_file, sha256_file, temp_path, wri
 
 PART_PATTERN = re.compile(r"^part-(\d+)\.parquet$")
 PART_NUMBER = re.compile(r"part-(\d+)\.parquet")  # in any name derived from a part's (records, asides)
+# A work unit's part k: its name is fixed by the unit, so a unit run again rewrites the same names.
+UNIT_PART_PATTERN = re.compile(r"^part-u(\d+)-(\d+)\.parquet$")
 PARTS_DIR = "_parts"
 RECORD_SUFFIX = ".json"
 DAMAGED_SUFFIX = ".damaged"
@@ -36,6 +38,15 @@ KEY_COLUMNS = ("row_index", "sample_index")
 
 def part_name(number: int) -> str:
     return f"part-{number:05d}.parquet"
+
+
+def unit_part_name(unit_id: int, chunk: int) -> str:
+    return f"part-u{unit_id:06d}-{chunk:03d}.parquet"
+
+
+def is_part_name(name: str) -> bool:
+    """A numbered part or a unit's part (both are batchinfer's when they have a record)."""
+    return bool(PART_PATTERN.match(name) or UNIT_PART_PATTERN.match(name))
 
 
 def record_path(out_dir: Path, name: str) -> Path:
@@ -140,7 +151,7 @@ def scan_parts(out_dir: Path, verify: bool = True) -> PartScan:
         if match:
             numbers.append(int(match.group(1)))
     for name in names:
-        if not PART_PATTERN.match(name):
+        if not is_part_name(name):
             continue
         path = out_dir / name
         record_file = record_path(out_dir, name)

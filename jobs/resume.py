@@ -12,6 +12,7 @@ Temporary files and records of commits cut short are leftovers of a killed run, 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections import defaultdict
@@ -24,6 +25,7 @@ from jobs.errors import JobError, display_path
 from jobs.part_store import (DAMAGED_SUFFIX, PART_PATTERN, PARTS_DIR, damaged_path, record_path, scan_parts)
 
 MANIFEST_NAME = "_job.json"
+COMPACT_NAME = "_compact.json"  # an interrupted rewrite in input order (jobs/ordered_output.py)
 STATS_NAME = "_stats.json"   # underscore: `pq.read_table(out_dir)` skips it, as it skips the manifest
 MANIFEST_VERSION = 2         # 2: part records in _parts/, input content hashes
 INPUT_KEY = "input"
@@ -36,11 +38,19 @@ class ResumeState:
     finished_samples: int
     damaged: tuple[tuple[Path, str], ...] = ()  # parts that differ from their records (rows redone)
     foreign: tuple[Path, ...] = ()               # part-like files batchinfer did not write (ignored)
+    parts: tuple[Path, ...] = ()                 # the verified parts, by name
+    unsorted_parts: frozenset[str] = frozenset()  # names of parts whose rows are not in (row, sample) order
+    in_input_order: bool = True                  # numbered parts only, in (row, sample) order across names
 
 
 def _as_json(fingerprint: dict[str, Any]) -> dict[str, Any]:
     """The fingerprint as it reads back from the manifest (tuples become lists, paths strings)."""
     return json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+
+
+def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
+    """sha256 of a fingerprint as it reads back from JSON (the work folder's reuse key)."""
+    return hashlib.sha256(json.dumps(_as_json(fingerprint), sort_keys=True).encode()).hexdigest()
 
 
 def _read_manifest(out_dir: Path) -> Optional[dict[str, Any]]:
@@ -116,16 +126,27 @@ def read_resume_state(out_dir: Path, overwrite: bool = False) -> ResumeState:
     if overwrite:
         legacy = set(_legacy_parts(out_dir))
         foreign = tuple(p for p in scan.foreign if p not in legacy)
-        numbers = [int(PART_PATTERN.match(p.name).group(1)) for p in foreign]
+        numbers = [int(match.group(1)) for match in (PART_PATTERN.match(p.name) for p in foreign) if match]
         return ResumeState(done={}, next_part=max(numbers, default=-1) + 1, finished_samples=0, foreign=foreign)
     done: dict[int, set[int]] = defaultdict(set)
     finished = 0
-    for _, keys in scan.finished:
-        for row, sample in zip(keys["row_index"].to_pylist(), keys["sample_index"].to_pylist()):
+    unsorted: set[str] = set()
+    in_order = True
+    previous: tuple[int, int] = (-1, -1)
+    for path, keys in scan.finished:
+        pairs = list(zip(keys["row_index"].to_pylist(), keys["sample_index"].to_pylist()))
+        for row, sample in pairs:
             done[row].add(sample)
-            finished += 1
+        finished += len(pairs)
+        if any(a >= b for a, b in zip(pairs, pairs[1:])):
+            unsorted.add(path.name)
+        in_order = in_order and PART_PATTERN.match(path.name) is not None and path.name not in unsorted \
+            and (not pairs or pairs[0] > previous)
+        previous = pairs[-1] if pairs else previous
     return ResumeState(done={row: frozenset(s) for row, s in done.items()}, next_part=scan.next_number,
-                       finished_samples=finished, damaged=scan.damaged, foreign=scan.foreign)
+                       finished_samples=finished, damaged=scan.damaged, foreign=scan.foreign,
+                       parts=tuple(path for path, _ in scan.finished), unsorted_parts=frozenset(unsorted),
+                       in_input_order=in_order)
 
 
 def _owned_files(out_dir: Path) -> list[Path]:
@@ -135,7 +156,7 @@ def _owned_files(out_dir: Path) -> list[Path]:
     scan = scan_parts(out_dir, verify=False)
     owned = [*scan.recorded, *_legacy_parts(out_dir)]
     owned += [p for p in out_dir.iterdir() if p.is_file() and (
-        p.name in (MANIFEST_NAME, STATS_NAME) or is_temp_name(p.name)
+        p.name in (MANIFEST_NAME, STATS_NAME, COMPACT_NAME) or is_temp_name(p.name)
         or (p.name.startswith(".part-") and p.name.endswith(DAMAGED_SUFFIX)))]
     return owned
 

@@ -1,10 +1,16 @@
-"""One prepared job end to end: stream rows through the engine into output parts.
+"""One prepared job end to end: plan, run, commit parts, and (on request) put them in input order.
 
-`run_job` takes the output folder's lock, verifies what earlier runs left there, loads the
-engine, then hands it a lazy stream of requests built window by window (memory stays
-bounded by the window, not the input), skips samples that an earlier run finished, records
-rows without a prompt as errors, and commits parts as samples finish. Output rows are in
-completion order, within a part and across parts (not input order).
+`run_job` takes the output folder's lock, finishes or undoes what a killed run left there
+(an interrupted compaction), verifies the finished parts, then:
+- `engine.plan: global` (default): the planning pass over the whole input (`global_run`), the
+  unfinished units run through one engine (`unit_runner`), or through several engine workers
+  (`jobs.parallel_run`) when the job's `parallel` settings resolve to more than one;
+- `engine.plan: window`: a lazy stream of requests built window by window in input order,
+  planned by the engine a window at a time (the comparison arm).
+Either way samples already in finished parts are skipped, rows without a prompt are recorded
+as errors, and parts are committed as samples finish (completion order). With `output.order:
+input` the parts are then rewritten in input order (`ordered_output`). The planning folder
+`_work/` is deleted when the job completes, unless `output.keep_work`.
 """
 from __future__ import annotations
 
@@ -12,23 +18,28 @@ import bisect
 import json
 import sys
 import time
-import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
 
 from rich.console import Console
 
 from batchinfer.engine.types import Request, RequestOutput
+from jobs.engine_io import cut_at_stop as _cut_at_stop  # noqa: F401  (tests import it from here)
+from jobs.engine_io import error_result, output_result, row_request
 from jobs.errors import JobError, JobRuntimeError, display_path
+from jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
+from jobs.global_run import PlannedUnits, UnitsInProcess, plan_stats, plan_units, prepare_units, summed_counters
 from jobs.inputs import RowWindow, iter_windows
+from jobs.ordered_output import compact_in_input_order, finish_interrupted_compaction
 from jobs.output_lock import OutputBusy, OutputLock
 from jobs.outputs import PartWriter, SampleResult
-from jobs.part_store import PARTS_DIR, damaged_path
+from jobs.part_store import PARTS_DIR, PartRecord, damaged_path, record_path, scan_parts
 from jobs.prepare import PreparedJob
 from jobs.progress import ProgressReporter
-from jobs.prompts import build_prompts
+from jobs.prompts import build_prompts, row_ids
 from jobs.resume import STATS_NAME, ResumeState, check_resumable, prepare_output_dir, read_resume_state
-from jobs.spec import JobSpec, engine_settings_dict
+from jobs.spec import JobSpec, engine_config_kwargs, engine_settings_dict
 from jobs.stats import JobCounters, build_stats, render_summary, write_stats
 
 WINDOW_ROWS = 4096  # rows tokenised, planned and held in memory at a time
@@ -49,24 +60,9 @@ def open_engine(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> EngineLike:
 
     # The engine plans `plan_window` requests at a time and pulls the next window only when
     # its queue runs dry: memory stays bounded and there is no pause between windows.
-    config = EngineConfig(**engine_settings_dict(job.spec.engine), plan_window=window_rows)
+    config = EngineConfig(**engine_config_kwargs(job.spec.engine), plan_window=window_rows)
     return Engine.from_pretrained(str(job.checkpoint), config, eos_token_ids=job.tokenizer.eos_token_ids,
                                   detokenize=job.tokenizer.decode)
-
-
-def _seed_key(row_index: int, row_id: Any) -> int:
-    """Per-row RNG key: the id column's value when given, so samples follow the row, not its position."""
-    if row_id is None:
-        return row_index
-    if isinstance(row_id, int) and not isinstance(row_id, bool):
-        return row_id & 0x7FFF_FFFF_FFFF_FFFF
-    return zlib.crc32(repr(row_id).encode())
-
-
-def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
-    """Generated text ends before the first stop string (which the engine's tokens may include)."""
-    cut = min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=-1)
-    return text if cut < 0 else text[:cut]
 
 
 class _OpenWindows:
@@ -126,29 +122,30 @@ class _JobRun:
                 continue
             self.windows.open(window, samples_todo)
             prompts = build_prompts(window.table, spec.prompt, self.job.tokenizer, spec.chat, spec.system,
-                                    self.job.vocab_size)
-            row_ids = window.table[spec.id_column].to_pylist() if spec.id_column else [None] * len(rows)
+                                    self.job.vocab_size, id_column=spec.id_column)
+            ids = row_ids(window.table, spec.id_column) if spec.id_column else [None] * len(rows)
             for offset, row in enumerate(rows):
                 error = prompts.errors[offset]
                 if not todo[row]:
                     continue
                 if error is not None:
                     for sample in todo[row]:
-                        self.record(SampleResult(row, sample, "", (), 0, 0, 0, "error", error))
+                        self.record(error_result(row, sample, error))
                     continue
-                yield Request(request_id=row, prompt_token_ids=tuple(prompts.token_ids[offset]),
-                              sampling=spec.sampling, seed_key=_seed_key(row, row_ids[offset]),
-                              skip_samples=tuple(sorted(self.done.get(row, ()))))
+                yield row_request(row, prompts.token_ids[offset], spec.sampling, ids[offset], self.done.get(row))
 
     def run(self) -> None:
         stops = self.job.spec.sampling.stop
         for output in self.engine.generate(self.requests()):
-            text = _cut_at_stop(self.job.tokenizer.decode(output.token_ids), stops)
-            self.record(SampleResult(
-                row_index=int(output.request_id), sample_index=output.sample_index, generated_text=text,
-                output_token_ids=tuple(output.token_ids), prompt_tokens=output.prompt_tokens,
-                cached_tokens=output.cached_tokens, completion_tokens=output.completion_tokens,
-                finish_reason=output.finish_reason, error=output.error))
+            self.record(output_result(output, self.job.tokenizer, stops))
+
+    @property
+    def samples_written(self) -> int:
+        return self.writer.rows_written
+
+    @property
+    def errors_written(self) -> int:
+        return self.writer.error_rows_written
 
 
 def lock_output(job: PreparedJob) -> OutputLock:
@@ -169,21 +166,38 @@ def warn_on_stderr(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+# A parallel run of units: (job, plan, output folder, console, unit_ids=...) → jobs.executors.ExecutionReport
+UnitExecutor = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    engine_factory: Callable[[PreparedJob, int], EngineLike] = open_engine
+    window_rows: int = WINDOW_ROWS                # engine.plan window: rows per planning window
+    unit_config: UnitConfig = UnitConfig()        # engine.plan global: unit limits
+    sort_budget: SortBudget = SortBudget()        # engine.plan global: the external sort's memory
+    executor: Optional[UnitExecutor] = None       # None: from the job's `parallel` settings
+
+
 def run_job(job: PreparedJob, console: Console, overwrite: bool = False,
             engine_factory: Callable[[PreparedJob, int], EngineLike] = open_engine,
             window_rows: int = WINDOW_ROWS, lock: Optional[OutputLock] = None,
-            warn: Callable[[str], None] = warn_on_stderr) -> dict[str, Any]:
+            warn: Callable[[str], None] = warn_on_stderr, unit_config: UnitConfig = UnitConfig(),
+            sort_budget: SortBudget = SortBudget(), executor: Optional[UnitExecutor] = None) -> dict[str, Any]:
     """Run a prepared job; returns the stats written to `_stats.json`.
 
     Holds the output folder's lock for the whole run: `lock` when the caller took it (the
     CLI takes every job's before the first runs), else its own. Raises JobError when the
     folder is busy or was changed meanwhile, JobRuntimeError when the engine fails; every
-    sample finished until then is on disk.
+    sample finished until then is on disk. `executor` runs the units of a global plan instead
+    of the in-process loop (None: `jobs.parallel_run.run_units_in_workers` when the job's
+    `parallel` settings resolve to more than one worker or to Ray, else in this process).
     """
+    options = RunOptions(engine_factory, window_rows, unit_config, sort_budget, executor)
     if lock is not None:
-        return _run_locked(job, console, overwrite, engine_factory, window_rows, lock, warn)
+        return _run_locked(job, console, overwrite, options, lock, warn)
     with lock_output(job) as own_lock:
-        return _run_locked(job, console, overwrite, engine_factory, window_rows, own_lock, warn)
+        return _run_locked(job, console, overwrite, options, own_lock, warn)
 
 
 def _report_parts(resume: ResumeState, warn: Callable[[str], None]) -> None:
@@ -199,8 +213,90 @@ def _interruption(exc: BaseException) -> str:
     return name if isinstance(name, str) else "SIGINT" if isinstance(exc, KeyboardInterrupt) else type(exc).__name__
 
 
-def _run_locked(job: PreparedJob, console: Console, overwrite: bool,
-                engine_factory: Callable[[PreparedJob, int], EngineLike], window_rows: int, lock: OutputLock,
+def _parallel_executor(job: PreparedJob, executor: Optional[UnitExecutor]) -> Optional[UnitExecutor]:
+    """The executor for the job's units; None: this process runs them."""
+    if executor is not None:
+        return executor
+    parallel = job.spec.parallel
+    if parallel.executor != "ray" and _resolved_workers(job) <= 1:
+        return None
+    from jobs.parallel_run import run_units_in_workers
+
+    return run_units_in_workers
+
+
+def _resolved_workers(job: PreparedJob) -> int:
+    workers = job.spec.parallel.workers
+    if workers != "auto":
+        return int(workers)
+    device = job.spec.engine.device
+    if device == "cpu" or device.startswith("cuda:"):
+        return 1  # auto means one engine per visible GPU; a pinned device is one engine
+    from jobs.executors.placement import visible_gpus
+
+    return max(len(visible_gpus()), 1)
+
+
+def _raise_interruption(report: Any) -> None:
+    """Stop as for the signal that interrupted the workers (the parallel run's own rule)."""
+    try:
+        from jobs.parallel_run import raise_interruption
+    except ImportError:
+        raise KeyboardInterrupt() from None
+    raise_interruption(report)
+    raise KeyboardInterrupt()
+
+
+def _rows_on_disk(out_dir: Path) -> int:
+    """(row, sample) pairs in the folder's recorded parts, from their records (no part is read)."""
+    total = 0
+    for path in scan_parts(out_dir, verify=False).recorded:
+        record = PartRecord.read(record_path(out_dir, path.name))
+        total += record.rows if record is not None else 0
+    return total
+
+
+class _ParallelWork:
+    """What a parallel run committed, counted from the records on disk (workers commit their own parts)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.baseline = _rows_on_disk(out_dir)
+        self.report: Any = None
+
+    @property
+    def samples_written(self) -> int:
+        return _rows_on_disk(self.out_dir) - self.baseline
+
+    @property
+    def errors_written(self) -> int:
+        results = getattr(self.report, "results", {}) or {}
+        return sum(result.errors for result in results.values())
+
+
+def _reorder(job: PreparedJob, lock: OutputLock, console: Console) -> None:
+    """output.order input: every finished part rewritten in (row, sample) order."""
+    spec = job.spec
+    out_dir = spec.output.path
+    state = read_resume_state(out_dir)  # verified again: what the merge reads must be what was committed
+    if state.in_input_order and not state.damaged:
+        return
+    if state.damaged:
+        raise JobRuntimeError(spec.name, f"{display_path(state.damaged[0][0])} was damaged after it was "
+                                         f"committed ({state.damaged[0][1]}); rerun to redo its rows")
+    console.print(f"[{spec.name}] writing {state.finished_samples:,} samples in input order", highlight=False,
+                  markup=False)
+    compact_in_input_order(out_dir, state.parts, state.unsorted_parts, state.next_part, spec.output.flush_rows,
+                           spec.sampling.n, work_dir_for(out_dir) / ".compact", before_commit=lock.ensure_held)
+
+
+def _complete_work_dir(spec: JobSpec) -> None:
+    """The job is complete: its planning folder goes, unless output.keep_work."""
+    if not spec.output.keep_work:
+        remove_work_dir(work_dir_for(spec.output.path))
+
+
+def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: RunOptions, lock: OutputLock,
                 warn: Callable[[str], None]) -> dict[str, Any]:
     spec = job.spec
     start = time.monotonic()
@@ -208,58 +304,114 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool,
     total = job.rows * spec.sampling.n
     # Checked again now that no other run can change the folder under us.
     check_resumable(out_dir, job.fingerprint, overwrite, spec.job_file, spec.where("output"))
+    if not overwrite and out_dir.is_dir():
+        undone = finish_interrupted_compaction(out_dir)
+        if undone:
+            warn(f"{display_path(out_dir)}: the interrupted rewrite in input order was {undone}")
     resume = read_resume_state(out_dir, overwrite)
     _report_parts(resume, warn)
     resumed = _finished_samples(resume, job.rows)
+    reorder = spec.output.order == "input"
     engine: Optional[EngineLike] = None
-    writer = PartWriter(out_dir, spec.output.flush_rows, resume.next_part, before_commit=lock.ensure_held)
+    planned: Optional[PlannedUnits] = None
+    work: Any = None
+    parallel_report: list[Any] = []
 
     def finish(status: str, failure: Optional[str] = None, interrupted_by: Optional[str] = None) -> dict[str, Any]:
         if lock.lost:  # the folder is another run's now: write nothing more into it
             raise _lost(lock, spec)
         counters = JobCounters(rows=job.rows, samples_total=total, samples_resumed=resumed,
-                               samples_written=writer.rows_written, errors=writer.error_rows_written,
+                               samples_written=work.samples_written if work is not None else 0,
+                               errors=work.errors_written if work is not None else 0,
                                wall_seconds=time.monotonic() - start)
-        stats = build_stats(spec.name, counters, getattr(engine, "stats", None), _settings(engine, spec), status,
-                            failure, interrupted_by)
+        engine_stats = getattr(engine, "stats", None) if engine is not None else \
+            summed_counters(getattr(parallel_report[0], "results", {}).values()) if parallel_report else None
+        stats = build_stats(spec.name, counters, engine_stats, _settings(engine, spec), status, failure,
+                            interrupted_by)
+        if planned is not None:
+            stats["plan"] = plan_stats(planned)
+        elif spec.engine.plan == "window":
+            stats["plan"] = {"mode": "window", "window_rows": options.window_rows}
+        if parallel_report:
+            stats["executor"] = getattr(parallel_report[0], "stats", {})
         write_stats(out_dir / STATS_NAME, stats)
         return stats
 
     if resumed == total:  # nothing to run: load no model
         previous = _read_stats(out_dir)
-        if not overwrite and not resume.damaged and previous.get("status") == "done":
+        in_order = resume.in_input_order or not reorder
+        if not overwrite and not resume.damaged and previous.get("status") == "done" and in_order:
             # Keep the stats of the run that did the work.
+            _complete_work_dir(spec)
             console.print(f"job {spec.name}: all {total} samples already in {display_path(out_dir)}",
                           highlight=False, markup=False)
             return previous
         _prepare_output_dir(job, overwrite, resume, lock)
+        if reorder:
+            _reorder(job, lock, console)
+        _complete_work_dir(spec)
         stats = finish("done")
         render_summary(console, stats)
         return stats
-    try:
-        engine = engine_factory(job, window_rows)
-    except Exception as exc:
-        raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
+    executor = _parallel_executor(job, options.executor) if spec.engine.plan == "global" else None
+    if executor is None:  # first: a model that cannot load leaves the folder as it was
+        try:
+            engine = options.engine_factory(job, options.window_rows)
+        except Exception as exc:
+            raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
+    if spec.engine.plan == "global":
+        if lock.lost:  # planning writes into the folder: only while it is ours
+            raise _lost(lock, spec)
+        work_dir = work_dir_for(out_dir)
+        if overwrite:
+            remove_work_dir(work_dir)
+        planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget)
     _prepare_output_dir(job, overwrite, resume, lock)
-    run = _JobRun(job, engine, writer, ProgressReporter(console, spec.name, total, resumed), resume.done,
-                  window_rows)
+    progress = ProgressReporter(console, spec.name, total, resumed)
+    writer: Optional[PartWriter] = None
     try:
-        with run.progress:
-            run.run()
-        writer.flush()
+        if planned is not None:
+            unit_ids = prepare_units(job, planned, out_dir, resume)
+            if executor is not None:
+                work = _ParallelWork(out_dir)
+                work.report = executor(job, planned.plan, out_dir, console, unit_ids=unit_ids)
+                parallel_report.append(work.report)
+                status = getattr(work.report, "status", "done")
+                if status == "interrupted":
+                    _raise_interruption(work.report)
+                if status != "done":
+                    raise RuntimeError(getattr(work.report, "failure", None) or "the workers failed")
+            else:
+                work = UnitsInProcess(job, engine, planned, out_dir, progress, lock.ensure_held)
+                with progress:
+                    work.run(unit_ids)
+        else:
+            if overwrite:  # a global plan of an earlier run goes with everything else it wrote
+                remove_work_dir(work_dir_for(out_dir))
+            writer = PartWriter(out_dir, spec.output.flush_rows, resume.next_part, before_commit=lock.ensure_held)
+            work = _JobRun(job, engine, writer, progress, resume.done, options.window_rows)
+            with progress:
+                work.run()
+            writer.flush()
+        if reorder:
+            _reorder(job, lock, console)
     except BaseException as exc:
         if lock.lost:
             raise _lost(lock, spec) from None
-        try:
-            writer.flush()  # every buffered sample is complete: keep it
+        try:  # every buffered sample is complete: keep it
+            if writer is not None:
+                writer.flush()
+            elif isinstance(work, UnitsInProcess):
+                work.flush_partial()
         except Exception:  # e.g. the disk is full: report the original failure, not this one
             pass
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SIGTERM, SystemExit: stop quietly
             finish("interrupted", interrupted_by=_interruption(exc))
             raise
-        reason = f"{type(exc).__name__}: {exc}"
+        reason = exc.reason if isinstance(exc, JobRuntimeError) else f"{type(exc).__name__}: {exc}"
         finish("failed", reason)
         raise JobRuntimeError(spec.name, reason) from exc
+    _complete_work_dir(spec)
     stats = finish("done")
     render_summary(console, stats)
     return stats

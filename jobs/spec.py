@@ -18,6 +18,7 @@ import yaml
 from batchinfer.engine.types import SamplingParams
 from jobs import spec_checks as check
 from jobs.errors import JobError
+from jobs.parallel_spec import PARALLEL_KEYS, ParallelSpec
 from jobs.spec_checks import Checker, did_you_mean
 from jobs.yaml_loader import DuplicateKeyError, load_yaml
 
@@ -49,12 +50,23 @@ class EngineSettings:
     max_batch_tokens: int = 8192
     max_model_len: Optional[int] = None
     memory_fraction: float = 0.9
+    # global: the whole job sorted and cut into work units, each planned whole by the engine;
+    # window: the engine plans windows of rows in input order (the comparison arm, as no_buffer is)
+    plan: str = "global"
+
+
+# EngineSettings fields that are the job's, not `EngineConfig`'s
+JOB_ONLY_ENGINE_KEYS = ("plan",)
 
 
 @dataclass(frozen=True)
 class OutputSpec:
     path: Path
     flush_rows: int = 1000
+    # completion: rows as units finish (readers may consume parts as they appear);
+    # input: one ordered compaction at the end rewrites the parts in row_index order
+    order: str = "completion"
+    keep_work: bool = False    # keep the planning folder `_work/` after the job completes
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ class JobSpec:
     system: Optional[str] = None
     id_column: Optional[str] = None
     limit: Optional[int] = None
+    parallel: ParallelSpec = ParallelSpec()
     job_file: Path = Path("jobs.yaml")  # for error messages
 
     def where(self, key: str) -> str:
@@ -104,12 +117,13 @@ ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
     "prefix_cache": check.boolean, "state_cache": check.choice("extra_buffer", "no_buffer"), "replayssm": check.boolean,
     "ring_len": check.integer(1), "track_interval": check.integer(1), "max_running": check.integer(1),
     "max_batch_tokens": check.integer(1), "max_model_len": check.integer(2, optional=True),
-    "memory_fraction": check.number(0.0, 1.0, low_open=True),
+    "memory_fraction": check.number(0.0, 1.0, low_open=True), "plan": check.choice("global", "window"),
 }
 PROMPT_KEYS = {"template": check.text(), "column": check.text(), "token_ids_column": check.text()}
-OUTPUT_KEYS = {"path": check.text(), "flush_rows": check.integer(1)}
+OUTPUT_KEYS = {"path": check.text(), "flush_rows": check.integer(1),
+               "order": check.choice("completion", "input"), "keep_work": check.boolean}
 JOB_KEYS = ("name", "model", "input", "prompt", "chat", "system", "id_column", "sampling", "engine",
-            "output", "limit")
+            "output", "limit", "parallel")
 TOP_KEYS = ("defaults", "jobs")
 
 
@@ -178,11 +192,12 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
         prompt=PromptSpec(**prompt),
         sampling=sampling,
         engine=EngineSettings(**checker.section(raw.get("engine", {}), f"{where}.engine", ENGINE_KEYS)),
-        output=OutputSpec(path=_resolve(output["path"], base), flush_rows=output.get("flush_rows", 1000)),
+        output=OutputSpec(path=_resolve(output.pop("path"), base), **output),
         chat=chat,
         system=scalar("system", check.text(optional=True), None),
         id_column=scalar("id_column", check.text(optional=True), None),
         limit=scalar("limit", check.integer(1, optional=True), None),
+        parallel=ParallelSpec(**checker.section(raw.get("parallel", {}), f"{where}.parallel", PARALLEL_KEYS)),
         job_file=checker.path,
     )
 
@@ -236,4 +251,10 @@ def load_job_file(path: Path) -> JobFile:
 
 
 def engine_settings_dict(settings: EngineSettings) -> dict:
+    """Every engine setting of the job (what `_stats.json` reports)."""
     return {f.name: getattr(settings, f.name) for f in fields(settings)}
+
+
+def engine_config_kwargs(settings: EngineSettings) -> dict:
+    """The settings `batchinfer.engine.EngineConfig` takes (the job-only ones left out)."""
+    return {key: value for key, value in engine_settings_dict(settings).items() if key not in JOB_ONLY_ENGINE_KEYS}

@@ -3,7 +3,8 @@
 Outputs are a deterministic function of (prompt, seed, seed_key, sample), so a resumed
 run must reproduce exactly what an uninterrupted run writes. Cached tokens are the
 longest common prefix with any earlier prompt, like an ideal prefix cache. It yields
-samples in reverse request order, so the runner cannot rely on output order.
+samples in reverse request order, so the runner cannot rely on output order. `generate_units`
+runs each unit through `generate`, one after the other, marking each unit's last output.
 """
 from __future__ import annotations
 
@@ -82,3 +83,13 @@ class FakeEngine:
                                      cached_tokens=self.stats.cached_tokens + cached,
                                      output_tokens=self.stats.output_tokens + len(tokens))
                 yield RequestOutput(request.request_id, sample, tokens, reason, len(prompt), cached, len(tokens))
+
+    def generate_units(self, units: Iterable[Sequence[Request]]) -> Iterator[RequestOutput]:
+        for index, unit in enumerate(units):
+            previous = None
+            for output in self.generate(unit):
+                if previous is not None:
+                    yield replace(previous, unit_index=index)
+                previous = output
+            if previous is not None:
+                yield replace(previous, unit_index=index, unit_done=True)

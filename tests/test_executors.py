@@ -32,9 +32,10 @@ def _expected_rows(unit_rows: dict[int, int]) -> list[tuple[int, int]]:
     return sorted((unit, row) for unit, rows in unit_rows.items() for row in range(rows))
 
 
-def _run(folder: Path, workers: int, unit_rows=UNIT_ROWS, policy=RetryPolicy(), **settings):
+def _run(folder: Path, workers: int, unit_rows=UNIT_ROWS, policy=RetryPolicy(), specs=None, **settings):
     recipe = write_fake_job(folder, unit_rows, **settings)
-    report = LocalExecutor(recipe, local_placements(workers, "cpu", cores=2), policy).run(_specs(unit_rows))
+    report = LocalExecutor(recipe, local_placements(workers, "cpu", cores=2), policy).run(
+        specs if specs is not None else _specs(unit_rows))
     assert multiprocessing.active_children() == []  # every worker process was reaped
     return report
 
@@ -55,11 +56,11 @@ def test_predict_balance_is_lpt():
     balance = predict_balance([3, 5, 3, 4, 3], workers=2)
     # 5 -> w0, 4 -> w1, 3 (first) -> w1 (7), 3 -> w0 (8), 3 -> w1 (10)
     assert balance.assignment == (1, 0, 0, 1, 1)
-    assert balance.worker_costs == (8.0, 10.0)
-    assert (balance.makespan, balance.ideal, balance.total_cost) == (10.0, 9.0, 18.0)
-    assert balance.ratio == pytest.approx(10 / 9)
-    assert predict_balance([10, 1, 1], workers=2).ratio == 1.0  # the largest unit bounds the ideal
-    assert predict_balance([], workers=3).worker_costs == (0.0, 0.0, 0.0)
+    assert balance.loads == (8.0, 10.0) and balance.unit_counts == (2, 3)
+    assert (balance.makespan, balance.ideal, balance.total) == (10.0, 9.0, 18.0)
+    assert balance.overhead == pytest.approx(1 / 9)
+    assert predict_balance([10, 1, 1], workers=2).overhead == 0.0  # the largest unit bounds the ideal
+    assert predict_balance([], workers=3).loads == (0.0, 0.0, 0.0)
 
 
 def test_rate_limited_sink_bounds_messages_and_drops_a_finished_units_leftover():
@@ -91,7 +92,7 @@ def test_tally_replaces_live_counts_by_the_result_and_drops_a_dead_workers_count
     tally.progress(1, ProgressDelta(samples=3, prompt_tokens=30))
     now[0] = 2.0
     assert tally.snapshot().samples_done == 5
-    tally.worker_died(1, 1, "killed")
+    tally.worker_died(1, [1], "killed")
     tally.unit_finished(0, UnitResult(0, samples_written=3, samples_skipped=1, prompt_tokens=40, cached_tokens=20))
     snap = tally.snapshot()
     assert (snap.samples_done, snap.prompt_tokens, snap.hit_rate) == (4, 40, 0.5)
@@ -130,7 +131,7 @@ def test_importing_the_package_does_not_import_ray_and_a_missing_ray_is_one_line
 
 def test_two_workers_commit_the_same_outputs_as_one(tmp_path):
     one = _run(tmp_path / "one", 1, sleep=0.01)
-    two = _run(tmp_path / "two", 2, sleep=0.01)
+    two = _run(tmp_path / "two", 2, sleep=0.01, open_barrier=2)
     for report, folder in ((one, tmp_path / "one"), (two, tmp_path / "two")):
         assert report.status == "done" and report.failure is None
         assert sorted(committed_rows(folder)) == _expected_rows(UNIT_ROWS)
@@ -140,6 +141,7 @@ def test_two_workers_commit_the_same_outputs_as_one(tmp_path):
     assert sum(w["units"] for w in stats["per_worker"]) == len(UNIT_ROWS)
     assert all(w["units"] > 0 and w["busy_seconds"] > 0 for w in stats["per_worker"])
     assert stats["counters"] == {"states_evicted": len(UNIT_ROWS), "peak_memory_bytes": 107}  # summed; peak maxed
+    assert max(w["peak_memory_bytes"] for w in stats["per_worker"]) == 107  # each worker's own peak too
 
 
 def test_one_worker_runs_units_largest_estimated_cost_first(tmp_path):
@@ -173,7 +175,10 @@ def test_sigkill_of_a_worker_mid_unit_still_commits_every_row_exactly_once(tmp_p
 
 
 def test_a_unit_that_kills_every_worker_ends_the_job_naming_it(tmp_path):
-    report = _run(tmp_path, 2, policy=RetryPolicy(max_unit_attempts=3, max_restarts_per_worker=5), always_kill=[3])
+    # Unit 3 is handed out last (cheapest), so other units are in flight whenever it kills a worker.
+    specs = [UnitSpec(unit, cost=0.5 if unit == 3 else float(rows), samples=rows) for unit, rows in UNIT_ROWS.items()]
+    report = _run(tmp_path, 2, policy=RetryPolicy(max_unit_attempts=3, max_restarts_per_worker=5), specs=specs,
+                  always_kill=[3])
     assert report.status == "failed"
     assert report.failure.startswith("unit 3 failed on all 3 attempts")
     assert "killed by SIGKILL" in report.failure
@@ -248,3 +253,30 @@ def test_two_cuda_workers_on_one_gpu_each_see_one_device_and_survive_a_sigkill(t
     seen = opened_workers(tmp_path)
     assert len(seen) == 3  # two workers and the one restarted after the kill
     assert all(s["cuda_device_count"] == 1 and s["overrides"] == {"engine.memory_fraction": 0.45} for s in seen)
+
+
+# --- workers whose engine overlaps units (run_units) ----------------------------------------------
+
+def test_a_streaming_worker_holds_the_next_unit_while_the_first_still_runs(tmp_path):
+    unit_rows = {0: 8, 1: 2}  # unit 0 handed out first (larger); unit 1 joins it and finishes first
+    plain = _run(tmp_path / "plain", 1, unit_rows)
+    streaming = _run(tmp_path / "streaming", 1, unit_rows, streaming=True)
+    assert list(plain.results) == [0, 1]
+    assert list(streaming.results) == [1, 0]       # finish order: the two units overlapped
+    for report, folder in ((plain, tmp_path / "plain"), (streaming, tmp_path / "streaming")):
+        assert report.status == "done" and sorted(committed_rows(folder)) == _expected_rows(unit_rows)
+    worker = streaming.stats["per_worker"][0]
+    assert worker["units"] == 2 and 0 < worker["busy_seconds"] <= streaming.stats["wall_seconds"]
+
+
+def test_sigkill_of_a_streaming_worker_requeues_every_unit_it_held_and_commits_each_row_once(tmp_path):
+    report = _run(tmp_path, 2, kill_once=[3], sleep=0.02, streaming=True)
+    assert report.status == "done", report.failure
+    assert sorted(committed_rows(tmp_path)) == _expected_rows(UNIT_ROWS)  # no row twice, none missing
+    attempts = Counter(unit for _, unit in read_attempts(tmp_path))
+    assert attempts[3] == 2 and 3 in report.stats["units_retried"]
+    died = [f for w in report.stats["per_worker"] for f in w["failures"]]
+    assert len(died) == 1 and "killed by SIGKILL while running unit" in died[0]
+    held = [int(u) for u in died[0].split("while running unit")[1].lstrip("s ").split(", ")]
+    assert 3 in held and all(attempts[unit] == 2 for unit in held)   # everything it held ran again
+    assert report.stats["units_retried"] == sorted(held)

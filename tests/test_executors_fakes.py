@@ -12,7 +12,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Generator, Iterator, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,7 +26,10 @@ FACTORY = "tests.test_executors_fakes:build_fake_worker"
 def write_fake_job(folder: Path, unit_rows: dict[int, int], **settings: Any) -> WorkerRecipe:
     """Settings: sleep (s per chunk), chunk_rows, kill_once (units; SIGKILL on their 2nd chunk, first
     attempt only), always_kill (units), raise_in (units; raise RuntimeError), fail_open (bool),
-    cuda (bool: hold a CUDA tensor under the recipe's memory fraction and compute with it per chunk)."""
+    cuda (bool: hold a CUDA tensor under the recipe's memory fraction and compute with it per chunk),
+    streaming (bool: `run_units` holds two units at once, their chunks taking turns, as an engine
+    overlaps the end of one unit with the start of the next), open_barrier (N: open returns once N
+    workers have opened, so a slow start cannot leave one worker every unit)."""
     config = {"out": str(folder / "out"), "log": str(folder / "attempts.log"), "markers": str(folder),
               "units": {str(unit): rows for unit, rows in unit_rows.items()}, **settings}
     folder.mkdir(parents=True, exist_ok=True)
@@ -78,6 +81,10 @@ class FakeUnitWorker:
             self.block = torch.ones(1024, 1024, device=device)
             seen["cuda_device_count"] = torch.cuda.device_count()
         Path(self.config["markers"], f"opened-{worker_index}-{os.getpid()}.json").write_text(json.dumps(seen))
+        deadline = time.monotonic() + 60
+        while len(list(Path(self.config["markers"]).glob("opened-*.json"))) < self.config.get("open_barrier", 0):
+            assert time.monotonic() < deadline, "the other workers never opened"
+            time.sleep(0.01)
 
     def _first_time(self, unit_id: int) -> bool:
         try:  # O_EXCL: exactly one attempt over all processes creates it
@@ -87,6 +94,41 @@ class FakeUnitWorker:
             return False
 
     def run_unit(self, unit_id: int) -> UnitResult:
+        steps = self._unit_steps(unit_id)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as finished:
+                return finished.value
+
+    def _streaming_run_units(self, unit_ids: Iterator[int]) -> Iterator[UnitResult]:
+        active: list[Generator[None, None, UnitResult]] = []
+        source, exhausted = iter(unit_ids), False
+        while True:
+            if not exhausted and len(active) < 2:   # room for one more: pull it (may wait for the parent)
+                unit_id = next(source, None)
+                if unit_id is None:
+                    exhausted = True
+                else:
+                    active.append(self._unit_steps(unit_id))
+                continue
+            if not active:
+                return
+            steps = active.pop(0)
+            try:
+                next(steps)               # one chunk of the oldest unit, then the other's turn
+                active.append(steps)
+            except StopIteration as finished:
+                yield finished.value
+
+    def __getattr__(self, name: str) -> Any:
+        # `run_units` exists only for streaming fakes: the executors look it up to choose the mode.
+        if name == "run_units" and self.__dict__.get("config", {}).get("streaming"):
+            return self._streaming_run_units
+        raise AttributeError(name)
+
+    def _unit_steps(self, unit_id: int) -> Generator[None, None, UnitResult]:
+        """Runs the unit one chunk per step; returns its result."""
         with open(self.config["log"], "a") as log:  # one short O_APPEND write per attempt
             log.write(f"{self.worker_index} {unit_id} {os.getpid()}\n")
         if unit_id in self.config.get("raise_in", []):
@@ -115,6 +157,7 @@ class FakeUnitWorker:
             written += count
             self.progress.report(unit_id, ProgressDelta(samples=count, prompt_tokens=10 * count,
                                                         cached_tokens=4 * count, output_tokens=3 * count))
+            yield
         return UnitResult(unit_id=unit_id, samples_written=written, samples_skipped=skipped,
                           prompt_tokens=10 * written, cached_tokens=4 * written, output_tokens=3 * written,
                           parts=tuple(parts),

@@ -52,6 +52,16 @@ def test_two_cpu_actors_commit_every_row_once_also_when_one_is_killed(ray_cluste
     assert {s["device"] for s in opened_workers(tmp_path)} == {"cpu"}
 
 
+def test_streaming_actors_overlap_units_and_a_killed_one_gives_back_all_it_held(ray_cluster, tmp_path):
+    recipe = write_fake_job(tmp_path, UNIT_ROWS, sleep=0.02, kill_once=[3], streaming=True)
+    report = RayExecutor(recipe, workers=2, device="cpu").run(_specs())
+    assert report.status == "done", report.failure
+    assert sorted(committed_rows(tmp_path)) == _expected()
+    died = [f for w in report.stats["per_worker"] for f in w["failures"]]
+    assert len(died) == 1 and "(Ray actor) died while running unit" in died[0]
+    assert 3 in report.stats["units_retried"]
+
+
 def test_a_unit_that_raises_on_every_actor_ends_the_job_naming_it(ray_cluster, tmp_path):
     recipe = write_fake_job(tmp_path, {0: 1, 1: 1}, raise_in=[1])
     report = RayExecutor(recipe, workers=1, device="cpu", policy=RetryPolicy(max_unit_attempts=2)).run(

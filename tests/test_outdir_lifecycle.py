@@ -73,7 +73,8 @@ def test_after_a_full_disk_the_stats_count_only_what_is_on_disk(tmp_path, checkp
     rows = 13
     table = rag_table(rows, null_rows=(1,))
     write_parquet(table, tmp_path / "data" / "rag.parquet")
-    job_file = write_job_file(tmp_path, [job_entry(model=str(checkpoint), sampling={"max_tokens": 4, "n": 2})])
+    job_file = write_job_file(tmp_path, [job_entry(model=str(checkpoint), sampling={"max_tokens": 4, "n": 2},
+                                                   engine={"plan": "window"})])  # parts of flush_rows each
     monkeypatch.setattr(part_store, "_write_table", DiskFull(part_store._write_table, parts=2))
     with pytest.raises(JobRuntimeError, match="No space left on device"):
         run(job_file)

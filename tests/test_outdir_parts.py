@@ -30,7 +30,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def make_job(folder: Path, checkpoint: Path, **overrides) -> Path:
+    """Numbered parts (part-NNNNN) come from the window plan; unit parts: tests/test_units_resume.py."""
     write_parquet(rag_table(ROWS), folder / "data" / "rag.parquet")
+    overrides.setdefault("engine", {"plan": "window"})
     return write_job_file(folder, [job_entry(model=str(checkpoint), sampling={"max_tokens": 5, "n": 2}, **overrides)])
 
 

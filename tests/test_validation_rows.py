@@ -90,8 +90,6 @@ def test_a_template_without_columns_gives_every_row_the_same_prompt(tmp_path, ch
         (str(ROWS), str(ROWS * 2), "0")
 
 
-@pytest.mark.xfail(strict=True, reason="jobs/runner.py and jobs/planning.py must pass id_column to build_prompts "
-                                       "and read ids through prompts.row_ids (files of another helper)")
 def test_an_id_column_that_is_not_utf8_is_that_rows_error_in_run_and_plan(tmp_path, checkpoint):
     table = rag_table(ROWS)
     ids = [value.encode() for value in table["qid"].to_pylist()]

@@ -1,9 +1,10 @@
 """The engine: requests in, planned and batched through the model, results streamed out.
 
-`Engine.generate` reads requests a planning window at a time, plans each window (sorted
-DFS order, branch points, ideal reuse), and runs continuous-batching steps until every
-sample of the window is done, streaming each (request, sample) the moment it finishes. The
-next window joins as soon as the current one has no sequence left waiting for admission.
+`Engine.generate_units` takes work units (lists of requests), plans each unit as a whole
+(sorted DFS order, branch points, ideal reuse), and runs continuous-batching steps, streaming
+each (request, sample) the moment it finishes. The next unit joins as soon as the earlier ones
+have no sequence left waiting for admission. `Engine.generate` is the same over consecutive
+windows of `plan_window` requests.
 """
 from __future__ import annotations
 
@@ -49,6 +50,15 @@ def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: 
     return int(reserve * ACTIVATION_MARGIN)
 
 
+def _windows(requests: Iterable[Request], size: Optional[int]) -> Iterator[list[Request]]:
+    """`requests` in consecutive lists of `size` (the last may be shorter; None: one list)."""
+    source = iter(requests)
+    while batch := list(itertools.islice(source, size)):
+        yield batch
+        if size is None or len(batch) < size:
+            return
+
+
 class Engine:
     def __init__(self, model, config: EngineConfig, *, eos_token_ids: Seq[int] = (),
                  detokenize: Optional[Detokenize] = None, model_name: str = "") -> None:
@@ -84,7 +94,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.max_batch_tokens,
             track_interval=config.track_interval, wait_for_leaders=cache_config.tracks, tally=self.tally,
-            branch_state_capacity=self.pool_plan.cache_state_slots, max_model_len=self.max_model_len,
+            state_slots=self.pool_plan.state_slots, branch_state_capacity=self.pool_plan.cache_state_slots, max_model_len=self.max_model_len,
             drain=self._drain)
         self._windows = itertools.count()
         # Overlap (config.overlap_decode): the decode step whose tokens the host has not read yet,
@@ -131,33 +141,49 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
-        """Stream one output per (request, sample not skipped), in completion order."""
-        source = iter(requests)
-        window = self.config.plan_window
+        """Stream one output per (request, sample not skipped), in completion order. The
+        requests are planned `plan_window` at a time (None: all together), each window run as
+        a unit of `generate_units` (its `unit_index`)."""
+        return self.generate_units(_windows(requests, self.config.plan_window))
+
+    def generate_units(self, units: Iterable[Seq[Request]]) -> Iterator[RequestOutput]:
+        """Run work units: each is planned as one whole (sorted DFS order, branch points, ideal
+        reuse), whatever its size, and its outputs stream as samples finish. The next unit is
+        pulled as soon as no sequence of the earlier ones waits for admission, so outputs of
+        unit k interleave with those of unit k + 1; `RequestOutput.unit_index` says which
+        unit (0-based, in pull order) a sample belongs to and `unit_done` marks the last output
+        of its unit. A unit with nothing to generate (empty, every sample skipped) yields nothing."""
+        source = iter(units)
+        unit_ids = itertools.count()
+        left: dict[int, int] = {}  # unit index → outputs still to stream
         exhausted = False
         started, completed = time.perf_counter(), False
         try:
             while True:
                 if not exhausted and not self.scheduler.waiting:
-                    batch = list(itertools.islice(source, window))
-                    exhausted = window is None or len(batch) < window
-                    for failed in self._enqueue(batch):
-                        yield self._complete(failed)
+                    unit = next(source, None)
+                    if unit is None:
+                        exhausted = True
+                    else:
+                        for failed in self._enqueue(list(unit), next(unit_ids), left):
+                            yield self._complete(failed, left)
+                        continue  # an empty unit pulls the next at once
                 if not self.scheduler.has_work:
                     if exhausted:
                         completed = True
                         return
                     continue
                 for seq in self._step():
-                    yield self._complete(seq)
+                    yield self._complete(seq, left)
         finally:
             if not completed:  # closed early or failed: the next generate() must start clean
                 self._inflight, self._drained = None, []
                 self.scheduler.abandon()
             self.tally.add(wall_seconds=time.perf_counter() - started)
 
-    def _enqueue(self, requests: list[Request]) -> list[Sequence]:
-        """Plan a window and queue its samples; returns the samples rejected outright."""
+    def _enqueue(self, requests: list[Request], unit_index: int, left: dict[int, int]) -> list[Sequence]:
+        """Plan a unit and queue its samples; returns the samples rejected outright. Counts the
+        unit's outputs to come in `left`."""
         window_id = next(self._windows)
         rejected, accepted, samples = [], [], []
         for request in requests:
@@ -167,8 +193,8 @@ class Engine:
             if reason is not None:
                 for s in wanted:
                     rejected.append(Sequence(request, s, priority=(window_id, -1), planned_reuse=0,
-                                             checkpoints=frozenset(), leader=None, finish_reason="error",
-                                             error=reason))
+                                             checkpoints=frozenset(), leader=None, unit_index=unit_index,
+                                             finish_reason="error", error=reason))
             elif wanted:
                 accepted.append(request)
                 samples.append(wanted)
@@ -178,7 +204,8 @@ class Engine:
             seqs.append(Sequence(
                 accepted[row.prompt_index], samples[row.prompt_index][row.sample_index], (window_id, order),
                 planned_reuse=row.resume_depth, checkpoints=frozenset(row.checkpoints),
-                leader=None if row.leader is None else seqs[row.leader]))
+                leader=None if row.leader is None else seqs[row.leader], unit_index=unit_index))
+        left[unit_index] = len(rejected) + len(seqs)
         self.scheduler.add(seqs)
         return rejected
 
@@ -193,13 +220,16 @@ class Engine:
             return f"prompt has token ids outside the vocabulary [0, {vocab})"
         return None
 
-    def _complete(self, seq: Sequence) -> RequestOutput:
+    def _complete(self, seq: Sequence, left: dict[int, int]) -> RequestOutput:
         if seq.finish_reason == "error":
             self.tally.add(requests=1)
         else:
-            self.tally.add(requests=1, prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_tokens or 0,
-                           theoretical_max_cached_tokens=seq.planned_reuse, output_tokens=seq.num_outputs)
-        return seq.to_output()
+            cached = seq.cached_tokens or 0
+            self.tally.add(requests=1, prompt_tokens=seq.prompt_len, cached_tokens=cached,
+                           theoretical_max_cached_tokens=seq.planned_reuse, output_tokens=seq.num_outputs,
+                           planned_reuse_lost_tokens=max(0, seq.planned_reuse - cached))
+        left[seq.unit_index] -= 1
+        return seq.to_output(unit_done=left[seq.unit_index] == 0)
 
     # ---- one step --------------------------------------------------------------------------
     def _step(self) -> list[Sequence]:
@@ -291,7 +321,7 @@ class Engine:
         if self.scheduler.should_track(seq) and self.cache.track(seq.handle, seq.computed):
             self.cache.donate(seq.handle)  # at once: planned followers may be admitted next step
             # Keep it until they are: eviction takes states nobody is waiting for first.
-            self.cache.expect_followers(seq.handle, seq.computed, seq.followers_to_come(seq.computed))
+            self.cache.expect_followers(seq.handle, seq.computed, self.scheduler.followers_expected(seq, seq.computed))
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Each sequence's next token, drawn on the device: [N] int64 (no host sync)."""

@@ -7,23 +7,32 @@ multiple of track_interval inside the prompt, or the end of its tokens — so th
 every such position exists at a chunk end and can be tracked.
 
 Admission follows the plan's DFS order. A sequence planned to resume from a branch state
-waits until its leader has computed past that point (the state is then in the tree), so the
-reuse it gets equals the plan's regardless of max_running. A branch state stays in the tree
-until its followers are admitted (the cache evicts it last, `expect_followers`), and a leader
-is admitted only while the branch states it will open fit the state pool's cached share
-beside those still waiting for followers — so only a pool too small for the plan's open
-branches, or KV eviction under memory pressure, can make reuse less than planned. When a decode token finds no KV slot even after eviction, the
+waits until its leader has computed past that point (the state is then in the tree); later
+rows go in meanwhile. The state pool is the bound (extra_buffer): one working slot per
+running sequence plus every *live* branch state — from its leader's first admission until
+its last planned follower's — never exceeds the pool's slots. In DFS order the rows sharing
+a prefix are a run of the sorted rows, so the live branch states are those whose run holds
+an admitted row; admission checks the count before each row goes in (`_fits`), and the cache
+evicts a live state only when nothing else is left (`expect_followers`), which the bound
+rules out for the state pool. So reuse equals the plan whatever the pool size and
+max_running. Pace: beyond the pool's cached share (`branch_state_capacity`) of live states,
+only the head of the plan opens more, so followers keep finding working slots. A plan that
+cannot fit — say one row leading more branch states than the pool holds beside one working slot
+— is run anyway: when nothing runs and no waiting row fits, the head goes in with its deepest
+branch states given up (`branch_states_over_capacity`; their followers recompute). KV
+eviction under memory pressure can still take a live state (the KV goes first); both show in
+`planned_reuse_lost_tokens`. When a decode token finds no KV slot even after eviction, the
 youngest running sequence is preempted: all its slots are freed, and it is re-admitted later
 to recompute prompt + generated tokens (resuming from whatever the cache still holds).
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Callable
 
 from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.stats import StatsTally
+from batchinfer.engine.wait_queue import WaitQueue
 from cache.seq_handle import AWAITED_TOKEN
 
 _ADMISSION_SCAN_FACTOR = 4  # waiting entries inspected per free running place, per step
@@ -42,7 +51,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache, *, max_running: int, max_batch_tokens: int, track_interval: int,
-                 wait_for_leaders: bool, tally: StatsTally, branch_state_capacity: int = 1 << 30,
+                 wait_for_leaders: bool, tally: StatsTally, state_slots: int = 1 << 30,
+                 branch_state_capacity: int = 1 << 30,
                  max_model_len: int = 1 << 62, drain: Callable[[], None] = lambda: None) -> None:
         self.cache = cache                    # cache.StateCache
         self.max_running = max_running
@@ -50,15 +60,18 @@ class Scheduler:
         self.track_interval = track_interval
         self.wait_for_leaders = wait_for_leaders  # only when planned states are tracked (extra_buffer)
         self.tally = tally
-        # Cached state slots beside the running requests' own: how many branch states may wait
-        # for their followers at once (plan_pools' cache_state_slots).
+        # The whole state pool: working slots plus live branch states never exceed it.
+        self.state_slots = state_slots
+        # Cached state slots beside the running requests' own (plan_pools' cache_state_slots):
+        # the pace of admission, how many branch states leaders other than the head may open.
         self.branch_state_capacity = branch_state_capacity
         self.max_model_len = max_model_len
         # Resolves every decode step still in flight (the engine's): called before preempting.
         self.drain = drain
-        # (leader, depth) of branch states with followers still to come (sequences hash by identity).
-        self._open_branches: set[tuple[Sequence, int]] = set()
-        self.waiting: list[Sequence] = []     # sorted by priority
+        # Live branch states: (leader, depth) → planned followers not yet admitted (sequences
+        # hash by identity). Counted from the leader's first admission, before the state exists.
+        self._live_branches: dict[tuple[Sequence, int], int] = {}
+        self.waiting = WaitQueue()            # in priority (plan) order
         self.running: list[Sequence] = []     # in admission order (youngest last)
 
     @property
@@ -69,7 +82,7 @@ class Scheduler:
         for seq in seqs:
             if seq.leader is not None:
                 seq.leader.followers.setdefault(seq.planned_reuse, []).append(seq)
-            bisect.insort(self.waiting, seq, key=lambda s: s.priority)
+        self.waiting.add(seqs)
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -104,54 +117,116 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def _admit(self, plan: StepPlan) -> None:
+        self.waiting.tidy()
         free_places = self.max_running - len(self.running)
-        scanned, limit = 0, max(1, free_places) * _ADMISSION_SCAN_FACTOR
-        i = 0
-        while i < len(self.waiting) and free_places > 0 and scanned < limit:
-            seq = self.waiting[i]
+        self._scan(plan, limit=max(1, free_places) * _ADMISSION_SCAN_FACTOR)
+        if self.wait_for_leaders and not self.running and self.waiting:
+            # Nothing runs, so nothing will free room: look at every waiting row; if none fits
+            # still, the plan needs more live branch states than the pool holds.
+            self._scan(plan, limit=None)
+            if not self.running and self.waiting:
+                self._admit_over_capacity(plan)
+
+    def _scan(self, plan: StepPlan, limit) -> None:
+        """Admit waiting sequences in plan order, skipping those whose leader has not reached
+        their branch point yet or whose admission would not fit (`_fits`)."""
+        free_places = self.max_running - len(self.running)
+        scanned, head = 0, True  # head: every entry before this one was admitted
+        for position, seq in self.waiting.entries():
+            if free_places <= 0 or (limit is not None and scanned >= limit):
+                break
             scanned += 1
-            if self.wait_for_leaders and (not seq.is_ready() or not self._branches_fit(seq)):
-                i += 1
+            if self.wait_for_leaders and not (seq.is_ready() and self._fits(seq, head)):
+                head = False
                 continue
-            first = seq.cached_tokens is None
-            handle = self.cache.admit(id(seq), seq.tokens,
-                                      planned_resume=seq.planned_reuse if first and seq.leader is not None else 0)
-            if handle is None:
-                if not self.running:  # nothing will ever free room for it
-                    self.waiting.pop(i)
-                    plan.failed.append(seq)
-                    seq.error = f"the cache cannot hold this sequence ({len(seq.tokens)} tokens) even alone"
-                    continue
+            if not self._try_admit(plan, position, seq):
                 break  # keep plan order: wait for running sequences to free room
-            self.waiting.pop(i)
-            self._start(seq, handle)
+            free_places -= seq.handle is not None  # not when it failed
+
+    def _try_admit(self, plan: StepPlan, position: int, seq: Sequence, dropped: tuple[int, ...] = ()) -> bool:
+        """Admit `seq` (at `position` in the queue); False when the cache has no room for it now.
+        `dropped`: branch depths it leads whose states the pool cannot hold (nothing expects them)."""
+        first = seq.cached_tokens is None
+        handle = self.cache.admit(id(seq), seq.tokens,
+                                  planned_resume=seq.planned_reuse if first and seq.leader is not None else 0)
+        if handle is None:
+            if self.running:
+                return False
+            self.waiting.take(position)  # nothing will ever free room for it
+            plan.failed.append(seq)
+            seq.error = f"the cache cannot hold this sequence ({len(seq.tokens)} tokens) even alone"
             if first:
-                self._note_first_admission(seq)
-            free_places -= 1
-
-    def _branches_fit(self, seq: Sequence) -> bool:
-        """A top-level leader's first admission opens a branch state per checkpoint; admit it only
-        while they fit beside the open ones. Never held back: followers (nested leaders too —
-        their admissions close branches), and anyone when nothing runs or nothing is open
-        (waiting could not change the open set then)."""
-        if seq.leader is not None or seq.cached_tokens is not None or not seq.followers \
-                or not self._open_branches or not self.running:
+                self._follower_gone(seq, admitted=False)
             return True
-        if len(self._open_branches) + len(seq.followers) <= self.branch_state_capacity:
-            return True
-        # About to hold a leader back: first drop branches whose remaining followers will never
-        # be admitted (finished with an error before admission), so they cannot block for good.
-        self._open_branches = {(leader, depth) for leader, depth in self._open_branches
-                               if leader.followers_to_come(depth) > 0}
-        return not self._open_branches or \
-            len(self._open_branches) + len(seq.followers) <= self.branch_state_capacity
+        self.waiting.take(position)
+        self._start(seq, handle)
+        if first:
+            self._note_first_admission(seq, handle, dropped)
+        return True
 
-    def _note_first_admission(self, seq: Sequence) -> None:
-        for depth in seq.followers:
-            self._open_branches.add((seq, depth))
-        leader = seq.leader
-        if leader is not None and leader.followers_to_come(seq.planned_reuse) == 0:
-            self._open_branches.discard((leader, seq.planned_reuse))
+    def _fits(self, seq: Sequence, head: bool) -> bool:
+        """Whether admitting `seq` keeps every live branch state within the state pool.
+
+        The pool holds one working slot per running sequence plus the branch states still
+        awaited (leader admitted, a follower not yet): in DFS order those are the branches
+        whose run of rows holds an admitted row. Admission peaks while the new working slot
+        is filled from a branch state that is still held; a leader's first admission then adds
+        one state per branch it leads, a follower's removes its branch's when it is the last.
+        Beyond `branch_state_capacity` live branches only the head of the plan may open more:
+        later leaders wait, so followers keep finding working slots and the head always moves."""
+        live = len(self._live_branches)
+        peak = len(self.running) + 1 + live
+        if seq.cached_tokens is not None:  # re-admission after preemption: a working slot only
+            return peak <= self.state_slots
+        opens = len(seq.followers)
+        closes = int(self._live_branches.get((seq.leader, seq.planned_reuse)) == 1)
+        if peak + max(0, opens - closes) > self.state_slots:
+            return False
+        return head or opens <= closes or live + opens - closes <= self.branch_state_capacity
+
+    def _admit_over_capacity(self, plan: StepPlan) -> None:
+        """Nothing runs and no waiting row fits: the head of the plan (ready: its leader is done)
+        goes in with only as many of its branch states as the pool still holds, its deepest
+        ones given up (their followers recompute from a shallower state; counted)."""
+        position, seq = next(self.waiting.entries())
+        dropped: tuple[int, ...] = ()
+        if seq.cached_tokens is None and seq.followers:
+            closes = int(self._live_branches.get((seq.leader, seq.planned_reuse)) == 1)
+            room = max(0, self.state_slots - 1 - len(self._live_branches) + closes)
+            dropped = tuple(sorted(seq.followers)[room:])
+            self.tally.add(branch_states_over_capacity=len(dropped))
+        self._try_admit(plan, position, seq, dropped)
+
+    def followers_expected(self, seq: Sequence, depth: int) -> int:
+        """Planned followers still to be admitted from the branch state `seq` leads at `depth`
+        (0 when none, or when that state was given up for want of room)."""
+        return self._live_branches.get((seq, depth), 0)
+
+    def _note_first_admission(self, seq: Sequence, handle, dropped: tuple[int, ...]) -> None:
+        self._follower_gone(seq, admitted=True)
+        for depth, followers in seq.followers.items():
+            if depth in dropped:
+                continue
+            self._live_branches[(seq, depth)] = len(followers)
+            # Resumed at or past it (the tree had states from earlier work): the state must be
+            # there now, or there is nothing to keep for the followers.
+            if depth <= handle.resume_len and not self.cache.expect_followers(handle, depth, len(followers)):
+                del self._live_branches[(seq, depth)]
+
+    def _follower_gone(self, seq: Sequence, admitted: bool) -> None:
+        """`seq` no longer waits for its branch state: the last follower to go closes the
+        branch. An admission told the cache itself (`admit`'s planned_resume); one that
+        failed before it must, or the state would be held for it for good."""
+        key = (seq.leader, seq.planned_reuse)
+        left = self._live_branches.get(key)
+        if left is None:
+            return
+        if left > 1:
+            self._live_branches[key] = left - 1
+        else:
+            del self._live_branches[key]
+        if not admitted:
+            self.cache.forget_followers(seq.leader.tokens, seq.planned_reuse, 1)
 
     def _start(self, seq: Sequence, handle) -> None:
         seq.handle = handle
@@ -211,7 +286,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self._drop(seq)
         seq.computed = 0
-        bisect.insort(self.waiting, seq, key=lambda s: s.priority)
+        self.waiting.insert(seq)
         self.tally.add(preemptions=1)
 
     def _drop(self, seq: Sequence) -> None:
@@ -230,4 +305,6 @@ class Scheduler:
         for seq in list(self.running):
             self._drop(seq)
         self.waiting.clear()
-        self._open_branches.clear()
+        for (leader, depth), left in self._live_branches.items():
+            self.cache.forget_followers(leader.tokens, depth, left)
+        self._live_branches.clear()

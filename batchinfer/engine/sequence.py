@@ -17,6 +17,7 @@ class Sequence:
     planned_reuse: int                   # the planner's ideal reuse for this sample
     checkpoints: frozenset[int]          # planned branch depths this sequence's prefill leads
     leader: Optional["Sequence"]         # produces the state at `planned_reuse` (None: no reuse)
+    unit_index: int = 0                  # the generate call's unit (plan window) this sample belongs to
     followers: dict[int, list["Sequence"]] = field(default_factory=dict, repr=False)  # checkpoint → who resumes there
     tokens: list[int] = field(default_factory=list)  # prompt, then sampled outputs
     handle: object = None                # cache.SeqHandle while running, else None
@@ -66,22 +67,18 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def followers_to_come(self, depth: int) -> int:
-        """Planned followers of this sequence's checkpoint at `depth` not yet admitted once."""
-        return sum(1 for f in self.followers.get(depth, ()) if f.cached_tokens is None and not f.finished)
-
     def is_ready(self) -> bool:
         """The state this sequence plans to resume from exists (or never will: leader done)."""
         leader = self.leader
         return leader is None or leader.finished or leader.high_water >= self.planned_reuse
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self, unit_done: bool = False) -> RequestOutput:
         return RequestOutput(
             request_id=self.request.request_id, sample_index=self.sample_index,
             token_ids=tuple(self.outputs), finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len, cached_tokens=self.cached_tokens or 0,
             completion_tokens=self.num_outputs, error=self.error,
-            theoretical_max_cached_tokens=self.planned_reuse)
+            theoretical_max_cached_tokens=self.planned_reuse, unit_index=self.unit_index, unit_done=unit_done)
 
 
 @dataclass(frozen=True)

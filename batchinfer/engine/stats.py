@@ -12,6 +12,8 @@ class EngineStats:
     prompt_tokens: int = 0                # Σ prompt length over finished samples
     cached_tokens: int = 0                # prompt tokens reused from the prefix cache
     theoretical_max_cached_tokens: int = 0  # the planner's ideal for the same samples
+    planned_reuse_lost_tokens: int = 0    # Σ over samples of what they reused short of their plan
+    branch_states_over_capacity: int = 0  # planned branch states given up: more live at once than the state pool holds
     discarded_kv_tokens: int = 0          # KV matched past the deepest state: recomputed anyway
     recomputed_tokens: int = 0            # prompt + output tokens prefilled again after preemption
     states_tracked: int = 0

@@ -72,3 +72,5 @@ class RequestOutput:
     completion_tokens: int
     error: Optional[str] = None        # set with finish_reason == "error" (e.g. prompt too long)
     theoretical_max_cached_tokens: int = 0  # the planner's ideal reuse for this sample
+    unit_index: int = 0                # which unit (or plan window) of the generate call this sample belongs to
+    unit_done: bool = False            # the last output of its unit: every sample of the unit is out

@@ -54,7 +54,13 @@ class ProgressSink(Protocol):
 
 @runtime_checkable
 class UnitWorker(Protocol):
-    """Runs inside a worker process or actor; one instance serves many units."""
+    """Runs inside a worker process or actor; one instance serves many units.
+
+    A worker whose engine overlaps units (starts the next while the last sequences of one still
+    decode) also defines `run_units(unit_ids: Iterator[int]) -> Iterator[UnitResult]`: it pulls the
+    next id only when its engine has room for more work (the pull may wait for the parent) and yields
+    each unit's result once that unit is committed, in any order. Without it, units run one at a time.
+    """
 
     def open(self, worker_index: int, device: str, progress: ProgressSink) -> None:
         """Load what every unit needs (the model) once. `device` is e.g. "cuda:0" or "cpu"."""

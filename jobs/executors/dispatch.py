@@ -1,9 +1,13 @@
-"""The dispatch loop both executors share: free worker gets the largest unit, dead worker's unit goes back.
+"""The dispatch loop both executors share: a worker with room gets the largest unit, a dead worker's units go back.
 
 A transport (processes with pipes, or Ray actors) starts workers, hands them units and reports
 events; this loop owns every decision: the order of units, retries, restarts, when the job has
-failed, and the accounting. The exactly-once rule needs nothing here: a unit's part names are fixed
-by the unit, so running it again after a crash rewrites the same names.
+failed, and the accounting. A worker asks for work (`Ready` at first, then `Want` whenever its
+engine has room) and is answered at once: the largest pending unit, or `drain` when none is
+pending. So a worker may hold several units at a time (an engine overlaps the end of one unit
+with the start of the next), and no unit is ever queued behind a busy worker. The exactly-once
+rule needs nothing here: a unit's part names are fixed by the unit, so running it again after a
+crash rewrites the same names.
 """
 from __future__ import annotations
 
@@ -19,6 +23,15 @@ from jobs.executors.unit_queue import UnitQueue, UnitSpec
 
 @dataclass(frozen=True)
 class Ready:
+    """The worker is loaded and holds no unit."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
+class Want:
+    """The worker's engine has room for another unit; it waits for a unit or `drain`."""
+
     slot: int
 
 
@@ -37,14 +50,13 @@ class Finished:
 
 @dataclass(frozen=True)
 class Died:
-    """The worker is gone (exit, signal, exception, lost actor); `unit_id` is what it was running."""
+    """The worker is gone (exit, signal, exception, lost actor) with whatever units it held."""
 
     slot: int
-    unit_id: Optional[int]
     reason: str
 
 
-Event = Union[Ready, Progress, Finished, Died]
+Event = Union[Ready, Want, Progress, Finished, Died]
 
 
 class Transport(Protocol):
@@ -54,7 +66,10 @@ class Transport(Protocol):
         """Start (or restart) the slot's worker; it answers Ready when loaded, or Died."""
 
     def assign(self, slot: int, unit_id: int) -> None:
-        """Hand a ready, idle worker one unit; it answers Finished or Died."""
+        """Answer a Ready or Want with one unit; the worker later answers Finished for it, or Died."""
+
+    def drain(self, slot: int) -> None:
+        """Answer a Want with: nothing more for now; finish the units you hold."""
 
     def poll(self, timeout: float) -> list[Event]:
         """Events that arrived, waiting at most `timeout` seconds for the first."""
@@ -75,9 +90,12 @@ class ExecutionReport:
     failure: Optional[str]             # one line naming the unit or the workers' reasons
     stats: dict[str, Any]              # the executor's section of _stats.json
     results: dict[int, UnitResult] = field(default_factory=dict)
+    interrupted_by: Optional[int] = None   # the signal that stopped the run (SIGINT, SIGTERM), if one did
 
 
-_STARTING, _IDLE, _BUSY, _DEAD = "starting", "idle", "busy", "dead"
+# STARTING: loading; IDLE: loaded, no session; WANT: waits for our answer; BUSY: runs units and will
+# ask again; DRAINING: told to finish what it holds; DEAD: gone (restarted through STARTING).
+_STARTING, _IDLE, _WANT, _BUSY, _DRAINING, _DEAD = "starting", "idle", "want", "busy", "draining", "dead"
 
 
 class StopFlag:
@@ -85,8 +103,11 @@ class StopFlag:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self.signal: Optional[int] = None
 
-    def set(self, *_: Any) -> None:
+    def set(self, signum: Optional[int] = None, *_: Any) -> None:
+        if isinstance(signum, int) and self.signal is None:
+            self.signal = signum
         self._event.set()
 
     def __bool__(self) -> bool:
@@ -120,39 +141,54 @@ def run_dispatch(transport: Transport, units: Sequence[UnitSpec], devices: list[
     queue = UnitQueue(units, policy.max_unit_attempts)
     tally = Tally(queue.units, devices)
     state = [_STARTING] * len(devices)
-    running: list[Optional[int]] = [None] * len(devices)
+    held: list[set[int]] = [set() for _ in devices]   # units each worker holds (assigned, not finished)
     restarts = [0] * len(devices)
     failure: Optional[str] = None
     last_progress = tally.clock()
 
+    def answer(slot: int) -> None:
+        """A worker asked (Ready or Want): the largest pending unit, or drain when none may be handed out."""
+        unit_id = queue.take() if failure is None and not stop else None
+        if unit_id is not None:
+            state[slot] = _BUSY
+            held[slot].add(unit_id)
+            tally.unit_started(slot, unit_id)
+            transport.assign(slot, unit_id)
+        elif state[slot] == _WANT:
+            transport.drain(slot)
+            state[slot] = _DRAINING if held[slot] else _IDLE
+
     def dispatch() -> None:
         for slot, slot_state in enumerate(state):
-            if slot_state == _IDLE and failure is None and not stop:
-                unit_id = queue.take()
-                if unit_id is None:
-                    return
-                state[slot], running[slot] = _BUSY, unit_id
-                tally.unit_started(slot, unit_id)
-                transport.assign(slot, unit_id)
+            if slot_state in (_IDLE, _WANT):
+                answer(slot)
 
     def handle(event: Event) -> None:
         nonlocal failure
+        slot = event.slot
         if isinstance(event, Ready):
-            state[event.slot] = _IDLE
-            tally.worker_ready(event.slot)
+            state[slot] = _IDLE
+            tally.worker_ready(slot)
+        elif isinstance(event, Want):
+            if state[slot] == _BUSY:
+                state[slot] = _WANT
         elif isinstance(event, Progress):
             tally.progress(event.unit_id, event.delta)
         elif isinstance(event, Finished):
-            queue.finish(event.result.unit_id)
-            tally.unit_finished(event.slot, event.result)
-            state[event.slot], running[event.slot] = _IDLE, None
+            unit_id = event.result.unit_id
+            held[slot].discard(unit_id)
+            queue.finish(unit_id)
+            tally.unit_finished(slot, event.result)
+            if state[slot] == _DRAINING and not held[slot]:
+                state[slot] = _IDLE
         elif isinstance(event, Died):
-            slot, unit_id = event.slot, running[event.slot]
-            state[slot], running[slot] = _DEAD, None
-            tally.worker_died(slot, unit_id, event.reason)
-            if unit_id is not None and not queue.fail(unit_id, event.reason) and failure is None:
-                failure = (f"unit {unit_id} failed on all {queue.attempts[unit_id]} attempts "
-                           f"(max_unit_attempts); last: {event.reason}")
+            lost, held[slot] = sorted(held[slot]), set()
+            state[slot] = _DEAD
+            tally.worker_died(slot, lost, event.reason)
+            for unit_id in lost:
+                if not queue.fail(unit_id, event.reason) and failure is None:
+                    failure = (f"unit {unit_id} failed on all {queue.attempts[unit_id]} attempts "
+                               f"(max_unit_attempts); last: {event.reason}")
             if failure is None and not stop and queue.unfinished and restarts[slot] < policy.max_restarts_per_worker:
                 restarts[slot] += 1
                 state[slot] = _STARTING
@@ -169,7 +205,7 @@ def run_dispatch(transport: Transport, units: Sequence[UnitSpec], devices: list[
                 if stop:
                     status = "interrupted"
                     break
-                if queue.unfinished == 0 or (failure is not None and _BUSY not in state):
+                if queue.unfinished == 0 or (failure is not None and not any(held)):
                     break
                 if all(slot_state == _DEAD for slot_state in state):
                     reasons = "; ".join(f"worker {w.worker}: {w.failures[-1]}" for w in tally.workers if w.failures)
@@ -190,4 +226,4 @@ def run_dispatch(transport: Transport, units: Sequence[UnitSpec], devices: list[
         on_progress(tally.snapshot())
     return ExecutionReport(status=status, failure=failure,
                            stats=tally.stats(executor, status, failure, queue.retried),
-                           results=dict(tally.results))
+                           results=dict(tally.results), interrupted_by=stop.signal if status == "interrupted" else None)

@@ -2,9 +2,10 @@
 
 Processes are started with the 'spawn' method (a fresh interpreter: no CUDA state or model copied
 from the parent), each with its placement's environment (CUDA_VISIBLE_DEVICES, thread counts). The
-parent talks to each worker over its own pipe: unit ids one way; readiness, progress (rate-bounded),
-results and failures the other. A worker that exits, is killed, or raises is detected through its
-process sentinel and pipe; the dispatch loop then retries its unit and restarts it.
+parent talks to each worker over its own pipe, in the messages of `worker_loop.py`: units and
+drains one way; readiness, requests for work, progress (rate-bounded), results and failures the
+other. A worker that exits, is killed, or raises is detected through its process sentinel and
+pipe; the dispatch loop then retries the units it held and restarts it.
 """
 from __future__ import annotations
 
@@ -13,27 +14,22 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
-from jobs.executors.contract import RateLimitedSink, WorkerRecipe
+from jobs.executors.contract import WorkerRecipe
 from jobs.executors.dispatch import (Died, Event, ExecutionReport, Finished, Progress, Ready, RetryPolicy,
-                                     StopFlag, run_dispatch)
+                                     StopFlag, Want, run_dispatch)
 from jobs.executors.placement import Placement
 from jobs.executors.tally import ProgressSnapshot
 from jobs.executors.unit_queue import UnitSpec
+from jobs.executors.worker_loop import exit_after_failure, raise_stop_requested, serve
 
 CLOSE_SECONDS = 30.0      # a worker asked to close gets this long to release its device
 TERMINATE_SECONDS = 5.0   # then SIGTERM, then SIGKILL after this long
 
 _ENV_LOCK = threading.Lock()
-
-
-def describe_exception(exc: BaseException) -> str:
-    """One line: type and the first line of the message, bounded."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {message}"[:500] if message else type(exc).__name__
 
 
 def describe_exit(exitcode: Optional[int]) -> str:
@@ -47,36 +43,33 @@ def describe_exit(exitcode: Optional[int]) -> str:
     return f"exited with code {exitcode}"
 
 
-def _worker_main(placement: Placement, recipe: WorkerRecipe, conn: Connection, progress_interval: float) -> None:
-    """The worker process: build the UnitWorker once, then run the units the parent sends."""
-    # Ctrl-C reaches the whole process group; only the parent decides what stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sink = RateLimitedSink(lambda unit_id, delta: conn.send(("progress", unit_id, delta)), progress_interval)
-    unit_id: Optional[int] = None
+def describe_units(units: Collection[int], ready: bool) -> str:
+    """Where a worker was when it died, for its failure line."""
+    if units:
+        ids = sorted(units)
+        return f" while running unit {ids[0]}" if len(ids) == 1 else f" while running units {', '.join(map(str, ids))}"
+    return "" if ready else " before it was ready"
+
+
+def _receive(conn: Connection) -> Optional[tuple]:
     try:
-        worker = recipe.with_overrides(**placement.overrides).build()
+        return conn.recv()
+    except EOFError:  # the parent is gone: nobody will take our results
+        return None
+
+
+def _worker_main(placement: Placement, recipe: WorkerRecipe, conn: Connection, progress_interval: float) -> None:
+    """The worker process: the shared worker loop over this process's pipe."""
+    # Ctrl-C reaches the whole process group; only the parent decides what stops, with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, raise_stop_requested)
+
+    def set_threads() -> None:
         if placement.torch_threads is not None and "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(placement.torch_threads)
-        worker.open(placement.worker, placement.device, sink)
-        conn.send(("ready",))
-        while True:
-            try:
-                message = conn.recv()
-            except EOFError:  # the parent is gone: nobody will take our results
-                break
-            if message[0] == "close":
-                break
-            unit_id = message[1]
-            result = worker.run_unit(unit_id)
-            sink.discard(unit_id)
-            conn.send(("done", result))
-            unit_id = None
-        worker.close()
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
-        try:
-            conn.send(("failed", unit_id, describe_exception(exc)))
-        finally:
-            sys.exit(1)
+
+    exit_after_failure(serve, recipe.with_overrides(**placement.overrides), placement.worker, placement.device,
+                       lambda: _receive(conn), conn.send, progress_interval, set_threads)
 
 
 @dataclass
@@ -84,7 +77,7 @@ class _Process:
     slot: int
     process: Any
     conn: Connection
-    unit_id: Optional[int] = None
+    units: set[int] = field(default_factory=set)   # assigned and not finished
     ready: bool = False
     reported: bool = False       # its Died event was emitted
 
@@ -118,22 +111,26 @@ class _ProcessTransport:
         child_conn.close()  # so the parent sees EOF when the child is gone
         self.live[slot] = _Process(slot, process, parent_conn)
 
-    def assign(self, slot: int, unit_id: int) -> None:
-        worker = self.live[slot]
-        worker.unit_id = unit_id
+    def _send(self, worker: _Process, message: tuple) -> None:
         try:
-            worker.conn.send(("unit", unit_id))
+            worker.conn.send(message)
         except OSError:  # it died since its last message: the sentinel will tell how
             pass
+
+    def assign(self, slot: int, unit_id: int) -> None:
+        worker = self.live[slot]
+        worker.units.add(unit_id)
+        self._send(worker, ("unit", unit_id))
+
+    def drain(self, slot: int) -> None:
+        self._send(self.live[slot], ("drain",))
 
     def _died(self, worker: _Process, what: str) -> None:
         if worker.reported:
             return
         worker.reported = True
-        where = (f" while running unit {worker.unit_id}" if worker.unit_id is not None
-                 else "" if worker.ready else " before it was ready")
-        self.events.append(Died(worker.slot, worker.unit_id,
-                                f"worker {worker.slot} (pid {worker.process.pid}) {what}{where}"))
+        where = describe_units(worker.units, worker.ready)
+        self.events.append(Died(worker.slot, f"worker {worker.slot} (pid {worker.process.pid}) {what}{where}"))
         del self.live[worker.slot]
         self.retired.append(worker)
         if worker.process.is_alive():  # it reported an exception: make sure it goes
@@ -147,14 +144,15 @@ class _ProcessTransport:
                 if kind == "ready":
                     worker.ready = True
                     self.events.append(Ready(worker.slot))
+                elif kind == "want":
+                    self.events.append(Want(worker.slot))
                 elif kind == "progress":
                     self.events.append(Progress(worker.slot, message[1], message[2]))
                 elif kind == "done":
-                    worker.unit_id = None
+                    worker.units.discard(message[1].unit_id)
                     self.events.append(Finished(worker.slot, message[1]))
                 elif kind == "failed":
-                    worker.unit_id = message[1]
-                    self._died(worker, f"raised {message[2]}")
+                    self._died(worker, f"raised {message[1]}")
         except (EOFError, OSError):
             pass  # the pipe closed: the sentinel reports the exit
 

@@ -14,8 +14,10 @@ Why Ray Core actors and not Ray Data (`map_batches` over an `ActorPoolStrategy`,
 - with actors the Ray executor is the local one with another transport: the same dispatch loop
   (`dispatch.run_dispatch`), the same worker code, the same tests.
 
-Progress travels from actors to the driver through a `ray.util.queue.Queue` (an actor of its own,
-zero CPUs), at the rate bound of `RateLimitedSink`. Ray is imported only when a run starts: importing
+Each actor runs the worker loop of `worker_loop.py` (the one worker processes run) on a thread; the
+driver sends it messages by method call and collects its messages (readiness, requests for work,
+results, progress at the rate bound of `RateLimitedSink`) with one outstanding `events` call per
+actor; a lost actor shows as that call failing. Ray is imported only when a run starts: importing
 this module, or the package, never imports it, and `executor_problem` reports its absence in one line.
 Every node needs batchinfer installed (or a `runtime_env` that ships it) and must see the output folder
 and the job's work folder (a shared path, or an object-store URI written through `storage.PartStore`).
@@ -23,12 +25,16 @@ and the job's work folder (a shared path, or an object-store URI written through
 from __future__ import annotations
 
 import importlib.util
+import queue
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from jobs.executors.contract import ProgressDelta, RateLimitedSink, WorkerRecipe
+from jobs.executors.contract import WorkerRecipe
 from jobs.executors.dispatch import (Died, Event, ExecutionReport, Finished, Progress, Ready, RetryPolicy,
-                                     StopFlag, run_dispatch)
-from jobs.executors.local import describe_exception
+                                     StopFlag, Want, run_dispatch)
+from jobs.executors.local import describe_units
+from jobs.executors.worker_loop import serve
 from jobs.executors.placement import MEMORY_FRACTION_KEY
 from jobs.executors.tally import ProgressSnapshot
 from jobs.executors.unit_queue import UnitSpec
@@ -36,6 +42,8 @@ from jobs.executors.unit_queue import UnitSpec
 RAY_MISSING = "executor: ray needs Ray, which is not installed (pip install 'batchinfer[ray]')"
 EXECUTORS = ("local", "ray")
 CLOSE_SECONDS = 30.0
+EVENTS_WAIT_SECONDS = 0.5   # an `events` call returns at the first message, or empty after this long
+_EVENTS_GROUP = "events"
 
 
 def ray_available() -> bool:
@@ -52,111 +60,147 @@ def executor_problem(executor: str) -> Optional[str]:
 
 
 class _UnitActor:
-    """The actor's body (wrapped by `ray.remote` at run time): builds and drives one UnitWorker."""
+    """The actor's body (wrapped by `ray.remote` at run time): the shared worker loop on a thread of its own.
 
-    def __init__(self, recipe: WorkerRecipe, worker_index: int, generation: int, device: str, progress_queue: Any,
-                 progress_interval: float) -> None:
-        self.recipe, self.worker_index, self.device = recipe, worker_index, device
-        tag = (worker_index, generation)
-        self.sink = RateLimitedSink(lambda unit_id, delta: self._send(progress_queue, (tag, unit_id, delta)),
-                                    progress_interval)
-        self.worker = None
+    Messages reach the loop through an inbox (`send`, in call order: the default concurrency group runs one
+    call at a time); its messages wait in an outbox that the driver collects with `events`, which runs in
+    a group of its own so that a waiting `events` call never holds up `send`.
+    """
 
-    @staticmethod
-    def _send(queue: Any, item: tuple) -> None:
+    def __init__(self, recipe: WorkerRecipe, worker_index: int, device: str, progress_interval: float) -> None:
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._serve, args=(recipe, worker_index, device, progress_interval),
+                                       name="batchinfer-unit-worker", daemon=True)
+        self.thread.start()
+
+    def _serve(self, recipe: WorkerRecipe, worker_index: int, device: str, progress_interval: float) -> None:
         try:
-            queue.put_nowait(item)
-        except Exception:  # progress is best-effort: a lost event never loses work
+            serve(recipe, worker_index, device, self.inbox.get, self.outbox.put, progress_interval)
+        except BaseException:  # noqa: BLE001 - already in the outbox as ("failed", reason)
             pass
 
-    def open(self) -> None:
-        self.worker = self.recipe.build()
-        self.worker.open(self.worker_index, self.device, self.sink)
+    def send(self, message: tuple) -> None:
+        self.inbox.put(message)
 
-    def run_unit(self, unit_id: int) -> Any:
-        result = self.worker.run_unit(unit_id)
-        self.sink.discard(unit_id)
-        return result
+    def events(self, timeout: float) -> list[tuple]:
+        """What the loop said since the last call; waits up to `timeout` seconds for the first message."""
+        try:
+            items = [self.outbox.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return items
 
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
+    def join(self, timeout: float) -> bool:
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+@dataclass
+class _Actor:
+    handle: Any
+    generation: int
+    units: set[int] = field(default_factory=set)   # assigned and not finished
+    ready: bool = False
 
 
 class _RayTransport:
     def __init__(self, ray: Any, recipe: WorkerRecipe, devices: Sequence[str], resources: Mapping[str, float],
                  progress_interval: float) -> None:
-        from ray.util.queue import Queue
-
         self.ray = ray
         self.recipe = recipe
         self.devices = devices
         self.resources = dict(resources)
         self.progress_interval = progress_interval
-        self.actor_class = ray.remote(_UnitActor)
-        self.queue = Queue(actor_options={"num_cpus": 0})
-        self.actors: dict[int, Any] = {}
+        self.actor_class = ray.remote(concurrency_groups={_EVENTS_GROUP: 1})(_UnitActor)
+        self.actors: dict[int, _Actor] = {}
         self.generation: dict[int, int] = {}
-        self.calls: dict[Any, tuple[int, str, Optional[int]]] = {}   # object ref -> (slot, method, unit)
+        self.calls: dict[Any, tuple[int, int]] = {}   # outstanding `events` call -> (slot, generation)
 
     def start(self, slot: int) -> None:
         generation = self.generation.get(slot, -1) + 1
         self.generation[slot] = generation
         # Ray must not restart or retry on its own: the dispatch loop decides, and counts.
-        actor = self.actor_class.options(**self.resources, max_restarts=0, max_task_retries=0).remote(
-            self.recipe, slot, generation, self.devices[slot], self.queue, self.progress_interval)
-        self.actors[slot] = actor
-        self.calls[actor.open.remote()] = (slot, "open", None)
+        handle = self.actor_class.options(**self.resources, max_restarts=0, max_task_retries=0).remote(
+            self.recipe, slot, self.devices[slot], self.progress_interval)
+        self.actors[slot] = _Actor(handle, generation)
+        self._collect(slot)
+
+    def _collect(self, slot: int) -> None:
+        actor = self.actors[slot]
+        ref = actor.handle.events.options(concurrency_group=_EVENTS_GROUP).remote(EVENTS_WAIT_SECONDS)
+        self.calls[ref] = (slot, actor.generation)
 
     def assign(self, slot: int, unit_id: int) -> None:
-        self.calls[self.actors[slot].run_unit.remote(unit_id)] = (slot, "unit", unit_id)
+        actor = self.actors[slot]
+        actor.units.add(unit_id)
+        actor.handle.send.remote(("unit", unit_id))
 
-    def _progress(self) -> list[Event]:
-        waiting = self.queue.qsize()
-        items = self.queue.get_nowait_batch(waiting) if waiting else []
-        return [Progress(slot, unit_id, delta) for (slot, generation), unit_id, delta in items
-                if self.generation.get(slot) == generation and slot in self.actors]
+    def drain(self, slot: int) -> None:
+        self.actors[slot].handle.send.remote(("drain",))
 
     def poll(self, timeout: float) -> list[Event]:
-        events = self._progress()
         if not self.calls:
-            return events
-        ready, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=0 if events else timeout)
-        if ready:  # take every call that has finished by now, not just the first
+            return []
+        ready, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=timeout)
+        if ready:  # take every call that has returned by now, not just the first
             ready, _ = self.ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
+        events: list[Event] = []
         for ref in ready:
-            slot, method, unit_id = self.calls.pop(ref)
-            events.extend(self._outcome(ref, slot, method, unit_id))
+            slot, generation = self.calls.pop(ref)
+            actor = self.actors.get(slot)
+            if actor is None or actor.generation != generation:
+                continue  # an earlier actor of a restarted slot
+            events.extend(self._outcome(ref, slot, actor))
+            if slot in self.actors:
+                self._collect(slot)
         return events
 
-    def _outcome(self, ref: Any, slot: int, method: str, unit_id: Optional[int]) -> list[Event]:
+    def _outcome(self, ref: Any, slot: int, actor: _Actor) -> list[Event]:
         from ray.exceptions import RayActorError, RayTaskError
 
-        where = f" while running unit {unit_id}" if unit_id is not None else " before it was ready"
         try:
-            value = self.ray.get(ref)
-        except RayActorError as exc:
-            return [self._died(slot, unit_id, f"worker {slot} (Ray actor) died{where}: {_first_line(exc)}")]
-        except RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-            return [self._died(slot, unit_id, f"worker {slot} (Ray actor) raised {describe_exception(cause)}{where}")]
-        return [Ready(slot)] if method == "open" else [Finished(slot, value)]
+            messages = self.ray.get(ref)
+        except (RayActorError, RayTaskError) as exc:
+            return [self._died(slot, actor, f"died{describe_units(actor.units, actor.ready)}: {_first_line(exc)}")]
+        events: list[Event] = []
+        for message in messages:
+            kind = message[0]
+            if kind == "ready":
+                actor.ready = True
+                events.append(Ready(slot))
+            elif kind == "want":
+                events.append(Want(slot))
+            elif kind == "progress":
+                events.append(Progress(slot, message[1], message[2]))
+            elif kind == "done":
+                actor.units.discard(message[1].unit_id)
+                events.append(Finished(slot, message[1]))
+            elif kind == "failed":
+                events.append(self._died(slot, actor, f"raised {message[1]}{describe_units(actor.units, actor.ready)}"))
+                break
+        return events
 
-    def _died(self, slot: int, unit_id: Optional[int], reason: str) -> Died:
-        actor = self.actors.pop(slot, None)
-        if actor is not None:  # an actor that raised may hold a broken device (a sticky CUDA error)
-            self.ray.kill(actor, no_restart=True)
-        return Died(slot, unit_id, reason)
+    def _died(self, slot: int, actor: _Actor, what: str) -> Died:
+        del self.actors[slot]
+        # An actor whose worker raised may hold a broken device (a sticky CUDA error): never reuse it.
+        self.ray.kill(actor.handle, no_restart=True)
+        return Died(slot, f"worker {slot} (Ray actor) {what}")
 
     def shutdown(self, graceful: bool) -> None:
         if graceful and self.actors:
-            closing = [actor.close.remote() for actor in self.actors.values()]
+            for actor in self.actors.values():
+                actor.handle.send.remote(("close",))
+            closing = [actor.handle.join.remote(CLOSE_SECONDS) for actor in self.actors.values()]
             self.ray.wait(closing, num_returns=len(closing), timeout=CLOSE_SECONDS)
         for actor in self.actors.values():
-            self.ray.kill(actor, no_restart=True)
+            self.ray.kill(actor.handle, no_restart=True)
         self.actors.clear()
         self.calls.clear()
-        self.queue.shutdown(force=True)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -178,8 +222,9 @@ class RayExecutor:
                  policy: RetryPolicy = RetryPolicy(), progress_interval: float = 0.5,
                  on_progress: Optional[Callable[[ProgressSnapshot], None]] = None,
                  runtime_env: Optional[dict[str, Any]] = None) -> None:
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
+        if device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be 'cuda', 'cpu' or 'auto' (cuda where the cluster has GPUs), "
+                             f"not {device!r}")
         if not 0 < gpus_per_worker <= 1:
             raise ValueError("gpus_per_worker must be in (0, 1]")
         self.recipe = recipe
@@ -197,10 +242,10 @@ class RayExecutor:
     def stop(self) -> None:
         self.stop_flag.set()
 
-    def _worker_count(self, ray: Any) -> int:
+    def _worker_count(self, ray: Any, device: str) -> int:
         if self.workers != "auto":
             return int(self.workers)
-        if self.device == "cpu":
+        if device == "cpu":
             return 1
         return int(ray.cluster_resources().get("GPU", 0) / self.gpus_per_worker)
 
@@ -214,11 +259,13 @@ class RayExecutor:
         if connected_here:
             ray.init(address=self.address, runtime_env=self.runtime_env, log_to_driver=True)
         try:
-            if self.device == "cuda" and ray.cluster_resources().get("GPU", 0) < self.gpus_per_worker:
+            has_gpu = ray.cluster_resources().get("GPU", 0) >= self.gpus_per_worker
+            device = ("cuda" if has_gpu else "cpu") if self.device == "auto" else self.device
+            if device == "cuda" and not has_gpu:
                 raise RuntimeError("the Ray cluster has no GPU for the CUDA workers")  # else actors wait forever
-            workers = self._worker_count(ray)
+            workers = self._worker_count(ray, device)
             recipe = self.recipe
-            if self.device == "cuda":
+            if device == "cuda":
                 resources = {"num_cpus": 1, "num_gpus": self.gpus_per_worker}
                 if self.gpus_per_worker < 1:  # actors sharing a GPU share its memory too
                     recipe = recipe.with_overrides(**{MEMORY_FRACTION_KEY: self.memory_fraction * self.gpus_per_worker})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from jobs.executors.contract import ProgressDelta, UnitResult
 from jobs.executors.unit_queue import UnitSpec
@@ -58,10 +58,17 @@ class WorkerStats:
     load_seconds: float = 0.0
     restarts: int = 0
     failures: list[str] = field(default_factory=list)
+    peaks: dict[str, float] = field(default_factory=dict)   # its units' peak_* counters (e.g. device memory)
     started_at: Optional[float] = None    # the current process / actor was asked to start
     ready_at: Optional[float] = None
-    unit_started_at: Optional[float] = None
+    holding: int = 0                      # units it holds now (an engine may overlap two)
+    busy_since: Optional[float] = None    # since when it has held at least one
     last_finish: Optional[float] = None
+
+    def end_busy(self, now: float) -> None:
+        if self.busy_since is not None:
+            self.busy_seconds += now - self.busy_since
+        self.busy_since = None
 
 
 def _merge_counters(into: dict[str, float], counters: Mapping[str, float]) -> None:
@@ -100,7 +107,10 @@ class Tally:
             worker.load_seconds += worker.ready_at - worker.started_at
 
     def unit_started(self, slot: int, unit_id: int) -> None:
-        self.workers[slot].unit_started_at = self.clock()
+        worker = self.workers[slot]
+        if worker.holding == 0:
+            worker.busy_since = self.clock()
+        worker.holding += 1
         self.live[unit_id] = ProgressDelta()
 
     def progress(self, unit_id: int, delta: ProgressDelta) -> None:
@@ -112,25 +122,28 @@ class Tally:
         worker = self.workers[slot]
         worker.units += 1
         worker.samples += result.samples_written
-        if worker.unit_started_at is not None:
-            worker.busy_seconds += now - worker.unit_started_at
-        worker.unit_started_at, worker.last_finish = None, now
+        worker.holding = max(worker.holding - 1, 0)
+        if worker.holding == 0:  # busy time is the union of its units' times, not their sum
+            worker.end_busy(now)
+        worker.last_finish = now
         self.live.pop(result.unit_id, None)
         self.results[result.unit_id] = result
         _merge_counters(self.counters, result.counters)
+        _merge_counters(worker.peaks, {name: value for name, value in result.counters.items()
+                                       if name.startswith("peak_")})
 
-    def worker_died(self, slot: int, unit_id: Optional[int], reason: str) -> None:
-        now = self.clock()
+    def worker_died(self, slot: int, unit_ids: Sequence[int], reason: str) -> None:
         worker = self.workers[slot]
-        if worker.unit_started_at is not None:
-            worker.busy_seconds += now - worker.unit_started_at  # time spent, even if lost
-        worker.unit_started_at = None
+        worker.end_busy(self.clock())  # time spent, even if lost
+        worker.holding = 0
         worker.failures.append(reason)
-        if unit_id is not None:
+        for unit_id in unit_ids:
             self.live.pop(unit_id, None)
 
     def finish(self) -> None:
         self.end = self.clock()
+        for worker in self.workers:  # stopped or failed with units in hand: their time still counts
+            worker.end_busy(self.end)
 
     def snapshot(self) -> ProgressSnapshot:
         finished = list(self.results.values())
@@ -143,7 +156,7 @@ class Tally:
             cached_tokens=sum(r.cached_tokens for r in finished) + live.cached_tokens,
             output_tokens=sum(r.output_tokens for r in finished) + live.output_tokens,
             elapsed_seconds=(self.end or self.clock()) - self.start,
-            workers_busy=sum(worker.unit_started_at is not None for worker in self.workers))
+            workers_busy=sum(worker.holding > 0 for worker in self.workers))
 
     def stats(self, executor: str, status: str, failure: Optional[str], retried: list[int]) -> dict[str, Any]:
         """The executor's section of `_stats.json`."""
@@ -174,6 +187,6 @@ class Tally:
                 "worker": w.worker, "device": w.device, "units": w.units, "samples": w.samples,
                 "busy_seconds": w.busy_seconds, "load_seconds": w.load_seconds,
                 "idle_tail_seconds": _idle_tail(w, last_unit),
-                "restarts": w.restarts, "failures": list(w.failures),
+                "restarts": w.restarts, "failures": list(w.failures), **w.peaks,
             } for w in self.workers],
         }

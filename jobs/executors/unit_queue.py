@@ -9,6 +9,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from jobs.executors.balance import dispatch_key
+
 
 @dataclass(frozen=True)
 class UnitSpec:
@@ -30,8 +32,8 @@ class UnitQueue:
             raise ValueError("unit ids must be unique")
         self.units = {unit.unit_id: unit for unit in units}
         self.max_attempts = max_attempts
-        # Ties broken by unit id so the order, and with it every test, is deterministic.
-        self._heap = [(-unit.cost, unit.unit_id) for unit in units]
+        # The order predict_balance assumes; ties broken by unit id, so every run (and test) is deterministic.
+        self._heap = [dispatch_key(unit.cost, unit.unit_id) for unit in units]
         heapq.heapify(self._heap)
         self.in_flight: set[int] = set()
         self.finished: set[int] = set()
@@ -42,7 +44,7 @@ class UnitQueue:
         """The most expensive pending unit, now in flight; None when nothing is pending."""
         if not self._heap:
             return None
-        _, unit_id = heapq.heappop(self._heap)
+        unit_id = heapq.heappop(self._heap)[1]
         self.in_flight.add(unit_id)
         self.attempts[unit_id] += 1
         return unit_id
@@ -57,7 +59,7 @@ class UnitQueue:
         self.last_failure[unit_id] = reason
         if self.attempts[unit_id] >= self.max_attempts:
             return False
-        heapq.heappush(self._heap, (-self.units[unit_id].cost, unit_id))
+        heapq.heappush(self._heap, dispatch_key(self.units[unit_id].cost, unit_id))
         return True
 
     @property

@@ -1,0 +1,48 @@
+"""Between rows and the engine: a row's request (its per-row seed key) and an output's result row.
+
+Shared by the per-window runner and the unit runner, so both plan modes send the engine the
+same requests and write the same results for the same rows.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Optional
+
+from batchinfer.engine.types import Request, RequestOutput, SamplingParams
+from jobs.outputs import SampleResult
+from jobs.tokenizer import CheckpointTokenizer
+
+
+def seed_key(row_index: int, row_id: Any) -> int:
+    """Per-row RNG key: the id column's value when given, so samples follow the row, not its position."""
+    if row_id is None:
+        return row_index
+    if isinstance(row_id, int) and not isinstance(row_id, bool):
+        return row_id & 0x7FFF_FFFF_FFFF_FFFF
+    return zlib.crc32(repr(row_id).encode())
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
+    """Generated text ends before the first stop string (which the engine's tokens may include)."""
+    cut = min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def row_request(row_index: int, token_ids: Any, sampling: SamplingParams, row_id: Any,
+                done_samples: Optional[frozenset[int]] = None) -> Request:
+    return Request(request_id=row_index, prompt_token_ids=tuple(token_ids), sampling=sampling,
+                   seed_key=seed_key(row_index, row_id), skip_samples=tuple(sorted(done_samples or ())))
+
+
+def error_result(row_index: int, sample: int, error: str) -> SampleResult:
+    """A row without a prompt: recorded without reaching the engine."""
+    return SampleResult(row_index, sample, "", (), 0, 0, 0, "error", error)
+
+
+def output_result(output: RequestOutput, tokenizer: CheckpointTokenizer, stops: tuple[str, ...]) -> SampleResult:
+    return SampleResult(
+        row_index=int(output.request_id), sample_index=output.sample_index,
+        generated_text=cut_at_stop(tokenizer.decode(output.token_ids), stops),
+        output_token_ids=tuple(output.token_ids), prompt_tokens=output.prompt_tokens,
+        cached_tokens=output.cached_tokens, completion_tokens=output.completion_tokens,
+        finish_reason=output.finish_reason, error=output.error)

@@ -1,0 +1,60 @@
+"""Job keys of the unit-by-unit run: parallel:, output.order / keep_work, engine.plan."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobs.errors import JobError
+from jobs.parallel_spec import ParallelSpec
+from jobs.spec import engine_config_kwargs, engine_settings_dict, parse_job_file
+
+JOB_FILE = Path("/project/jobs/jobs.yaml")
+BASE = """
+jobs:
+  - name: rag
+    model: demo
+    input: data.parquet
+    prompt: {column: text}
+"""
+
+
+def parse(extra: str = ""):
+    return parse_job_file(BASE + extra, JOB_FILE).jobs[0]
+
+
+def test_defaults_completion_order_work_deleted_global_plan_auto_workers():
+    job = parse()
+    assert (job.output.order, job.output.keep_work, job.engine.plan) == ("completion", False, "global")
+    assert job.parallel == ParallelSpec("auto", "local", "auto")
+
+
+def test_keys_are_read():
+    job = parse("    output: {path: o, order: input, keep_work: true}\n    engine: {plan: window}\n"
+                "    parallel: {workers: 2, executor: ray, ray_address: 'ray://h:10001'}\n")
+    assert (job.output.order, job.output.keep_work, job.output.path) == ("input", True, Path("/project/jobs/o"))
+    assert job.engine.plan == "window"
+    assert job.parallel == ParallelSpec(2, "ray", "ray://h:10001")
+
+
+def test_plan_is_a_job_setting_not_an_engine_config_one():
+    settings = parse("    engine: {plan: window}\n").engine
+    assert engine_settings_dict(settings)["plan"] == "window"
+    assert "plan" not in engine_config_kwargs(settings)
+
+
+@pytest.mark.parametrize("extra, where, what", [
+    ("    output: {path: o, order: sorted}\n", "jobs.rag.output.order", "completion, input"),
+    ("    output: {path: o, keep_work: 1}\n", "jobs.rag.output.keep_work", "true or false"),
+    ("    engine: {plan: local}\n", "jobs.rag.engine.plan", "global, window"),
+    ("    parallel: {workers: 0}\n", "jobs.rag.parallel.workers", "auto or an integer >= 1"),
+    ("    parallel: {workers: true}\n", "jobs.rag.parallel.workers", "auto or an integer >= 1"),
+    ("    parallel: {executor: slurm}\n", "jobs.rag.parallel.executor", "local, ray"),
+    ("    parallel: {worker: 2}\n", "jobs.rag.parallel.worker", "did you mean 'workers'"),
+    ("    parallel: 2\n", "jobs.rag.parallel", "must be a mapping"),
+])
+def test_bad_values_are_one_located_error(extra, where, what):
+    with pytest.raises(JobError) as caught:
+        parse(extra)
+    message = str(caught.value)
+    assert where in message and what in message, message
