@@ -244,6 +244,8 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
                             interrupted_by)
         if planned is not None:
             stats["plan"] = plan_stats(planned)
+            for name in ("planned_reuse_lost_tokens", "branch_states_over_capacity"):  # a plan the pool could not hold
+                stats["plan"][name] = getattr(engine_stats, name, 0) if engine_stats is not None else 0
         elif spec.engine.plan == "window":
             stats["plan"] = {"mode": "window", "window_rows": options.window_rows}
         if parallel_report:
