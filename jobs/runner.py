@@ -14,7 +14,6 @@ input` the parts are then rewritten in input order (`ordered_output`). The plann
 """
 from __future__ import annotations
 
-import bisect
 import json
 import sys
 import time
@@ -26,21 +25,19 @@ from rich.console import Console
 
 from batchinfer.engine.types import Request, RequestOutput
 from jobs.engine_io import cut_at_stop as _cut_at_stop  # noqa: F401  (tests import it from here)
-from jobs.engine_io import error_result, output_result, row_request
 from jobs.errors import JobError, JobRuntimeError, display_path
 from jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
 from jobs.global_run import PlannedUnits, UnitsInProcess, plan_stats, plan_units, prepare_units, summed_counters
-from jobs.inputs import RowWindow, iter_windows
 from jobs.ordered_output import compact_in_input_order, finish_interrupted_compaction
 from jobs.output_lock import OutputBusy, OutputLock
-from jobs.outputs import PartWriter, SampleResult
+from jobs.outputs import PartWriter
 from jobs.part_store import PARTS_DIR, PartRecord, damaged_path, record_path, scan_parts
 from jobs.prepare import PreparedJob
 from jobs.progress import ProgressReporter
-from jobs.prompts import build_prompts, row_ids
 from jobs.resume import STATS_NAME, ResumeState, check_resumable, prepare_output_dir, read_resume_state
 from jobs.spec import JobSpec, engine_config_kwargs, engine_settings_dict
 from jobs.stats import JobCounters, build_stats, render_summary, write_stats
+from jobs.window_run import WindowRun
 
 WINDOW_ROWS = 4096  # rows tokenised, planned and held in memory at a time
 
@@ -63,89 +60,6 @@ def open_engine(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> EngineLike:
     config = EngineConfig(**engine_config_kwargs(job.spec.engine), plan_window=window_rows)
     return Engine.from_pretrained(str(job.checkpoint), config, eos_token_ids=job.tokenizer.eos_token_ids,
                                   detokenize=job.tokenizer.decode)
-
-
-class _OpenWindows:
-    """Input windows whose samples are not all finished, found by row index.
-
-    The engine pulls the next window of requests while the previous one still decodes, so
-    outputs of two windows interleave; a window is dropped once its last sample is recorded.
-    """
-
-    def __init__(self) -> None:
-        self._windows: dict[int, RowWindow] = {}
-        self._pending: dict[int, int] = {}
-        self._starts: list[int] = []  # first rows, ascending (windows open in input order)
-
-    def open(self, window: RowWindow, samples: int) -> None:
-        self._windows[window.first_row] = window
-        self._pending[window.first_row] = samples
-        self._starts.append(window.first_row)
-
-    def take(self, row: int) -> RowWindow:
-        """The window holding `row`; counts one of its samples as finished."""
-        start = self._starts[bisect.bisect_right(self._starts, row) - 1]
-        window = self._windows[start]
-        self._pending[start] -= 1
-        if self._pending[start] == 0:
-            del self._windows[start], self._pending[start]
-            self._starts.remove(start)
-        return window
-
-
-class _JobRun:
-    """The mutable state of one run: writer, progress and open windows."""
-
-    def __init__(self, job: PreparedJob, engine: EngineLike, writer: PartWriter, progress: ProgressReporter,
-                 done: dict[int, frozenset[int]], window_rows: int) -> None:
-        self.job, self.engine, self.writer, self.progress, self.done = job, engine, writer, progress, done
-        self.window_rows = window_rows
-        self.windows = _OpenWindows()
-
-    def record(self, result: SampleResult) -> None:
-        window = self.windows.take(result.row_index)
-        self.writer.add(window.table, result.row_index - window.first_row, result)
-        self.progress.advance(result)
-
-    def requests(self) -> Iterator[Request]:
-        """Requests for every unfinished sample, window by window, as the engine asks for them.
-
-        Rows without a prompt are recorded as errors right here; they never reach the engine.
-        """
-        spec = self.job.spec
-        n = spec.sampling.n
-        for window in iter_windows(self.job.inputs, self.window_rows, spec.limit):
-            rows = range(window.first_row, window.first_row + window.table.num_rows)
-            todo = {row: [s for s in range(n) if s not in self.done.get(row, ())] for row in rows}
-            samples_todo = sum(len(samples) for samples in todo.values())
-            if not samples_todo:  # finished by an earlier run: not even tokenised again
-                continue
-            self.windows.open(window, samples_todo)
-            prompts = build_prompts(window.table, spec.prompt, self.job.tokenizer, spec.chat, spec.system,
-                                    self.job.vocab_size, id_column=spec.id_column)
-            ids = row_ids(window.table, spec.id_column) if spec.id_column else [None] * len(rows)
-            for offset, row in enumerate(rows):
-                error = prompts.errors[offset]
-                if not todo[row]:
-                    continue
-                if error is not None:
-                    for sample in todo[row]:
-                        self.record(error_result(row, sample, error))
-                    continue
-                yield row_request(row, prompts.token_ids[offset], spec.sampling, ids[offset], self.done.get(row))
-
-    def run(self) -> None:
-        stops = self.job.spec.sampling.stop
-        for output in self.engine.generate(self.requests()):
-            self.record(output_result(output, self.job.tokenizer, stops))
-
-    @property
-    def samples_written(self) -> int:
-        return self.writer.rows_written
-
-    @property
-    def errors_written(self) -> int:
-        return self.writer.error_rows_written
 
 
 def lock_output(job: PreparedJob) -> OutputLock:
@@ -330,6 +244,8 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
                             interrupted_by)
         if planned is not None:
             stats["plan"] = plan_stats(planned)
+            for name in ("planned_reuse_lost_tokens", "branch_states_over_capacity"):  # a plan the pool could not hold
+                stats["plan"][name] = getattr(engine_stats, name, 0) if engine_stats is not None else 0
         elif spec.engine.plan == "window":
             stats["plan"] = {"mode": "window", "window_rows": options.window_rows}
         if parallel_report:
@@ -389,7 +305,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             if overwrite:  # a global plan of an earlier run goes with everything else it wrote
                 remove_work_dir(work_dir_for(out_dir))
             writer = PartWriter(out_dir, spec.output.flush_rows, resume.next_part, before_commit=lock.ensure_held)
-            work = _JobRun(job, engine, writer, progress, resume.done, options.window_rows)
+            work = WindowRun(job, engine, writer, progress, resume.done, options.window_rows)
             with progress:
                 work.run()
             writer.flush()

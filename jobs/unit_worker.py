@@ -67,7 +67,7 @@ class _SignalAfter:
         self.inner.sample_done(unit_id, result)
         self.seen += 1
         if self.seen == self.after:
-            try:  # O_EXCL: exactly one worker over all processes dies
+            try:  # O_EXCL: exactly one worker over all processes signals
                 os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
             except FileExistsError:
                 return

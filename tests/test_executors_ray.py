@@ -62,6 +62,14 @@ def test_streaming_actors_overlap_units_and_a_killed_one_gives_back_all_it_held(
     assert 3 in report.stats["units_retried"]
 
 
+def test_more_workers_than_the_cluster_holds_is_refused_instead_of_waiting_forever(ray_cluster, tmp_path):
+    recipe = write_fake_job(tmp_path, {0: 1})
+    with pytest.raises(RuntimeError, match="3 Ray workers need 3 CPUs, the cluster has 2"):
+        RayExecutor(recipe, workers=3, device="cpu").run([UnitSpec(0, 1.0)])
+    with pytest.raises(RuntimeError, match="3 Ray workers need 3 GPUs, the cluster has 2"):
+        RayExecutor(recipe, workers=3, device="cuda").run([UnitSpec(0, 1.0)])
+
+
 def test_a_unit_that_raises_on_every_actor_ends_the_job_naming_it(ray_cluster, tmp_path):
     recipe = write_fake_job(tmp_path, {0: 1, 1: 1}, raise_in=[1])
     report = RayExecutor(recipe, workers=1, device="cpu", policy=RetryPolicy(max_unit_attempts=2)).run(

@@ -203,6 +203,15 @@ class _RayTransport:
         self.calls.clear()
 
 
+def _check_fits(cluster: Mapping[str, float], resources: Mapping[str, float], workers: int) -> None:
+    """Actors the cluster cannot hold would wait forever: refuse at once, naming what is missing."""
+    names = {"num_cpus": "CPU", "num_gpus": "GPU"}
+    for key, each in sorted(resources.items(), key=lambda item: item[0] != "num_gpus"):  # GPUs first
+        have, need = cluster.get(names[key], 0.0), each * workers
+        if need > have:
+            raise RuntimeError(f"{workers} Ray workers need {need:g} {names[key]}s, the cluster has {have:g}")
+
+
 def _first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0][:300] if lines else type(exc).__name__
@@ -273,6 +282,7 @@ class RayExecutor:
             else:
                 resources = {"num_cpus": 1}
                 devices = ["cpu"] * workers
+            _check_fits(ray.cluster_resources(), resources, workers)
             transport = _RayTransport(ray, recipe, devices, resources, self.progress_interval)
             return run_dispatch(transport, units, devices, self.name, self.policy, self.stop_flag, self.on_progress,
                                 progress_interval=self.progress_interval)
