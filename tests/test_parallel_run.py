@@ -156,8 +156,19 @@ def test_a_stopped_run_commits_what_its_workers_finished_in_open_chunks(tmp_path
     # any unit completes would keep nothing. The first worker to finish 3 samples SIGTERMs this process.
     job_file = write_job(tmp_path, {"max_tokens": 40, "ignore_eos": True}, flush_rows=1000, workers=2)
     monkeypatch.setenv(STOP_PARENT_AFTER_ENV, f"3:{tmp_path / 'stopped'}")
-    with pytest.raises(KeyboardInterrupt):  # SIGTERM, with no handler of the CLI's to re-deliver it to
-        run_job(prepare_job(load_job_file(job_file).jobs[0]), Console(quiet=True), unit_config=UNITS)
+
+    class Stopped(BaseException):
+        pass
+
+    def stopped(signum, frame):
+        raise Stopped()
+
+    previous = signal.signal(signal.SIGTERM, stopped)  # as the CLI's handler: the run re-delivers SIGTERM to it
+    try:
+        with pytest.raises(Stopped):
+            run_job(prepare_job(load_job_file(job_file).jobs[0]), Console(quiet=True), unit_config=UNITS)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     out_dir = tmp_path / "out" / "rag"
     stats = json.loads((out_dir / "_stats.json").read_text())
     assert stats["status"] == "interrupted" and stats["executor"]["units_finished"] == 0
