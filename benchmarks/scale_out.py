@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -45,25 +44,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
+from benchmarks.engine_arms import Workload  # the same shuffled shared-prefix workloads
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    groups: int
-    per_group: int
-    prefix_len: int
-    suffix_len: int
-
-    def prompts(self, vocab: int, seed: int = 0) -> list[list[int]]:
-        rng = random.Random(seed)
-        rows = []
-        for _ in range(self.groups):
-            prefix = [rng.randrange(vocab) for _ in range(self.prefix_len)]
-            rows += [prefix + [rng.randrange(vocab) for _ in range(self.suffix_len)] for _ in range(self.per_group)]
-        rng.shuffle(rows)  # the planner, not the input order, must find the sharing
-        return rows
 
 
 def workloads(engines: int, smoke: bool) -> dict[str, Workload]:

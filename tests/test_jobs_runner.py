@@ -16,7 +16,8 @@ from jobs.outputs import RESULT_COLUMNS
 from batchinfer.engine.planner import plan_prompts
 from jobs.planning import plan_job
 from jobs.prepare import prepare_job
-from jobs.runner import _cut_at_stop, run_job
+from jobs.engine_io import cut_at_stop as _cut_at_stop
+from jobs.runner import run_job
 from jobs.spec import load_job_file
 from tests.fake_engine import FakeEngine, fake_tokens
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
