@@ -24,7 +24,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
 from rich.console import Console
 
 from batchinfer.engine.types import Request, RequestOutput
-from jobs.engine_io import cut_at_stop as _cut_at_stop  # noqa: F401  (tests import it from here)
 from jobs.errors import JobError, JobRuntimeError, display_path
 from jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
 from jobs.global_run import PlannedUnits, UnitsInProcess, plan_stats, plan_units, prepare_units, summed_counters
