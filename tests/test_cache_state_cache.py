@@ -228,7 +228,7 @@ def test_n_working_slots_and_two_cached_states_run_n_requests(n):
     cache = _cache(kv_slots=128, state_slots=n + 2)
     prefix = [9, 8, 7, 6, 5, 4]
     seqs = [cache.admit(i, prefix + [i, i + 1, i + 2]) for i in range(n)]
-    assert all(s is not None for s in seqs)  # previously 3 slots each: (n + 2) // 3 requests at most
+    assert all(s is not None for s in seqs)  # one slot each: three per request would admit (n + 2) // 3 at most
     assert _run_to(cache, seqs[0], [3, 6, 8]) == [True, True, True]
     cache.audit()
     for seq in seqs[1:]:

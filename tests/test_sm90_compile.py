@@ -1,5 +1,5 @@
 """benchmarks/sm90_compile.py (offline sm_90a compile of the prefill kernels, no GPU) keeps up with
-the kernels' signatures: every runtime argument needs a type there, and a new one (session 10's
+the kernels' signatures: every runtime argument needs a type there, and a new one (the prefill's
 chunk range) broke it without any test noticing. Run in a child process: the test session may
 have the Triton interpreter on, which cannot compile."""
 from __future__ import annotations
