@@ -41,7 +41,8 @@ ACTIVATION_MARGIN = 1.25
 def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: int) -> int:
     """Memory the pools must leave free on CUDA: the largest eager step plus the decode graphs,
     with ACTIVATION_MARGIN for the allocator. The fraction alone left 10% of the free memory,
-    less than one prefill step needs on a nearly full device (docs/BENCHMARKS.md, "Memory budget: the activation reserve")."""
+    less than one prefill step needs on a nearly full device (docs/BENCHMARKS.md, "Memory budget:
+    the activation reserve")."""
     dtype = config.resolved_dtype()
     reserve = step_activation_bytes(model_config, dtype, config.max_batch_tokens, config.max_running)
     if config.cuda_graphs:
