@@ -84,10 +84,10 @@ def test_a_second_run_even_with_overwrite_leaves_a_busy_folder_alone(tmp_path, d
 
 def test_sigterm_flushes_finished_samples_writes_stats_and_exits_143(tmp_path, demo_cache):
     rows, error_rows = 6, (0, 1, 2, 3)
-    # The error rows finish the moment the engine pulls its first window; the other two decode
+    # The error rows finish the moment the engine pulls its first window; the other two decode 600 tokens
     # for a few seconds. No flush by count or time before the end: only the signal can save them.
     out_dir = write_demo_job(tmp_path, rows, table=rag_table(rows, null_rows=error_rows),
-                             sampling={"max_tokens": 60, "ignore_eos": True},
+                             sampling={"max_tokens": 600, "ignore_eos": True},
                              engine={"max_running": 2, "device": "cpu"},
                              output={"path": "out/rag", "flush_rows": 1000})
     process = start_run(tmp_path, demo_cache, stdout=subprocess.PIPE)
