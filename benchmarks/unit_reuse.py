@@ -67,10 +67,11 @@ def main() -> None:
         pass
     wall = time.perf_counter() - started
     stats = engine.stats.to_dict()
+    ideal = plan_prompts([r.prompt_token_ids for r in requests]).theoretical_max_cached_tokens
     print(json.dumps({"arm": args.arm, "rows": len(requests), **{k: stats[k] for k in _COUNTERS},
-                      "cache_hit_rate": round(stats["cache_hit_rate"], 4), "ideal_hit_rate": round(stats["ideal_hit_rate"], 4),
-                      "global_ideal": plan_prompts([r.prompt_token_ids for r in requests]).theoretical_max_cached_tokens,
-                      "wall_seconds": round(wall, 1)}, indent=1))
+                      "cache_hit_rate": round(stats["cache_hit_rate"], 4),
+                      "ideal_hit_rate": round(stats["ideal_hit_rate"], 4),
+                      "global_ideal": ideal, "wall_seconds": round(wall, 1)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -104,8 +104,9 @@ class RadixTree:
       it (the only moment a state in the tree is read); a pinned state is never evicted.
     - `expect_followers(node, n)` / `follower_admitted(node)`: the planner's promise that n
       more admissions will resume from this node's state (a branch state whose followers wait
-      for room); `forget_followers(node, n)` withdraws n of them. Such a state is evicted last, and never when the caller asks to spare it
-      (`spare_expected`: a tracked interval state is worth less than a planned branch state).
+      for room); `forget_followers(node, n)` withdraws n of them. Such a state is evicted
+      last, and never when the caller asks to spare it (`spare_expected`: a tracked interval
+      state is worth less than a planned branch state).
     - `evict` frees least-recently-used material: states first if asked (any node whose state
       is not pinned, inner and locked ones included — states without expected followers first,
       then unlocked ones; a state may go before its KV), then KV from unlocked leaves — leaves

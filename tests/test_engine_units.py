@@ -181,8 +181,8 @@ def test_a_leader_resuming_at_its_branch_point_keeps_that_state(model):
     first = [root + [200 + i] + [rng.randrange(TINY_VOCAB) for _ in range(4 + i)] for i in range(2)]
     second = [root + [300] + [rng.randrange(TINY_VOCAB) for _ in range(40)], root + [400, 5, 6]]
     engine = make_engine(model, max_running=1, track_interval=4)
-    outputs = run_units(engine, [unit_of(first, range(2), GREEDY),
-                                 [replace(r, request_id=("second", r.request_id)) for r in unit_of(second, range(2), GREEDY)]])
+    second_unit = [replace(r, request_id=("second", r.request_id)) for r in unit_of(second, range(2), GREEDY)]
+    outputs = run_units(engine, [unit_of(first, range(2), GREEDY), second_unit])
     follower = outputs[(("second", 1), 0)]
     assert follower.theoretical_max_cached_tokens == 12 and follower.cached_tokens == 12
     assert engine.stats.states_evicted > 0 and engine.stats.planned_reuse_lost_tokens == 0

@@ -51,6 +51,9 @@ def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: 
     return int(reserve * ACTIVATION_MARGIN)
 
 
+_NO_UNIT = object()  # what the unit source gives when it is exhausted
+
+
 def _windows(requests: Iterable[Request], size: Optional[int]) -> Iterator[list[Request]]:
     """`requests` in consecutive lists of `size` (the last may be shorter; None: one list)."""
     source = iter(requests)
@@ -95,8 +98,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.max_batch_tokens,
             track_interval=config.track_interval, wait_for_leaders=cache_config.tracks, tally=self.tally,
-            state_slots=self.pool_plan.state_slots, branch_state_capacity=self.pool_plan.cache_state_slots, max_model_len=self.max_model_len,
-            drain=self._drain)
+            state_slots=self.pool_plan.state_slots, branch_state_capacity=self.pool_plan.cache_state_slots,
+            max_model_len=self.max_model_len, drain=self._drain)
         self._windows = itertools.count()
         # Overlap (config.overlap_decode): the decode step whose tokens the host has not read yet,
         # and the sequences a drain finished in the middle of scheduling (reported by _step).
@@ -162,8 +165,8 @@ class Engine:
         try:
             while True:
                 if not exhausted and not self.scheduler.waiting:
-                    unit = next(source, None)
-                    if unit is None:
+                    unit = next(source, _NO_UNIT)
+                    if unit is _NO_UNIT:
                         exhausted = True
                     else:
                         for failed in self._enqueue(list(unit), next(unit_ids), left):
