@@ -74,4 +74,5 @@ def _prompt_probe(spec: JobSpec, tokenizer: CheckpointTokenizer) -> str:
 
 def reasoning_split(spec: JobSpec, tokenizer: CheckpointTokenizer) -> ReasoningSplit:
     enabled = spec.reasoning == "split" or (spec.reasoning == "auto" and spec.chat and tokenizer.has_thinking_tags)
-    return ReasoningSplit(enabled=enabled, starts_inside=enabled and ends_inside_reasoning(_prompt_probe(spec, tokenizer)))
+    starts_inside = enabled and ends_inside_reasoning(_prompt_probe(spec, tokenizer))
+    return ReasoningSplit(enabled=enabled, starts_inside=starts_inside)

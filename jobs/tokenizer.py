@@ -125,7 +125,7 @@ class CheckpointTokenizer:
         return self._compiled is not None
 
     def render_chat(self, user_message: str, system: Optional[str] = None,
-                    template_kwargs: Mapping[str, Any] = {}) -> str:
+                    template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
         """The chat-formatted prompt text for one user turn, ready for the assistant's reply.
 
         `template_kwargs` become template variables (e.g. enable_thinking), over the special
@@ -135,7 +135,7 @@ class CheckpointTokenizer:
             raise ValueError("the checkpoint has no chat template")
         messages = ([{"role": "system", "content": system}] if system is not None else [])
         messages.append({"role": "user", "content": user_message})
-        variables = {"tools": None, "documents": None, **self.special_tokens, **template_kwargs}
+        variables = {"tools": None, "documents": None, **self.special_tokens, **(template_kwargs or {})}
         return self._compiled.render(messages=messages, add_generation_prompt=True, **variables)
 
     @property
