@@ -10,7 +10,7 @@ from rich.console import Console
 
 import tests.fake_engine as fake_engine
 from jobs.prepare import prepare_job
-from jobs.reasoning import ReasoningParts, ReasoningSplit, reasoning_split, split_reasoning
+from jobs.reasoning import ReasoningParts, ReasoningSplit, split_reasoning
 from jobs.runner import run_job
 from jobs.spec import load_job_file
 from tests.fake_engine import FakeEngine
