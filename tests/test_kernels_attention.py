@@ -17,7 +17,7 @@ from tests.conftest import requires_cuda
 
 # Tiny-shape kernel tests run compiled on a GPU, else in the Triton interpreter on the CPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# fp32 inputs use ieee dots (kernels/attention.py); a GPU only reorders the fp32 sums.
+# fp32 inputs use ieee dots (kernels/attention/attention.py); a GPU only reorders the fp32 sums.
 TOL = {"rtol": 1e-5, "atol": 1e-5} if DEVICE == "cpu" else {"rtol": 1e-4, "atol": 1e-4}
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kernels import activation as tri_act
 from kernels import ops
-from kernels import rmsnorm as tri_norm
+from kernels.rmsnorm import rmsnorm as tri_norm
 from kernels.ref import activation as ref_act
 from kernels.ref import norm as ref_norm
 from tests.conftest import requires_cuda

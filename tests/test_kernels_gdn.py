@@ -299,7 +299,7 @@ def test_triton_prefill_mixed_launches(launch):
     assert torch.equal(state[_untouched(slots)], original[_untouched(slots)])
 
 
-# State-pass layouts (kernels/gdn_prefill_state.py): one and two d_k parts, at block_v 32 (d_v =
+# State-pass layouts (kernels/gdn_prefill/state_pass.py): one and two d_k parts, at block_v 32 (d_v =
 # 48 leaves a masked tail). key_parts=2 needs d_k ≥ 32, so these run at d_k = 32.
 STATE_VARIANTS = [tri_prefill.StatePassLaunch(32, 4, 2, key_parts=parts) for parts in (1, 2)]
 PLAN_INPUTS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "slots", "cu", "chunks")

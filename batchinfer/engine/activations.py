@@ -10,7 +10,7 @@ from kernels import PREFILL_CHUNK
 def _bytes_per_step_token(config, item: int) -> int:
     """Transient bytes per token of a step: the residual stream (3 hidden rows) plus the largest
     layer's live tensors — GDN: its in-projection, conv output and the chunked prefill's per-token
-    scratch (new values, q·S0 rows, outputs, G, key norms: kernels/gdn_prefill.py); attention:
+    scratch (new values, q·S0 rows, outputs, G, key norms: kernels/gdn_prefill/work.py); attention:
     q|gate, k, v and the output; MLP: gate|up and the activation (MoE: each token's k sorted
     copies through their experts, the shared expert, the router's probabilities and the fp32 sum)."""
     h_k, h_v = config.linear_num_key_heads, config.linear_num_value_heads
