@@ -94,6 +94,7 @@ def test_plan_windows_keep_tokens_and_still_reuse(model, workload, reference):
     assert 0 < engine.stats.cached_tokens
 
 
+@pytest.mark.slow
 def test_memory_pressure_forces_eviction_and_preemption():
     # Two attention layers of four: KV is dear next to the GDN states, so a small budget holds
     # the states of 4 running requests but less KV than they grow to over 40 output tokens.

@@ -234,6 +234,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
     ("straddling", "exact", "bf16", 3),
     ("edges", "exact", "bf16", 2),
 ])
+@pytest.mark.slow
 def test_shared_prefix_decode_matches_reference(case, mode, dtype_name, stage_splits):
     """Stage splits None: from shapes (one on the CPU); 2 and 3 cut the prefixes unevenly."""
     dtype = DTYPES[dtype_name]

@@ -63,7 +63,6 @@ def test_cpu_inputs_and_the_ref_switch_run_the_reference_without_loading_triton(
 
 
 @requires_cuda
-@pytest.mark.gpu
 def test_on_cuda_every_op_runs_its_triton_kernel(monkeypatch):
     monkeypatch.delenv("BATCHINFER_KERNELS", raising=False)
     x = torch.empty(1, device="cuda")

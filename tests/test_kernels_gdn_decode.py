@@ -261,6 +261,7 @@ SM90_LAUNCHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CUDA tests run these launches for real")
 def test_stream_hints_compile_for_sm90(tmp_path):
     """ptxas accepts the hinted loads and stores (it rejects .cg combined with an eviction policy),
