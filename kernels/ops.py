@@ -43,7 +43,7 @@ _TRITON_MODULES = {
     "replay_decode": "kernels.replay_ssm",
     "replay_fold": "kernels.replay_ssm",
     "store_kv": "kernels.attention",
-    "attention_prefill": "kernels.attention",
+    "attention_prefill": "kernels.attention_prefill_backends",
     "attention_decode": "kernels.attention",
 }
 
