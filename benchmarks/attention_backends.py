@@ -3,6 +3,7 @@
     python -m benchmarks.attention_backends --json /tmp/attn.json      # all shapes, all backends
     python -m benchmarks.attention_backends --shapes 8x2048 --backends sdpa,varlen
     python -m benchmarks.attention_backends --quick                    # CPU smoke run (tiny shapes)
+    python -m benchmarks.attention_backends --e2e --policy varlen      # model prefill, old vs new path
 
 Shapes (d 256, 24 query heads, 4 KV heads, bf16, causal; each sequence's new tokens are the last of
 its context, as `attention_prefill`'s contract says):
@@ -22,6 +23,15 @@ Backends:
     varlen            torch.nn.attention.varlen.varlen_attn on the packed tokens (flash; causal is
                       bottom-right aligned, so the prefix case is native)
     flex              flex_attention (compiled on CUDA) with a block mask of packed causal documents
+    op[<policy>]      the model's op (kernels/attention_prefill_backends.py) under each backend policy
+                      (long runs ≥ 1,024 new tokens to the backend): gather, offsets and copies included
+
+`--e2e`: prefill tokens/s of the qwen3.5-27b preset (64 layers, bf16, random weights, engine API,
+random prompts, nothing shared, 1 output token) with the Triton path and with `--policy`'s, at
+32 × 8,192 and 4 × 32,768 (chunked by max_batch_tokens 8,192, so the 32k prompts run as prefix
+chunks); beside them the cuBLAS floor of one 8,192-token step: every projection GEMM of the model
+(F.linear at its exact shape, T = 8,192; lm_head excluded: it runs on one row per sequence) timed
+alone and summed, against the measured step time (8,192 / tokens per second).
 
 Columns: `core ms` is the backend call alone on prepared inputs (K/V already contiguous);
 `e2e ms` adds gathering K/V out of the pool (index_select) and writing the packed [T, H, d]
@@ -349,7 +359,7 @@ def measure(case: Case, name: str, prepare: Callable[[], Prepared], args, device
     return row
 
 
-def backend_runs(case: Case, wanted: set[str], quick: bool):
+def backend_runs(case: Case, wanted: set[str], quick: bool, args):
     """(name, prepare) of every requested backend variant for this case."""
     if "triton" in wanted:
         for bm, bn, w in TRITON_LAUNCHES[:1] if quick else TRITON_LAUNCHES:
@@ -366,6 +376,33 @@ def backend_runs(case: Case, wanted: set[str], quick: bool):
             yield f"varlen-{gqa}", lambda g=gqa: prepare_varlen(case, g)
     if "flex" in wanted:
         yield "flex", None  # handled in run_flex: tries kernel options until one compiles
+    if "op" in wanted:
+        for policy in op_policies(args)[:2] if quick else op_policies(args):  # CPU: all fall back to Triton
+            yield policy_label(policy), lambda p=policy: prepare_op(case, p)
+
+
+def prepare_op(case: Case, policy) -> Prepared:
+    from kernels import attention_prefill_backends as apb
+    out = _nan_like(case.q)
+
+    def run():
+        with apb.prefill_policy(policy):
+            return apb.attention_prefill(case.q, case.k_cache, case.v_cache, case.kv_indices, case.kv_indptr,
+                                         case.cu_seqlens, case.scale, out=out)
+    return run, run
+
+
+def op_policies(args):
+    from kernels.attention_prefill_backends import BACKENDS, PrefillPolicy
+    policies = [PrefillPolicy(b, min_run=args.min_run) for b in BACKENDS]
+    policies.append(PrefillPolicy("sdpa-cudnn", min_run=args.min_run, repeat_kv=True))
+    policies.append(PrefillPolicy("sdpa-cudnn", min_run=args.min_run, prefix_mask="dense"))
+    return policies
+
+
+def policy_label(policy) -> str:
+    extra = ("+rep" if policy.repeat_kv else "") + ("+dense" if policy.prefix_mask == "dense" else "")
+    return f"op[{policy.backend}{extra}]"
 
 
 def run_flex(case: Case, args, device: str) -> dict:
@@ -410,7 +447,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 reps: a CPU smoke run")
     parser.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
-    parser.add_argument("--backends", default="triton,sdpa,varlen,flex")
+    parser.add_argument("--backends", default="triton,sdpa,varlen,flex,op")
+    parser.add_argument("--min-run", type=int, default=1024, help="op / e2e policies: long-run threshold")
+    parser.add_argument("--e2e", action="store_true", help="model prefill tokens/s, old vs new path (see above)")
+    parser.add_argument("--policy", default="varlen", help="--e2e: the new path's backend")
+    parser.add_argument("--repeat-kv", action="store_true", help="--e2e policy: KV heads repeated for SDPA")
+    parser.add_argument("--prefix-mask", default="lower_right", help="--e2e policy: lower_right or dense")
+    parser.add_argument("--layers", type=int, default=None, help="--e2e: model depth (default 64; 4 with --quick)")
+    parser.add_argument("--workloads", default="32x8192,4x32768", help="--e2e: prompts x tokens")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (median; default 10)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 3)")
     parser.add_argument("--json", default=None, help="also write the rows here")
@@ -420,6 +464,10 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ is imported
     args.reps = args.reps or (2 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    if args.e2e:
+        from benchmarks.attention_e2e import run_e2e
+        run_e2e(args, device)
+        return
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.shapes:
         shapes = [s for s in SHAPES + QUICK_SHAPES if s.name in args.shapes.split(",")]
@@ -433,7 +481,7 @@ def main() -> None:
     for shape in shapes:
         case = build_case(shape, heads, dtype, device)
         rows.append(gather_row(case, args, device))
-        for name, prepare in backend_runs(case, wanted, args.quick):
+        for name, prepare in backend_runs(case, wanted, args.quick, args):
             if name == "flex":
                 rows.append(run_flex(case, args, device))
             else:
