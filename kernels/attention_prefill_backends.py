@@ -10,6 +10,8 @@ which reads K/V straight from the pool. `PREFILL_POLICY` says which backend take
 - `varlen`: when the batch's longest new run reaches `min_run`, the whole batch is one packed
   `varlen_attn` call over K/V gathered from the pool (flash's causal mask is bottom-right
   aligned, so a cached prefix needs nothing extra; GQA is native).
+- `triton-fa`: the same batches to kernels/attention_prefill_fa.py (FA2-style, autotuned,
+  reads the pool through the slot table: no gather).
 - `sdpa-<cudnn|flash|efficient>`: each sequence whose run reaches `min_run` is one SDPA call
   ([1, H, n, d] over its gathered [1, H_kv, ctx, d]; `is_causal` without a cached prefix, else
   the policy's lower-right mask), the consecutive short sequences between them one Triton call
@@ -29,8 +31,9 @@ from typing import Callable, Iterator
 import torch
 
 from kernels import attention as triton_attention
+from kernels.attention_prefill_fa import attention_prefill_fa
 
-PACKED_BACKENDS = ("varlen",)
+PACKED_BACKENDS = ("varlen", "triton-fa")
 SDPA_BACKENDS = {"sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-flash": "FLASH_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION"}
 BACKENDS = ("triton",) + PACKED_BACKENDS + tuple(SDPA_BACKENDS)
@@ -228,6 +231,10 @@ def attention_prefill_with(policy: PrefillPolicy, q, k_cache, v_cache, kv_indice
                      kv_indptr if whole else kv_indptr[seg.lo:seg.hi + 1] - c0,
                      cu_seqlens if whole else cu_seqlens[seg.lo:seg.hi + 1] - t0, scale,
                      out=o[t0:t1], max_seqlen=max(new_lens[seg.lo:seg.hi]))
+            continue
+        if policy.backend == "triton-fa":
+            attention_prefill_fa(q, k_cache, v_cache, kv_indices, kv_indptr, cu_seqlens, scale, out=o,
+                                 max_seqlen=max(new_lens))
             continue
         idx = kv_indices[c0:c1]
         k_ctx, v_ctx = k_cache.index_select(0, idx), v_cache.index_select(0, idx)  # [ctx, H_kv, d]

@@ -12,6 +12,7 @@ import torch
 
 from kernels import attention_prefill_backends as apb
 from kernels.attention_prefill_backends import PrefillPolicy, Segment, attention_prefill_with, plan_segments
+from kernels.attention_prefill_fa import FaLaunch, attention_prefill_fa
 from kernels.ref import attention as ref_attention
 from tests.conftest import requires_cuda
 from tests.test_kernels_attention import make_batch
@@ -130,6 +131,39 @@ def test_host_lengths_cached_per_tensor_and_refreshed_on_rewrite():
     assert cache.get(cu, indptr) is first  # the same batch: no second read
     cu[2] = 6  # an in-place rewrite (the next step reusing the buffer)
     assert cache.get(cu, indptr) == ([0, 3, 6], [0, 4, 9])
+
+
+# ---------------------------------------------------------------- the FA2-style Triton kernel
+
+FA_CASES = [([65, 7, 64, 20], [3, 7, 64, 1]), ([63, 1, 33], [63, 1, 17]), (CONTEXTS, NEW)]
+
+
+@pytest.mark.parametrize("launch", [FaLaunch(16, 16, 4, 1), FaLaunch(32, 16, 4, 1), FaLaunch(16, 32, 4, 1)], ids=str)
+@pytest.mark.parametrize("case", range(len(FA_CASES)))
+def test_fa_kernel_matches_reference(case, launch):
+    """Tiles smaller and larger than the runs: full tiles, diagonal tiles, ragged last blocks."""
+    batch = make_batch(*FA_CASES[case], seed=10 + case, heads=6, kv_heads=2)
+    out = attention_prefill_fa(batch.q, batch.k_cache, batch.v_cache, batch.kv_indices, batch.kv_indptr,
+                               batch.cu_seqlens, batch.scale, out=torch.full_like(batch.q, float("nan")),
+                               launch=launch)
+    torch.testing.assert_close(out, reference(batch), **FP32_TOL)
+
+
+def test_fa_kernel_bf16_and_head_dim_not_a_power_of_two():
+    batch = make_batch(CONTEXTS, NEW, seed=20, d=24, dtype=torch.bfloat16)
+    out = attention_prefill_fa(batch.q, batch.k_cache, batch.v_cache, batch.kv_indices, batch.kv_indptr,
+                               batch.cu_seqlens, batch.scale, launch=FaLaunch(16, 16, 4, 1))
+    torch.testing.assert_close(out.float(), reference(batch).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_fa_policy_runs_the_whole_batch_in_the_fa_kernel():
+    batch = make_batch(CONTEXTS, NEW, seed=21)
+    short_calls = []
+    out = attention_prefill_with(PrefillPolicy("triton-fa", min_run=MIN_RUN), batch.q, batch.k_cache,
+                                 batch.v_cache, batch.kv_indices, batch.kv_indptr, batch.cu_seqlens, batch.scale,
+                                 short_fn=lambda *a, **k: short_calls.append(a))
+    assert short_calls == []  # the FA kernel ran the whole batch
+    torch.testing.assert_close(out, reference(batch), **FP32_TOL)
 
 
 # ---------------------------------------------------------------- every backend on the GPU
