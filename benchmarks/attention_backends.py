@@ -23,6 +23,8 @@ Backends:
     varlen            torch.nn.attention.varlen.varlen_attn on the packed tokens (flash; causal is
                       bottom-right aligned, so the prefix case is native)
     flex              flex_attention (compiled on CUDA) with a block mask of packed causal documents
+    fa[bm,bn,w,s]     kernels/attention_prefill_fa.py (FA2-style, reads the pool): each launch of its
+                      autotune list, and `fa[autotune]` (what the model gets)
     op[<policy>]      the model's op (kernels/attention_prefill_backends.py) under each backend policy
                       (long runs ≥ 1,024 new tokens to the backend): gather, offsets and copies included
 
@@ -376,9 +378,27 @@ def backend_runs(case: Case, wanted: set[str], quick: bool, args):
             yield f"varlen-{gqa}", lambda g=gqa: prepare_varlen(case, g)
     if "flex" in wanted:
         yield "flex", None  # handled in run_flex: tries kernel options until one compiles
+    if "fa" in wanted:
+        from kernels.attention_prefill_fa import AUTOTUNE, FaLaunch
+        launches = [FaLaunch(16, 16, 4, 1)] if quick else AUTOTUNE
+        for c in launches:
+            yield (f"fa[{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}]",
+                   lambda c=c: prepare_fa(case, c))
+        if not quick:
+            yield "fa[autotune]", lambda: prepare_fa(case, None)
     if "op" in wanted:
         for policy in op_policies(args)[:2] if quick else op_policies(args):  # CPU: all fall back to Triton
             yield policy_label(policy), lambda p=policy: prepare_op(case, p)
+
+
+def prepare_fa(case: Case, launch) -> Prepared:
+    from kernels.attention_prefill_fa import attention_prefill_fa
+    out = _nan_like(case.q)
+
+    def run():
+        return attention_prefill_fa(case.q, case.k_cache, case.v_cache, case.kv_indices, case.kv_indptr,
+                                    case.cu_seqlens, case.scale, out=out, max_seqlen=case.shape.new, launch=launch)
+    return run, run
 
 
 def prepare_op(case: Case, policy) -> Prepared:
@@ -447,7 +467,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 reps: a CPU smoke run")
     parser.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
-    parser.add_argument("--backends", default="triton,sdpa,varlen,flex,op")
+    parser.add_argument("--backends", default="triton,fa,sdpa,varlen,flex,op")
     parser.add_argument("--min-run", type=int, default=1024, help="op / e2e policies: long-run threshold")
     parser.add_argument("--e2e", action="store_true", help="model prefill tokens/s, old vs new path (see above)")
     parser.add_argument("--policy", default="varlen", help="--e2e: the new path's backend")
