@@ -30,7 +30,7 @@ OPS: dict[str, tuple[str, str]] = {
     "replay_decode": ("kernels.replay_ssm", "kernels.ref.replay"),
     "replay_fold": ("kernels.replay_ssm", "kernels.ref.replay"),
     "store_kv": ("kernels.attention", "kernels.ref.attention"),
-    "attention_prefill": ("kernels.attention", "kernels.ref.attention"),
+    "attention_prefill": ("kernels.attention.prefill_backends", "kernels.ref.attention"),
     "attention_decode": ("kernels.attention", "kernels.ref.attention"),
 }
 
