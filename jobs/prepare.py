@@ -22,7 +22,10 @@ from jobs.inputs import InputFiles, input_fingerprint, open_inputs
 from jobs.outputs import RESULT_COLUMNS
 from jobs.prompts import is_text, parse_template, template_can_format, template_columns
 from jobs.resume import check_resumable
-from jobs.spec import JobSpec, did_you_mean
+from jobs.openai_batch import open_batch_input
+from jobs.spec import JobSpec, did_you_mean, openai_batch_input
+from jobs.task_checks import check_task
+from jobs.task_spec import TaskSpec
 from jobs.tokenizer import CheckpointTokenizer
 
 
@@ -118,15 +121,22 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     """Every bad-input check, in the order a user would fix them; writes nothing."""
     checkpoint = resolve_checkpoint(spec)
     vocab_size = check_checkpoint(checkpoint, spec)
-    inputs = open_inputs(spec.input, spec.job_file, spec.where("input"), exclude=spec.output.path)
-    _check_columns(spec, inputs.schema)
-    tokenizer = _load_tokenizer(checkpoint, spec)
+    if openai_batch_input(spec.input):  # its lines are rendered and tokenised as they are read
+        tokenizer = _load_tokenizer(checkpoint, spec)
+        inputs = open_batch_input(spec.input, tokenizer, spec.job_file, spec.where("input"))
+        _check_columns(spec, inputs.schema)
+    else:
+        inputs = open_inputs(spec.input, spec.job_file, spec.where("input"), exclude=spec.output.path)
+        _check_columns(spec, inputs.schema)
+        tokenizer = _load_tokenizer(checkpoint, spec)
+    check_task(spec, inputs.schema, tokenizer, vocab_size)
     fingerprint = {
         "model": checkpoint_fingerprint(checkpoint),
         "prompt": {"template": spec.prompt.template, "column": spec.prompt.column,
                    "token_ids_column": spec.prompt.token_ids_column, "chat": spec.chat, "system": spec.system},
         "id_column": spec.id_column,
         "sampling": spec.sampling,
+        **({"task": spec.task} if spec.task != TaskSpec() else {}),  # absent for plain jobs: their folders resume
         "input": input_fingerprint(inputs),
     }
     _check_output(spec)
