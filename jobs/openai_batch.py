@@ -251,8 +251,10 @@ def _render(fields: dict, tokenizer: CheckpointTokenizer) -> tuple[str, bool]:
         raise LineError(f"chat template: {exc}") from None
 
 
-def read_batch_file(path: Path, tokenizer: CheckpointTokenizer) -> pa.Table:
-    """Every line of the request file as rows of `BATCH_SCHEMA` (one per choice; one per bad line)."""
+def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[int] = None) -> pa.Table:
+    """The request file's lines (the first `limit` requests) as rows of `BATCH_SCHEMA` (one per
+    choice; one per bad line)."""
+    requests = 0
     rows: dict[str, list] = {name: [] for name in BATCH_COLUMNS}
     texts: list[tuple[int, str, bool]] = []  # (first row, text, chat) of each line to tokenise
     seen: set[str] = set()
@@ -270,6 +272,9 @@ def read_batch_file(path: Path, tokenizer: CheckpointTokenizer) -> pa.Table:
         for line, text in enumerate(handle, start=1):
             if not text.strip():
                 continue  # blank lines (a trailing newline) are no requests
+            if limit is not None and requests >= limit:
+                break
+            requests += 1
             fields: Optional[dict] = None
             try:
                 fields = parse_line(text)
@@ -400,13 +405,16 @@ def write_batch_output(out_dir: Path, spec: JobSpec, before_commit: Callable[[],
     return target
 
 
-def open_batch_input(pattern: str, tokenizer: CheckpointTokenizer, job_file: Path, where: str) -> InputFiles:
-    """The request file as the job's input: its rows parsed and held in memory (`InputFiles.table`)."""
+def open_batch_input(pattern: str, tokenizer: CheckpointTokenizer, job_file: Path, where: str,
+                     limit: Optional[int] = None) -> InputFiles:
+    """The request file as the job's input: its rows parsed and held in memory (`InputFiles.table`).
+    `limit` counts request lines (so a line keeps all its choices); `PreparedJob.rows` then takes every row."""
     path = Path(pattern)
     if not path.is_file():
-        raise JobError(job_file, where, f"no such file: {display_path(path)} (an OpenAI batch input is one .jsonl file)")
+        raise JobError(job_file, where,
+                       f"no such file: {display_path(path)} (an OpenAI batch input is one .jsonl file)")
     try:
-        table = read_batch_file(path, tokenizer)
+        table = read_batch_file(path, tokenizer, limit)
     except OSError as exc:
         raise JobError(job_file, where, f"cannot read {display_path(path)}: {exc.strerror or exc}") from None
     if table.num_rows == 0:

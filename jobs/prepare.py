@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,8 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     vocab_size = check_checkpoint(checkpoint, spec)
     if openai_batch_input(spec.input):  # its lines are rendered and tokenised as they are read
         tokenizer = _load_tokenizer(checkpoint, spec)
-        inputs = open_batch_input(spec.input, tokenizer, spec.job_file, spec.where("input"))
+        inputs = open_batch_input(spec.input, tokenizer, spec.job_file, spec.where("input"), spec.limit)
+        spec = replace(spec, limit=None)  # applied to request lines already: every row of the table runs
         _check_columns(spec, inputs.schema)
     else:
         inputs = open_inputs(spec.input, spec.job_file, spec.where("input"), exclude=spec.output.path)

@@ -11,7 +11,6 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from batchinfer.engine.types import RequestOutput
 from jobs.errors import JobError
 from jobs.eval_metrics import accuracy, choice_correct, correct_values, exact_match, normalize_answer
 from jobs.prepare import prepare_job

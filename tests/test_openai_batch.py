@@ -13,7 +13,7 @@ from jobs.openai_batch import OUTPUT_NAME, LineError, parse_line
 from jobs.prepare import prepare_job
 from jobs.runner import run_job
 from jobs.spec import load_job_file, parse_job_file
-from tests.fake_engine import FakeEngine, SimulatedFailure
+from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import make_tokenizer_checkpoint, write_job_file
 
 
@@ -90,7 +90,9 @@ def test_a_batch_file_round_trips_with_an_output_line_per_request_line(tmp_path,
     assert c1["error"] is None and c1["response"]["status_code"] == 200
     body = c1["response"]["body"]
     assert body["object"] == "chat.completion" and body["model"] == "m"
-    assert body["choices"][0]["message"]["role"] == "assistant" and body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "zz" not in c2["response"]["body"]["choices"][0]["message"]["content"]
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
     assert t1["response"]["body"]["object"] == "text_completion"
     assert [c["index"] for c in t1["response"]["body"]["choices"]] == [0, 1]
@@ -188,3 +190,15 @@ def test_a_batch_file_with_no_requests_is_refused(tmp_path, checkpoint):
     with pytest.raises(JobError) as caught:
         prepare_job(load_job_file(job_file).jobs[0])
     assert "has no request lines" in str(caught.value)
+
+
+def test_limit_counts_request_lines_so_a_line_keeps_all_its_choices(tmp_path, checkpoint):
+    job_file = write_batch(tmp_path, checkpoint)
+    text = job_file.read_text().replace("  engine:", "  limit: 2\n  engine:")
+    job_file.write_text(text)
+    job = prepare_job(load_job_file(job_file).jobs[0])
+    assert job.rows == 3  # c1, and t1's two choices
+    run(job_file, FakeEngine())
+    lines = read_lines(tmp_path)
+    assert [line["custom_id"] for line in lines] == ["c1", "t1"]
+    assert len(lines[1]["response"]["body"]["choices"]) == 2
