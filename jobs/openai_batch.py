@@ -158,7 +158,7 @@ def _response_schema(body: dict) -> Optional[str]:
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         raise LineError("body.response_format.json_schema.schema: must be a JSON schema (an object)")
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(schema)  # key order kept: it is the order properties are generated in
 
 
 def _check_penalties(body: dict) -> None:

@@ -31,7 +31,7 @@ TASK_JOB_KEYS = ("task", "score", "eval")
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """One output constraint: `kind` json_schema (value: the schema as canonical JSON text), regex
+    """One output constraint: `kind` json_schema (value: the schema as JSON text), regex
     (the pattern), choice (a tuple of strings) or json_schema_column (value: the column name)."""
 
     kind: str
@@ -93,7 +93,7 @@ def _choices(value: Any) -> tuple[str, ...]:
 
 
 def _schema_text(value: Any) -> str:
-    """A JSON schema (a mapping, or JSON text of one) as canonical JSON text (hashable, fingerprinted)."""
+    """A JSON schema (a mapping, or JSON text of one) as JSON text (hashable, fingerprinted)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -102,7 +102,7 @@ def _schema_text(value: Any) -> str:
     if not isinstance(value, dict):
         raise ValueError(f"must be a JSON schema (a mapping), got {type(value).__name__}")
     try:
-        return json.dumps(value, sort_keys=True, allow_nan=False)
+        return json.dumps(value, allow_nan=False)  # key order kept: it is the order properties are generated in
     except (TypeError, ValueError) as exc:  # YAML can hold what JSON cannot (dates, NaN)
         raise ValueError(f"is not expressible as JSON: {exc}") from None
 

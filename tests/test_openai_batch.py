@@ -92,7 +92,6 @@ def test_a_batch_file_round_trips_with_an_output_line_per_request_line(tmp_path,
     assert body["object"] == "chat.completion" and body["model"] == "m"
     assert body["choices"][0]["message"]["role"] == "assistant"
     assert body["choices"][0]["finish_reason"] in ("stop", "length")
-    assert "zz" not in c2["response"]["body"]["choices"][0]["message"]["content"]
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
     assert t1["response"]["body"]["object"] == "text_completion"
     assert [c["index"] for c in t1["response"]["body"]["choices"]] == [0, 1]
@@ -202,3 +201,15 @@ def test_limit_counts_request_lines_so_a_line_keeps_all_its_choices(tmp_path, ch
     lines = read_lines(tmp_path)
     assert [line["custom_id"] for line in lines] == ["c1", "t1"]
     assert len(lines[1]["response"]["body"]["choices"]) == 2
+
+
+def test_a_line_s_own_stop_string_cuts_its_text(tmp_path, checkpoint):
+    first = tmp_path / "first"
+    first.mkdir()
+    run(write_batch(first, checkpoint, lines=[completion("a", "Once upon", max_tokens=8)]), FakeEngine())
+    text = read_lines(first)[0]["response"]["body"]["choices"][0]["text"]
+    assert len(text) >= 4
+    stop = text[2:4]
+    run(write_batch(tmp_path, checkpoint, lines=[completion("a", "Once upon", max_tokens=8, stop=[stop])]),
+        FakeEngine())
+    assert read_lines(tmp_path)[0]["response"]["body"]["choices"][0]["text"] == text[:text.find(stop)]

@@ -54,7 +54,9 @@ def random_masked_text(grammar, tokenizer, rng, budget=600, masked=True):
 
 
 def test_every_random_masked_json_output_parses_and_validates(tokenizer):
-    grammar = compile_grammar(GrammarSpec("json_schema", json.dumps(SCHEMA)), tokenizer, VOCAB)
+    job = parse_job_file(f"jobs:\n  - name: s\n    model: demo\n    input: d.parquet\n    prompt: {{column: q}}\n"
+                         f"    sampling: {{json_schema: {json.dumps(SCHEMA)}}}\n", Path("/p/jobs.yaml")).jobs[0]
+    grammar = compile_grammar(job.task.grammar, tokenizer, VOCAB)
     rng = np.random.default_rng(0)
     finished = 0
     for _ in range(40):
@@ -62,6 +64,7 @@ def test_every_random_masked_json_output_parses_and_validates(tokenizer):
         if done:
             finished += 1
             jsonschema.validate(json.loads(text), SCHEMA)
+            assert list(json.loads(text)) == list(SCHEMA["properties"])  # in the schema's order
     assert finished >= 30  # the budget rarely runs out: the test sees real completions
 
 
