@@ -29,6 +29,7 @@ import json
 import math
 import time
 import zlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -320,7 +321,7 @@ def row_sampling(spec: JobSpec, table: pa.Table) -> Optional[list[SamplingParams
             overrides = {name: value for name, value in zip(SAMPLING_COLUMNS, key) if value is not None}
             if "max_tokens" in overrides and base.min_tokens > overrides["max_tokens"]:
                 overrides["min_tokens"] = overrides["max_tokens"]
-            params = shared[key] = SamplingParams(**{**base.__dict__, **overrides})
+            params = shared[key] = replace(base, **overrides)
         result.append(params)
     return result
 
