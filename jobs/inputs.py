@@ -25,6 +25,7 @@ class InputFiles:
     paths: tuple[Path, ...]
     schema: pa.Schema
     num_rows: int  # all files together, before any limit
+    table: Optional[pa.Table] = None  # rows held in memory (an OpenAI batch file, parsed): read from here
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ def iter_windows(inputs: InputFiles, window_rows: int, limit: Optional[int] = No
     """Yield the first `limit` rows (all when None) in windows of at most `window_rows` rows."""
     remaining = inputs.num_rows if limit is None else min(limit, inputs.num_rows)
     next_row = 0
+    if inputs.table is not None:
+        for first in range(0, remaining, window_rows):
+            yield RowWindow(first_row=first, table=inputs.table.slice(first, min(window_rows, remaining - first)))
+        return
     for path in inputs.paths:
         # pre_buffer off: with it Arrow keeps every range it has read, so RSS grows with the input.
         for batch in pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=window_rows):

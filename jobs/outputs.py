@@ -61,12 +61,14 @@ class PartWriter:
     """
 
     def __init__(self, out_dir: Path, flush_rows: int, next_part: int, flush_seconds: float = 60.0,
-                 before_commit: Callable[[], None] = lambda: None) -> None:
+                 before_commit: Callable[[], None] = lambda: None,
+                 finish_table: Callable[[pa.Table], pa.Table] = lambda table: table) -> None:
         self.out_dir = out_dir
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self.next_part = next_part
         self.before_commit = before_commit
+        self.finish_table = finish_table  # e.g. the eval's `correct` column, from the part's own columns
         self.parts_written = 0
         self.rows_written = 0        # samples in committed parts
         self.error_rows_written = 0  # of those, finish_reason "error"
@@ -87,7 +89,7 @@ class PartWriter:
         self._last_flush = time.monotonic()
         if not self._pending:
             return None
-        table = self._build_table(self._pending)
+        table = self.finish_table(self._build_table(self._pending))
         name = part_name(self.next_part)
         self.before_commit()
         commit_part(self.out_dir, name, table)

@@ -24,7 +24,10 @@ from jobs.prompts import is_text, parse_template, template_can_format, template_
 from jobs.reasoning import ReasoningSplit, reasoning_split
 from jobs.resume import check_resumable
 from jobs.sampling_defaults import ResolvedSampling, resolve_sampling
-from jobs.spec import JobSpec, did_you_mean
+from jobs.spec import JobSpec, did_you_mean, openai_batch_input
+from jobs.openai_batch import open_batch_input
+from jobs.task_checks import check_task
+from jobs.task_spec import TaskSpec
 from jobs.tokenizer import CheckpointTokenizer
 
 
@@ -124,10 +127,17 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     vocab_size = check_checkpoint(checkpoint, spec)
     sampling = resolve_sampling(spec, checkpoint)
     spec = replace(spec, sampling=sampling.params)
-    inputs = open_inputs(spec.input, spec.job_file, spec.where("input"), exclude=spec.output.path)
-    _check_columns(spec, inputs.schema)
-    tokenizer = _load_tokenizer(checkpoint, spec)
+    if openai_batch_input(spec.input):  # its lines are rendered and tokenised as they are read
+        tokenizer = _load_tokenizer(checkpoint, spec)
+        inputs = open_batch_input(spec.input, tokenizer, spec.job_file, spec.where("input"), spec.limit)
+        spec = replace(spec, limit=None)  # applied to request lines already: every row of the table runs
+        _check_columns(spec, inputs.schema)
+    else:
+        inputs = open_inputs(spec.input, spec.job_file, spec.where("input"), exclude=spec.output.path)
+        _check_columns(spec, inputs.schema)
+        tokenizer = _load_tokenizer(checkpoint, spec)
     reasoning = reasoning_split(spec, tokenizer)
+    check_task(spec, inputs.schema, tokenizer, vocab_size)
     fingerprint = {
         "model": checkpoint_fingerprint(checkpoint),
         "prompt": {"template": spec.prompt.template, "column": spec.prompt.column,
@@ -136,6 +146,7 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
         "reasoning": reasoning,
         "id_column": spec.id_column,
         "sampling": spec.sampling,
+        **({"task": spec.task} if spec.task != TaskSpec() else {}),  # absent for plain jobs: their folders resume
         "input": input_fingerprint(inputs),
     }
     _check_output(spec)

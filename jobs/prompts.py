@@ -216,6 +216,10 @@ def build_prompts(table: pa.Table, spec: PromptSpec, tokenizer: CheckpointTokeni
     assert isinstance(frame, pl.DataFrame)
     if spec.token_ids_column is not None:
         batch = _token_id_lists(frame, spec.token_ids_column, vocab_size)
+        if spec.error_column is not None:  # the row's own error (a bad request line) explains its missing ids
+            row_errors = table[spec.error_column].to_pylist()
+            batch = PromptBatch(token_ids=[None if own else ids for ids, own in zip(batch.token_ids, row_errors)],
+                                errors=[own or error for error, own in zip(batch.errors, row_errors)])
         return PromptBatch(token_ids=[None if text_error else ids for ids, text_error in
                                       zip(batch.token_ids, text_errors)],
                            errors=[text_error or error for error, text_error in zip(batch.errors, text_errors)])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
@@ -25,8 +26,10 @@ from rich.console import Console
 
 from batchinfer.engine.types import Request, RequestOutput
 from jobs.errors import JobError, JobRuntimeError, display_path
+from jobs.eval_metrics import eval_stats, with_correct_column
 from jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
 from jobs.global_run import PlannedUnits, UnitsInProcess, plan_stats, plan_units, prepare_units, summed_counters
+from jobs.openai_batch import OUTPUT_NAME as BATCH_OUTPUT_NAME, write_batch_output
 from jobs.ordered_output import compact_in_input_order, finish_interrupted_compaction
 from jobs.output_lock import OutputBusy, OutputLock
 from jobs.outputs import PartWriter
@@ -251,6 +254,8 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             stats["plan"] = {"mode": "window", "window_rows": options.window_rows}
         if parallel_report:
             stats["executor"] = getattr(parallel_report[0], "stats", {})
+        if spec.task.eval is not None:
+            stats["eval"] = eval_stats(spec.task.eval, [path for path, _ in scan_parts(out_dir, verify=False).finished])
         write_stats(out_dir / STATS_NAME, stats)
         return stats
 
@@ -259,6 +264,8 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         in_order = resume.in_input_order or not reorder
         if not overwrite and not resume.damaged and previous.get("status") == "done" and in_order:
             # Keep the stats of the run that did the work.
+            if spec.output.format == "openai" and not (out_dir / BATCH_OUTPUT_NAME).is_file():
+                write_batch_output(out_dir, spec, lock.ensure_held)  # killed while writing it
             _complete_work_dir(spec)
             console.print(f"job {spec.name}: all {total} samples already in {display_path(out_dir)}",
                           highlight=False, markup=False)
@@ -266,6 +273,8 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         _prepare_output_dir(job, overwrite, resume, lock)
         if reorder:
             _reorder(job, lock, console)
+        if spec.output.format == "openai":
+            write_batch_output(out_dir, spec, lock.ensure_held)
         _complete_work_dir(spec)
         stats = finish("done")
         render_summary(console, stats)
@@ -284,6 +293,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             remove_work_dir(work_dir)
         planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget)
     _prepare_output_dir(job, overwrite, resume, lock)
+    (out_dir / BATCH_OUTPUT_NAME).unlink(missing_ok=True)  # an earlier run's lines: rewritten when the job completes
     progress = ProgressReporter(console, spec.name, total, resumed)
     writer: Optional[PartWriter] = None
     try:
@@ -305,13 +315,16 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         else:
             if overwrite:  # a global plan of an earlier run goes with everything else it wrote
                 remove_work_dir(work_dir_for(out_dir))
-            writer = PartWriter(out_dir, spec.output.flush_rows, resume.next_part, before_commit=lock.ensure_held)
+            writer = PartWriter(out_dir, spec.output.flush_rows, resume.next_part, before_commit=lock.ensure_held,
+                                finish_table=partial(with_correct_column, spec.task))
             work = WindowRun(job, engine, writer, progress, resume.done, options.window_rows)
             with progress:
                 work.run()
             writer.flush()
         if reorder:
             _reorder(job, lock, console)
+        if spec.output.format == "openai":
+            write_batch_output(out_dir, spec, lock.ensure_held)
     except BaseException as exc:
         if lock.lost:
             raise _lost(lock, spec) from None

@@ -20,6 +20,7 @@ from jobs import spec_checks as check
 from jobs.errors import JobError
 from jobs.parallel_spec import PARALLEL_KEYS, ParallelSpec
 from jobs.spec_checks import Checker, did_you_mean
+from jobs.task_spec import TASK_JOB_KEYS, TaskSpec, parse_task, split_task_sampling
 from jobs.yaml_loader import DuplicateKeyError, load_yaml
 
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -36,6 +37,7 @@ class PromptSpec:
     # the job's `chat_template_kwargs`: extra chat-template variables, as transformers'
     # apply_chat_template(**kwargs) passes them; ((name, value), ...) sorted by name
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    error_column: Optional[str] = None      # set for OpenAI batch input: a non-null value is the row's error
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class OutputSpec:
     # input: one ordered compaction at the end rewrites the parts in row_index order
     order: str = "completion"
     keep_work: bool = False    # keep the planning folder `_work/` after the job completes
+    # parquet: the parts only; openai: also the batch output lines (jobs/openai_batch.py), from the parts
+    format: str = "parquet"
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class JobSpec:
     id_column: Optional[str] = None
     limit: Optional[int] = None
     parallel: ParallelSpec = ParallelSpec()
+    task: TaskSpec = TaskSpec()  # logprobs, scoring, structured output, eval (jobs/task_spec.py)
     job_file: Path = Path("jobs.yaml")  # for error messages
 
     def where(self, key: str) -> str:
@@ -130,9 +135,10 @@ ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
 }
 PROMPT_KEYS = {"template": check.text(), "column": check.text(), "token_ids_column": check.text()}
 OUTPUT_KEYS = {"path": check.text(), "flush_rows": check.integer(1),
-               "order": check.choice("completion", "input"), "keep_work": check.boolean}
+               "order": check.choice("completion", "input"), "keep_work": check.boolean,
+               "format": check.choice("parquet", "openai")}
 JOB_KEYS = ("name", "model", "input", "prompt", "chat", "system", "chat_template_kwargs", "reasoning", "id_column",
-            "sampling", "engine", "output", "limit", "parallel")
+            "sampling", "engine", "output", "limit", "parallel") + TASK_JOB_KEYS
 TOP_KEYS = ("defaults", "jobs")
 
 
@@ -172,7 +178,8 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
     if not isinstance(name, str) or not JOB_NAME_PATTERN.match(name):
         raise checker.fail(f"{where}.name", f"must match [A-Za-z0-9_-]+, got {name!r}")
     where = f"jobs.{name}"
-    for key in ("model", "input", "prompt"):
+    batch_input = isinstance(raw.get("input"), str) and openai_batch_input(raw["input"])
+    for key in ("model", "input") if batch_input else ("model", "input", "prompt"):
         if key not in raw:
             raise checker.fail(f"{where}.{key}", "missing (required)")
 
@@ -184,13 +191,18 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
 
     model = scalar("model", check.text(), None)
     input_pattern = scalar("input", check.text(), None)
-    prompt = checker.section(raw["prompt"], f"{where}.prompt", PROMPT_KEYS)
-    if len(prompt) != 1:
+    if batch_input:
+        prompt = _batch_input_prompt(checker, raw, where)
+    else:
+        prompt = checker.section(raw["prompt"], f"{where}.prompt", PROMPT_KEYS)
+    if len(prompt) != 1 and not batch_input:
         raise checker.fail(f"{where}.prompt", "needs exactly one of template, column, token_ids_column")
     chat = scalar("chat", check.boolean, False)
     if chat and "token_ids_column" in prompt:
         raise checker.fail(f"{where}.chat", "cannot be true with prompt.token_ids_column (already tokenised)")
-    sampling, sampling_keys, use_generation_config = _sampling(checker, raw.get("sampling", {}), f"{where}.sampling")
+    raw_sampling, task_sampling = split_task_sampling(raw.get("sampling", {}))
+    sampling, sampling_keys, use_generation_config = _sampling(checker, raw_sampling, f"{where}.sampling")
+    task = parse_task(checker, raw, task_sampling, where)
     template_kwargs = raw.get("chat_template_kwargs", {})
     if not isinstance(template_kwargs, dict) or not all(isinstance(key, str) for key in template_kwargs):
         raise checker.fail(f"{where}.chat_template_kwargs", "must be a mapping of template variable names to values")
@@ -205,6 +217,7 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
                              OUTPUT_KEYS)
     if "path" not in output:
         raise checker.fail(f"{where}.output.path", "missing (required)")
+    _check_batch_output(checker, output, batch_input, sampling, where)
     return JobSpec(
         name=name,
         model=model if model == DEMO_MODEL else str(_resolve(model, base)),
@@ -218,11 +231,47 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
         reasoning=reasoning,
         sampling_keys=sampling_keys,
         use_generation_config=use_generation_config,
-        id_column=scalar("id_column", check.text(optional=True), None),
+        id_column=BATCH_SEED_KEY_COLUMN if batch_input else scalar("id_column", check.text(optional=True), None),
         limit=scalar("limit", check.integer(1, optional=True), None),
         parallel=ParallelSpec(**checker.section(raw.get("parallel", {}), f"{where}.parallel", PARALLEL_KEYS)),
+        task=task,
         job_file=checker.path,
     )
+
+
+# OpenAI batch input (jobs/openai_batch.py): the reader makes these columns from the request lines
+BATCH_TOKEN_IDS_COLUMN = "prompt_token_ids"
+BATCH_ERROR_COLUMN = "request_error"
+BATCH_SEED_KEY_COLUMN = "seed_key"  # per (line, choice): the choices of a line draw different samples
+BATCH_INPUT_SUFFIX = ".jsonl"
+
+
+def openai_batch_input(input_pattern: str) -> bool:
+    """An `input:` naming a `.jsonl` file is an OpenAI batch file of request lines."""
+    return input_pattern.endswith(BATCH_INPUT_SUFFIX)
+
+
+def _batch_input_prompt(checker: Checker, raw: dict, where: str) -> dict:
+    """A batch file's lines carry their prompts: the job gives none, nor chat settings or an id column."""
+    for key in ("prompt", "chat", "system", "id_column"):
+        if key in raw:
+            raise checker.fail(f"{where}.{key}", "not used with an OpenAI batch input (.jsonl): "
+                                                 "each request line has its messages or prompt")
+    return {"token_ids_column": BATCH_TOKEN_IDS_COLUMN, "error_column": BATCH_ERROR_COLUMN}
+
+
+def _check_batch_output(checker: Checker, output: dict, batch_input: bool, sampling: SamplingParams,
+                        where: str) -> None:
+    """output.format openai needs request lines, and writes them in input order; n is per line."""
+    if batch_input and sampling.n != 1:
+        raise checker.fail(f"{where}.sampling.n", "set n in each request line's body (OpenAI batch input)")
+    if output.get("format") != "openai":
+        return
+    if not batch_input:
+        raise checker.fail(f"{where}.output.format", "openai needs an OpenAI batch input (a .jsonl file)")
+    if output.setdefault("order", "input") != "input":
+        raise checker.fail(f"{where}.output.order", "must be input with format openai (lines follow the "
+                                                    "request file)")
 
 
 def parse_job_file(text: str, path: Path) -> JobFile:

@@ -78,6 +78,16 @@ def _count(value: float) -> str:
     return f"{int(value):,}"
 
 
+def _eval_rows(evaluation: Optional[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The eval's accuracy ± its standard error sqrt(p(1-p)/n) (jobs/eval_metrics.py)."""
+    if not evaluation:
+        return []
+    if evaluation.get("accuracy") is None:
+        return [(f"accuracy ({evaluation['metric']})", "no judged samples")]
+    return [(f"accuracy ({evaluation['metric']}) ± s.e.",
+             f"{evaluation['accuracy']:.2%} ± {evaluation['stderr']:.2%} (n = {_count(evaluation['judged'])})")]
+
+
 def render_summary(console: Console, stats: dict[str, Any]) -> None:
     table = Table(title=f"job {stats['job']}: {stats['status']}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
@@ -105,6 +115,7 @@ def render_summary(console: Console, stats: dict[str, Any]) -> None:
         ("peak RSS (this process)", f"{stats.get('process_peak_rss_bytes', 0) / 2**20:,.1f} MiB"),
     ]
     rows.extend(_sampling_rows(stats.get("sampling")))
+    rows.extend(_eval_rows(stats.get("eval")))
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)

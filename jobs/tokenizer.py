@@ -144,6 +144,14 @@ class CheckpointTokenizer:
         source = self.chat_template_source or ""
         return THINK_OPEN in source and THINK_CLOSE in source
 
+    def render_messages(self, messages: Sequence[dict]) -> str:
+        """The chat-formatted prompt text for a whole conversation (OpenAI-style role/content
+        mappings), ready for the assistant's reply."""
+        if self._compiled is None:
+            raise ValueError("the checkpoint has no chat template")
+        return self._compiled.render(messages=list(messages), tools=None, documents=None,
+                                     add_generation_prompt=True, **self.special_tokens)
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [encoding.ids for encoding in encodings]

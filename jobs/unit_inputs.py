@@ -69,6 +69,8 @@ def plan_buckets(unit_rows: list[int], row_bytes: float, bucket_bytes: int) -> B
 def _row_bytes(job: PreparedJob) -> float:
     """Average uncompressed bytes of an input row, from the Parquet footers."""
     total_bytes = total_rows = 0
+    if job.inputs.table is not None:  # rows held in memory (an OpenAI batch file)
+        return max(job.inputs.table.nbytes / max(job.inputs.table.num_rows, 1), 1.0)
     for path in job.inputs.paths:
         metadata = pq.read_metadata(path)
         total_rows += metadata.num_rows

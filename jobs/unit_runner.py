@@ -24,7 +24,9 @@ import pyarrow as pa
 from batchinfer.engine.types import Request, RequestOutput
 from jobs.engine_io import error_result, output_result, row_request
 from jobs.executors.contract import ProgressDelta, UnitResult
+from jobs.eval_metrics import with_correct_column
 from jobs.global_plan import WorkPlan
+from jobs.openai_batch import row_sampling
 from jobs.outputs import RESULT_COLUMNS, RESULT_SCHEMA, ROW_INDEX_COLUMN, SampleResult
 from jobs.part_store import commit_part, unit_part_name
 from jobs.prepare import PreparedJob
@@ -95,6 +97,7 @@ class _OpenUnit:
     left: dict[int, int]                  # open chunk → samples still to come
     pending: dict[int, list[SampleResult]] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)
+    stops: dict[int, tuple[str, ...]] = field(default_factory=dict)  # row → its own stop strings (batch input)
     parts: list[str] = field(default_factory=list)
     samples_written: int = 0
     samples_skipped: int = 0
@@ -145,6 +148,7 @@ class UnitRunner:
             raise RuntimeError(f"unit {unit_id}: its input rows do not match its planned rows")
         position = {row: offset for offset, row in enumerate(indices)}
         ids = row_ids(inputs, spec.id_column) if spec.id_column else None
+        per_row = row_sampling(spec, inputs)  # None: the job's sampling for every row
         done = self.done.for_unit(unit_id)
         unit = _OpenUnit(unit_id, inputs, position, {}, {})
         for chunk, first in enumerate(range(0, len(rows), self.per_chunk)):
@@ -169,7 +173,10 @@ class UnitRunner:
                         self._record(unit, error_result(row.row_index, sample, row.error))
                     continue
                 row_id = ids[position[row.row_index]] if ids is not None else None
-                unit.requests.append(row_request(row.row_index, row.token_ids, spec.sampling, row_id,
+                sampling = per_row[position[row.row_index]] if per_row is not None else spec.sampling
+                if per_row is not None:
+                    unit.stops[row.row_index] = sampling.stop
+                unit.requests.append(row_request(row.row_index, row.token_ids, sampling, row_id,
                                                  done.get(row.row_index)))
         unit.samples_skipped += sum(len(samples) for samples in done.values())
         return unit
@@ -189,6 +196,7 @@ class UnitRunner:
         for name in RESULT_COLUMNS:
             table = table.append_column(RESULT_SCHEMA.field(name),
                                         pa.array([getattr(r, name) for r in results], RESULT_SCHEMA.field(name).type))
+        table = with_correct_column(self.job.spec.task, table)
         self.before_commit()
         commit_part(self.out_dir, unit_part_name(unit.unit_id, chunk), table)
         del unit.left[chunk]
@@ -244,7 +252,8 @@ class UnitRunner:
             while complete:
                 yield self._result(complete.pop(0))
             unit = pulled[output.unit_index]
-            self._record(unit, output_result(output, self.job.tokenizer, stops, self.job.reasoning))
+            self._record(unit, output_result(output, self.job.tokenizer, unit.stops.get(output.request_id, stops),
+                                             self.job.reasoning))
             if output.unit_done:
                 if not unit.complete:
                     raise RuntimeError(f"unit {unit.unit_id}: the engine ended it with samples missing")

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from batchinfer.engine.types import Request
 from jobs.engine_io import error_result, output_result, row_request
 from jobs.inputs import RowWindow, iter_windows
+from jobs.openai_batch import row_sampling
 from jobs.outputs import PartWriter, SampleResult
 from jobs.prepare import PreparedJob
 from jobs.progress import ProgressReporter
@@ -55,6 +56,7 @@ class WindowRun:
         self.job, self.engine, self.writer, self.progress, self.done = job, engine, writer, progress, done
         self.window_rows = window_rows
         self.windows = _OpenWindows()
+        self.stops: dict[int, tuple[str, ...]] = {}  # row → its own stop strings (batch input), until its output
 
     def record(self, result: SampleResult) -> None:
         window = self.windows.take(result.row_index)
@@ -78,6 +80,7 @@ class WindowRun:
             prompts = build_prompts(window.table, spec.prompt, self.job.tokenizer, spec.chat, spec.system,
                                     self.job.vocab_size, id_column=spec.id_column)
             ids = row_ids(window.table, spec.id_column) if spec.id_column else [None] * len(rows)
+            per_row = row_sampling(spec, window.table)  # None: the job's sampling for every row
             for offset, row in enumerate(rows):
                 error = prompts.errors[offset]
                 if not todo[row]:
@@ -86,12 +89,16 @@ class WindowRun:
                     for sample in todo[row]:
                         self.record(error_result(row, sample, error))
                     continue
-                yield row_request(row, prompts.token_ids[offset], spec.sampling, ids[offset], self.done.get(row))
+                sampling = per_row[offset] if per_row is not None else spec.sampling
+                if per_row is not None:
+                    self.stops[row] = sampling.stop
+                yield row_request(row, prompts.token_ids[offset], sampling, ids[offset], self.done.get(row))
 
     def run(self) -> None:
         stops = self.job.spec.sampling.stop
         for output in self.engine.generate(self.requests()):
-            self.record(output_result(output, self.job.tokenizer, stops, self.job.reasoning))
+            self.record(output_result(output, self.job.tokenizer, self.stops.get(output.request_id, stops),
+                                      self.job.reasoning))
 
     @property
     def samples_written(self) -> int:
