@@ -31,7 +31,7 @@ import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import jinja2
 import pyarrow as pa
@@ -240,19 +240,20 @@ def _seed_key(custom_id: str, choice: int) -> int:
     return zlib.crc32(f"{choice}:{custom_id}".encode())
 
 
-def _render(fields: dict, tokenizer: CheckpointTokenizer) -> tuple[str, bool]:
+def _render(fields: dict, tokenizer: CheckpointTokenizer, template_kwargs: Mapping[str, Any]) -> tuple[str, bool]:
     """The prompt text and whether it is chat-rendered (which holds its special tokens already)."""
     if fields["endpoint"] == TEXT:
         return fields["prompt"], False
     if not tokenizer.has_chat_template:
         raise LineError(f"url {CHAT_URL}: the checkpoint has no chat template")
     try:
-        return tokenizer.render_messages(fields["messages"]), True
+        return tokenizer.render_messages(fields["messages"], template_kwargs), True
     except jinja2.TemplateError as exc:  # templates may reject a conversation via raise_exception
         raise LineError(f"chat template: {exc}") from None
 
 
-def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[int] = None) -> pa.Table:
+def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[int] = None,
+                    template_kwargs: Mapping[str, Any] = {}) -> pa.Table:
     """The request file's lines (the first `limit` requests) as rows of `BATCH_SCHEMA` (one per
     choice; one per bad line)."""
     requests = 0
@@ -282,7 +283,7 @@ def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[
                 if fields["custom_id"] in seen:
                     raise LineError(f"custom_id {fields['custom_id']!r}: duplicate of an earlier line")
                 seen.add(fields["custom_id"])
-                prompt, chat = _render(fields, tokenizer)
+                prompt, chat = _render(fields, tokenizer, template_kwargs)
             except LineError as exc:
                 custom_id = fields["custom_id"] if fields is not None else getattr(exc, "custom_id", None)
                 add(line, {"custom_id": custom_id}, str(exc))
@@ -407,15 +408,16 @@ def write_batch_output(out_dir: Path, spec: JobSpec, before_commit: Callable[[],
 
 
 def open_batch_input(pattern: str, tokenizer: CheckpointTokenizer, job_file: Path, where: str,
-                     limit: Optional[int] = None) -> InputFiles:
+                     limit: Optional[int] = None, template_kwargs: Mapping[str, Any] = {}) -> InputFiles:
     """The request file as the job's input: its rows parsed and held in memory (`InputFiles.table`).
-    `limit` counts request lines (so a line keeps all its choices); `PreparedJob.rows` then takes every row."""
+    `limit` counts request lines (so a line keeps all its choices); `PreparedJob.rows` then takes every row.
+    `template_kwargs`: the job's `chat_template_kwargs`, for every chat line."""
     path = Path(pattern)
     if not path.is_file():
         raise JobError(job_file, where,
                        f"no such file: {display_path(path)} (an OpenAI batch input is one .jsonl file)")
     try:
-        table = read_batch_file(path, tokenizer, limit)
+        table = read_batch_file(path, tokenizer, limit, template_kwargs)
     except OSError as exc:
         raise JobError(job_file, where, f"cannot read {display_path(path)}: {exc.strerror or exc}") from None
     if table.num_rows == 0:

@@ -129,7 +129,8 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     spec = replace(spec, sampling=sampling.params)
     if openai_batch_input(spec.input):  # its lines are rendered and tokenised as they are read
         tokenizer = _load_tokenizer(checkpoint, spec)
-        inputs = open_batch_input(spec.input, tokenizer, spec.job_file, spec.where("input"), spec.limit)
+        inputs = open_batch_input(spec.input, tokenizer, spec.job_file, spec.where("input"), spec.limit,
+                                  dict(spec.prompt.chat_template_kwargs))
         spec = replace(spec, limit=None)  # applied to request lines already: every row of the table runs
         _check_columns(spec, inputs.schema)
     else:

@@ -206,7 +206,7 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
     template_kwargs = raw.get("chat_template_kwargs", {})
     if not isinstance(template_kwargs, dict) or not all(isinstance(key, str) for key in template_kwargs):
         raise checker.fail(f"{where}.chat_template_kwargs", "must be a mapping of template variable names to values")
-    if template_kwargs and not chat:
+    if template_kwargs and not chat and not batch_input:  # a batch file's chat lines use them too
         raise checker.fail(f"{where}.chat_template_kwargs", "needs chat: true (it is passed to the chat template)")
     reserved = sorted(set(template_kwargs) & {"messages", "add_generation_prompt"})
     if reserved:

@@ -131,12 +131,9 @@ class CheckpointTokenizer:
         `template_kwargs` become template variables (e.g. enable_thinking), over the special
         tokens, as the keyword arguments of transformers' `apply_chat_template` do.
         """
-        if self._compiled is None:
-            raise ValueError("the checkpoint has no chat template")
         messages = ([{"role": "system", "content": system}] if system is not None else [])
         messages.append({"role": "user", "content": user_message})
-        variables = {"tools": None, "documents": None, **self.special_tokens, **(template_kwargs or {})}
-        return self._compiled.render(messages=messages, add_generation_prompt=True, **variables)
+        return self.render_messages(messages, template_kwargs)
 
     @property
     def has_thinking_tags(self) -> bool:
@@ -144,13 +141,13 @@ class CheckpointTokenizer:
         source = self.chat_template_source or ""
         return THINK_OPEN in source and THINK_CLOSE in source
 
-    def render_messages(self, messages: Sequence[dict]) -> str:
+    def render_messages(self, messages: Sequence[dict], template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
         """The chat-formatted prompt text for a whole conversation (OpenAI-style role/content
-        mappings), ready for the assistant's reply."""
+        mappings), ready for the assistant's reply; `template_kwargs` as in `render_chat`."""
         if self._compiled is None:
             raise ValueError("the checkpoint has no chat template")
-        return self._compiled.render(messages=list(messages), tools=None, documents=None,
-                                     add_generation_prompt=True, **self.special_tokens)
+        variables = {"tools": None, "documents": None, **self.special_tokens, **(template_kwargs or {})}
+        return self._compiled.render(messages=list(messages), add_generation_prompt=True, **variables)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)

@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
+from jobs.tokenizer import CheckpointTokenizer
 from jobs.errors import JobError, JobRuntimeError
 from jobs.openai_batch import OUTPUT_NAME, LineError, parse_line
 from jobs.prepare import prepare_job
@@ -213,3 +214,20 @@ def test_a_line_s_own_stop_string_cuts_its_text(tmp_path, checkpoint):
     run(write_batch(tmp_path, checkpoint, lines=[completion("a", "Once upon", max_tokens=8, stop=[stop])]),
         FakeEngine())
     assert read_lines(tmp_path)[0]["response"]["body"]["choices"][0]["text"] == text[:text.find(stop)]
+
+
+def test_chat_lines_are_rendered_with_the_jobs_template_kwargs(tmp_path, checkpoint, monkeypatch):
+    seen = []
+    render = CheckpointTokenizer.render_messages
+
+    def spy(self, messages, template_kwargs=None):
+        seen.append(dict(template_kwargs or {}))
+        return render(self, messages, template_kwargs)
+
+    monkeypatch.setattr(CheckpointTokenizer, "render_messages", spy)
+    (tmp_path / "requests.jsonl").write_text(chat("c1", "What is a river?") + "\n")
+    job_file = write_job_file(tmp_path, [{"name": "b", "model": str(checkpoint), "input": "requests.jsonl",
+                                          "chat_template_kwargs": {"enable_thinking": False},
+                                          "output": {"path": "out/b", "format": "openai"}}])
+    prepare_job(load_job_file(job_file).jobs[0])
+    assert seen and all(kwargs == {"enable_thinking": False} for kwargs in seen)
