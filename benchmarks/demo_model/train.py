@@ -1,0 +1,320 @@
+"""Train the demo model: a Qwen3.5 GDN hybrid (3 GDN : 1 gated attention) on document look-ups.
+
+    python -m benchmarks.demo_model.train --minutes 8 --out $OUT/demo_ckpt            # H200
+    python -m benchmarks.demo_model.train --minutes 2 --resume CKPT --out $OUT/demo_ckpt
+    python -m benchmarks.demo_model.train --minutes 0.5 --tiny --out /tmp/demo_tiny      # CPU smoke
+
+Each training sequence is one document followed by several questions, each answered and
+ended by EOS (`doc\nQuestion: ..\nAnswer: 1234<eos>\nQuestion: ..`), so the first question
+sits exactly where an inference prompt's does and the others add signal at no extra document
+cost. Loss: mean cross-entropy over answer tokens (` `, 4 digits, EOS) plus `--aux-weight`
+times the mean over all other tokens. Curriculum: the maximum fact count grows from 10 to 80
+over the first `--curriculum` fraction of training. The LR schedule (warmup, cosine) and the
+curriculum follow training progress: steps/`--steps` when given (exactly reproducible from the
+seed), otherwise elapsed/`--total-minutes` (wall-clock, reproducible in distribution).
+
+The output folder is a Hugging Face checkpoint (config.json, model.safetensors in bf16,
+tokenizer files) that transformers and batchinfer both load, plus `train_state/` (fp32 master
+weights, AdamW moments, step, elapsed time) for `--resume`; the shipped model omits train_state.
+Uses flash-linear-attention's GDN kernels when `fla` imports (transformers picks them up),
+else transformers' torch implementation; the first line printed says which.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.demo_model import data
+from benchmarks.demo_model.tokenizer import EOS_TOKEN, build_tokenizer, write_tokenizer_files
+
+MAX_POSITIONS = 4096
+
+
+def model_config(vocab_size: int, tiny: bool) -> dict:
+    """Qwen3.5-text config: 8 layers (GDN, GDN, GDN, attention) x 2; --tiny: 4 layers, hidden 64."""
+    hidden, layers, inter = (64, 4, 128) if tiny else (256, 8, 512)
+    head_dim = 16 if tiny else 64
+    return dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, hidden_act="silu", rms_norm_eps=1e-6,
+        max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, initializer_range=0.02,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        bos_token_id=None, eos_token_id=0, pad_token_id=0,
+    )
+
+
+def gdn_backend() -> str:
+    if importlib.util.find_spec("fla") is None:
+        return "torch (transformers' chunked fallback; fla not installed)"
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception as error:  # broken fla install: transformers falls back too
+        return f"torch (fla import failed: {error})"
+    return "fla (flash-linear-attention kernels)"
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: list[int]
+    answer_mask: list[bool]  # True at the tokens that answer a question (space, digits, EOS)
+
+
+class Encoder:
+    def __init__(self):
+        self.tokenizer = build_tokenizer()
+        self.eos = self.tokenizer.token_to_id(EOS_TOKEN)
+        self._cache: dict[str, list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def sequence(self, facts: list[data.Fact], asked: list[data.Fact]) -> Encoded:
+        ids = self.encode(data.document_text(facts))
+        mask = [False] * len(ids)
+        for fact in asked:
+            question = self.encode(f"\n{data.question_text(fact)}\nAnswer:")
+            answer = self.encode(data.answer_text(fact)) + [self.eos]
+            ids += question + answer
+            mask += [False] * len(question) + [True] * len(answer)
+        return Encoded(ids, mask)
+
+
+def make_batch(encoder: Encoder, rng: random.Random, n_facts: int, batch_tokens: int, questions: int,
+               device: torch.device):
+    """Documents of `n_facts` facts, as many as fit `batch_tokens`; right-padded (causal: pads never leak)."""
+    encoded = []
+    estimate = 19 * n_facts + 22 * questions
+    for _ in range(max(2, batch_tokens // estimate)):
+        facts = data.make_document(rng, n_facts)
+        encoded.append(encoder.sequence(facts, rng.sample(facts, min(questions, len(facts)))))
+    length = max(len(e.ids) for e in encoded)
+    ids = torch.full((len(encoded), length), encoder.eos, dtype=torch.long)
+    answer = torch.zeros((len(encoded), length), dtype=torch.bool)
+    valid = torch.zeros((len(encoded), length), dtype=torch.bool)
+    for row, e in enumerate(encoded):
+        ids[row, :len(e.ids)] = torch.tensor(e.ids)
+        answer[row, :len(e.ids)] = torch.tensor(e.answer_mask)
+        valid[row, :len(e.ids)] = True
+    return ids.to(device), answer.to(device), valid.to(device), int(valid.sum())
+
+
+def losses(model, ids, answer, valid):
+    """(answer loss, other-token loss, per-row all-answers-right under teacher forcing)."""
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [B, T-1, V]
+    targets, answer_t, valid_t = ids[:, 1:], answer[:, 1:], valid[:, 1:]
+    token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # [B, T-1]
+    other_t = valid_t & ~answer_t
+    answer_loss = (token_loss * answer_t).sum() / answer_t.sum().clamp(min=1)
+    other_loss = (token_loss * other_t).sum() / other_t.sum().clamp(min=1)
+    wrong = (logits.argmax(-1) != targets) & answer_t
+    return answer_loss, other_loss, ~wrong.any(dim=1)
+
+
+@torch.no_grad()
+def held_out_accuracy(model, encoder: Encoder, batches: list, autocast) -> float:
+    """Greedy accuracy on fixed held-out prompts (one question each, 10-80 facts): teacher-forced argmax
+    over ` value<eos>` equals what greedy decoding would produce, and EOS ends the answer."""
+    model.eval()
+    right = total = 0
+    for ids, answer, valid in batches:
+        with autocast():
+            _, _, ok = losses(model, ids, answer, valid)
+        right += int(ok.sum())
+        total += ok.numel()
+    model.train()
+    return right / max(1, total)
+
+
+def held_out_batches(encoder: Encoder, n: int, device, seed: int, max_facts: int = data.MAX_FACTS) -> list:
+    rng = random.Random(data.HELD_OUT_SEED_OFFSET + seed)
+    batches = []
+    for start in range(0, n, 16):
+        encoded = []
+        for _ in range(min(16, n - start)):
+            facts = data.make_document(rng, rng.randint(data.MIN_FACTS, max_facts))
+            encoded.append(encoder.sequence(facts, [rng.choice(facts)]))
+        length = max(len(e.ids) for e in encoded)
+        ids = torch.full((len(encoded), length), encoder.eos, dtype=torch.long)
+        answer = torch.zeros_like(ids, dtype=torch.bool)
+        valid = torch.zeros_like(ids, dtype=torch.bool)
+        for row, e in enumerate(encoded):
+            ids[row, :len(e.ids)] = torch.tensor(e.ids)
+            answer[row, :len(e.ids)] = torch.tensor(e.answer_mask)
+            valid[row, :len(e.ids)] = True
+        batches.append((ids.to(device), answer.to(device), valid.to(device)))
+    return batches
+
+
+def lr_at(progress: float, peak: float, warmup: float) -> float:
+    if progress < warmup:
+        return peak * max(progress, 1e-3) / warmup
+    frac = min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def save_checkpoint(model, optimizer, out: Path, meta: dict) -> None:
+    """Write into a sibling temp folder, then swap it in: a kill mid-save leaves the old one whole."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    staging = out.with_name(out.name + ".saving")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    shipped = copy.deepcopy(model).to(torch.bfloat16)
+    shipped.save_pretrained(staging, safe_serialization=True)
+    write_tokenizer_files(staging, MAX_POSITIONS)
+    state = staging / "train_state"
+    state.mkdir()
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()},
+              str(state / "master.safetensors"))
+    moments = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            s = optimizer.state.get(p)
+            if s:
+                moments[f"{names[id(p)]}::exp_avg"] = s["exp_avg"].to(torch.bfloat16).cpu().contiguous()
+                moments[f"{names[id(p)]}::exp_avg_sq"] = s["exp_avg_sq"].to(torch.bfloat16).cpu().contiguous()
+    save_file(moments, str(state / "moments.safetensors"))
+    (state / "meta.json").write_text(json.dumps(meta, indent=2))
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_resume(model, optimizer, folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    state = Path(folder) / "train_state"
+    model.load_state_dict(load_file(str(state / "master.safetensors")))
+    moments = load_file(str(state / "moments.safetensors"))
+    for name, p in model.named_parameters():
+        if f"{name}::exp_avg" in moments:
+            meta_step = json.loads((state / "meta.json").read_text())["step"]
+            optimizer.state[p] = {"step": torch.tensor(float(meta_step)),
+                                  "exp_avg": moments[f"{name}::exp_avg"].to(p.device, torch.float32),
+                                  "exp_avg_sq": moments[f"{name}::exp_avg_sq"].to(p.device, torch.float32)}
+    return json.loads((state / "meta.json").read_text())
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="checkpoint folder (rewritten at every save)")
+    p.add_argument("--minutes", type=float, required=True, help="wall-clock budget of this call")
+    p.add_argument("--total-minutes", type=float, default=None,
+                   help="length of the whole schedule across resumed calls (default: elapsed so far + --minutes)")
+    p.add_argument("--steps", type=int, default=None, help="schedule by steps instead of time (exact reproducibility)")
+    p.add_argument("--resume", type=Path, default=None, help="checkpoint folder written by this script")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model and short documents (CPU smoke)")
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--batch-tokens", type=int, default=65536)
+    p.add_argument("--questions", type=int, default=8, help="questions per training document")
+    p.add_argument("--aux-weight", type=float, default=0.1)
+    p.add_argument("--curriculum", type=float, default=0.35, help="fraction of progress to reach 80 facts")
+    p.add_argument("--warmup", type=float, default=0.03)
+    p.add_argument("--save-every", type=float, default=3.0, help="minutes between checkpoints")
+    p.add_argument("--log-every", type=float, default=20.0, help="seconds between progress lines")
+    p.add_argument("--eval-size", type=int, default=128, help="held-out questions per progress line")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    import transformers as tf
+
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    encoder = Encoder()
+    vocab = -(-encoder.tokenizer.get_vocab_size() // 32) * 32
+    config = tf.Qwen3_5TextConfig(**model_config(vocab, args.tiny))
+    model = tf.Qwen3_5ForCausalLM(config).to(device)
+    model.config.use_cache = False
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in name or "embed" in name else decay).append(p)
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    meta = {"step": 0, "elapsed_s": 0.0, "seed": args.seed, "tiny": args.tiny}
+    if args.resume:
+        meta = load_resume(model, optimizer, args.resume)
+    prior_s = meta["elapsed_s"]
+    total_s = 60 * (args.total_minutes if args.total_minutes else prior_s / 60 + args.minutes)
+    use_bf16 = device.type == "cuda"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    params = sum(p.numel() for p in model.parameters())
+    max_facts = 20 if args.tiny else data.MAX_FACTS
+    print(f"GDN kernel: {gdn_backend()}; device {device}; bf16 autocast {use_bf16}; params {params / 1e6:.2f}M "
+          f"(bf16 {2 * params / 2**20:.1f} MiB); vocab {vocab}; resume step {meta['step']}", flush=True)
+    eval_batches = held_out_batches(encoder, 16 if args.tiny else args.eval_size, device, seed=args.seed + 7,
+                                    max_facts=max_facts)
+
+    start = time.monotonic()
+    last_log = last_save = start
+    step, tokens_since, loss_sum, loss_n = meta["step"], 0, torch.zeros((), device=device), 0
+    model.train()
+    while True:
+        now = time.monotonic()
+        elapsed = now - start
+        if elapsed >= 60 * args.minutes or (args.steps and step >= args.steps):
+            break
+        progress = step / args.steps if args.steps else (prior_s + elapsed) / total_s
+        cur_max = data.MIN_FACTS + (max_facts - data.MIN_FACTS) * min(1.0, progress / args.curriculum)
+        rng = random.Random(args.seed * 1_000_003 + step)
+        n_facts = rng.randint(data.MIN_FACTS, max(data.MIN_FACTS, round(cur_max)))
+        ids, answer, valid, n_tokens = make_batch(encoder, rng, n_facts, args.batch_tokens if not args.tiny else 2048,
+                                        args.questions, device)
+        lr = lr_at(progress, args.lr, args.warmup)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with autocast():
+            answer_loss, other_loss, _ = losses(model, ids, answer, valid)
+            loss = answer_loss + args.aux_weight * other_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        tokens_since += n_tokens
+        loss_sum += answer_loss.detach()  # stays on the device: no sync per step
+        loss_n += 1
+        now = time.monotonic()
+        if now - last_log >= args.log_every:
+            acc = held_out_accuracy(model, encoder, eval_batches, autocast)
+            print(f"step {step} | {(prior_s + now - start) / 60:5.1f} min | answer loss {float(loss_sum) / loss_n:.3f} "
+                  f"| other {float(other_loss.detach()):.3f} | held-out acc {acc:.3f} | facts<={round(cur_max)} "
+                  f"| lr {lr:.2e} | {tokens_since / (now - last_log):,.0f} tok/s", flush=True)
+            last_log, tokens_since, loss_sum, loss_n = now, 0, torch.zeros((), device=device), 0
+        if now - last_save >= 60 * args.save_every:
+            save_checkpoint(model, optimizer, args.out, {**meta, "step": step, "elapsed_s": prior_s + now - start})
+            last_save = time.monotonic()
+    elapsed = time.monotonic() - start
+    acc = held_out_accuracy(model, encoder, eval_batches, autocast)
+    save_checkpoint(model, optimizer, args.out, {**meta, "step": step, "elapsed_s": prior_s + elapsed})
+    size = (args.out / "model.safetensors").stat().st_size
+    print(f"done: step {step}, {(prior_s + elapsed) / 60:.1f} min in total, held-out acc {acc:.3f} "
+          f"(n={sum(b[0].shape[0] for b in eval_batches)}), saved {args.out} (model.safetensors {size / 2**20:.1f} MiB)",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
