@@ -3,7 +3,8 @@
 Each digit, letter and printable ASCII character is a token; the task's fixed words (the 16
 attributes, `The`, `of`, `is`, `What`, `the`, `Question:`, `Answer:`) are single tokens, with or
 without a leading space. Names therefore split into letters, values into 4 digits. Any other
-character maps to `<unk>`. `<|endoftext|>` (id 0) is EOS and padding.
+character falls back to its UTF-8 bytes (`<0xC3>`...), so every text round-trips.
+`<|endoftext|>` (id 0) is EOS and padding.
 """
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ from pathlib import Path
 from benchmarks.demo_model.data import ATTRIBUTES
 
 EOS_TOKEN = "<|endoftext|>"
-UNK_TOKEN = "<unk>"
 WORDS = ("The", "the", "of", "is", "What") + ATTRIBUTES
 COLON_WORDS = ("Question:", "Answer:")
+# The demo has no chat format of its own: a chat prompt is the messages' texts, one per line, so
+# `chat: true` jobs run too and a user message ending in `Answer:` is the plain task prompt.
+CHAT_TEMPLATE = ("{%- for message in messages %}{%- if not loop.first %}{{ '\\n' }}{%- endif %}"
+                 "{{- message['content'] }}{%- endfor %}")
 CHARACTERS = tuple(string.printable[:95]) + ("\n", "\t")  # digits, letters, punctuation, space
 
 
 def vocabulary() -> dict[str, int]:
-    pieces = [EOS_TOKEN, UNK_TOKEN] + list(CHARACTERS)
+    pieces = [EOS_TOKEN] + list(CHARACTERS) + [f"<0x{b:02X}>" for b in range(256)]
     for word in WORDS + COLON_WORDS:
         pieces += [word, " " + word]
     assert len(set(pieces)) == len(pieces)
@@ -38,10 +42,13 @@ def split_pattern() -> str:
 def build_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocabulary(), unk_token=UNK_TOKEN))
+    # Every piece the split yields is a whole vocabulary entry or one character outside it (then
+    # its bytes): BPE with no merges, matching pieces against the vocabulary first.
+    model = models.BPE(vocab=vocabulary(), merges=[], byte_fallback=True, ignore_merges=True)
+    tokenizer = Tokenizer(model)
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(split_pattern()), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()  # pieces carry their own spaces
-    tokenizer.add_special_tokens([EOS_TOKEN, UNK_TOKEN])
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])  # pieces carry their spaces
+    tokenizer.add_special_tokens([EOS_TOKEN])
     return tokenizer
 
 
@@ -52,10 +59,10 @@ def write_tokenizer_files(folder: Path, max_length: int) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     added = {str(tokenizer.token_to_id(t)): {"content": t, "lstrip": False, "rstrip": False, "normalized": False,
-                                             "single_word": False, "special": True} for t in (EOS_TOKEN, UNK_TOKEN)}
+                                             "single_word": False, "special": True} for t in (EOS_TOKEN,)}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added, "bos_token": None,
-              "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "unk_token": UNK_TOKEN, "model_max_length": max_length,
-              "clean_up_tokenization_spaces": False}
+              "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "unk_token": None, "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     generation = {"eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))

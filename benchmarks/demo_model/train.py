@@ -14,8 +14,9 @@ curriculum follow training progress: steps/`--steps` when given (exactly reprodu
 seed), otherwise elapsed/`--total-minutes` (wall-clock, reproducible in distribution).
 
 The output folder is a Hugging Face checkpoint (config.json, model.safetensors in bf16,
-tokenizer files) that transformers and batchinfer both load, plus `train_state/` (fp32 master
-weights, AdamW moments, step, elapsed time) for `--resume`; the shipped model omits train_state.
+tokenizer files) that transformers and batchinfer both load, plus `train_state/` (AdamW moments
+in bf16 with step and elapsed time) for `--resume`, which continues from the bf16 weights; the
+shipped model omits train_state. 7 files, each under 16 MiB.
 Uses flash-linear-attention's GDN kernels when `fla` imports (transformers picks them up),
 else transformers' torch implementation; the first line printed says which.
 """
@@ -178,20 +179,19 @@ def save_checkpoint(model, optimizer, out: Path, meta: dict) -> None:
     shipped = copy.deepcopy(model).to(torch.bfloat16)
     shipped.save_pretrained(staging, safe_serialization=True)
     write_tokenizer_files(staging, MAX_POSITIONS)
+    # Resume state: AdamW moments in bf16, one file each (files coming back from the device are
+    # at most 16 MiB each, 8 in all); the weights resume from model.safetensors (bf16).
     state = staging / "train_state"
     state.mkdir()
-    save_file({k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()},
-              str(state / "master.safetensors"))
-    moments = {}
     names = {id(p): n for n, p in model.named_parameters()}
+    moments = {"exp_avg": {}, "exp_avg_sq": {}}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            s = optimizer.state.get(p)
-            if s:
-                moments[f"{names[id(p)]}::exp_avg"] = s["exp_avg"].to(torch.bfloat16).cpu().contiguous()
-                moments[f"{names[id(p)]}::exp_avg_sq"] = s["exp_avg_sq"].to(torch.bfloat16).cpu().contiguous()
-    save_file(moments, str(state / "moments.safetensors"))
-    (state / "meta.json").write_text(json.dumps(meta, indent=2))
+            if s := optimizer.state.get(p):
+                for key, tensors in moments.items():
+                    tensors[names[id(p)]] = s[key].to(torch.bfloat16).cpu().contiguous()
+    for key, tensors in moments.items():
+        save_file(tensors, str(state / f"{key}.safetensors"), metadata={"meta": json.dumps(meta)})
     old = out.with_name(out.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if out.exists():
@@ -201,18 +201,24 @@ def save_checkpoint(model, optimizer, out: Path, meta: dict) -> None:
 
 
 def load_resume(model, optimizer, folder: Path) -> dict:
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    state = Path(folder) / "train_state"
-    model.load_state_dict(load_file(str(state / "master.safetensors")))
-    moments = load_file(str(state / "moments.safetensors"))
+    folder = Path(folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    assert not unexpected and all("lm_head" not in m for m in missing), (missing, unexpected)
+    state = folder / "train_state"
+    with safe_open(str(state / "exp_avg.safetensors"), "pt") as handle:
+        meta = json.loads(handle.metadata()["meta"])
+    exp_avg = load_file(str(state / "exp_avg.safetensors"))
+    exp_avg_sq = load_file(str(state / "exp_avg_sq.safetensors"))
     for name, p in model.named_parameters():
-        if f"{name}::exp_avg" in moments:
-            meta_step = json.loads((state / "meta.json").read_text())["step"]
-            optimizer.state[p] = {"step": torch.tensor(float(meta_step)),
-                                  "exp_avg": moments[f"{name}::exp_avg"].to(p.device, torch.float32),
-                                  "exp_avg_sq": moments[f"{name}::exp_avg_sq"].to(p.device, torch.float32)}
-    return json.loads((state / "meta.json").read_text())
+        if name in exp_avg:
+            optimizer.state[p] = {"step": torch.tensor(float(meta["step"]), dtype=torch.float32, device=p.device),
+                                  "exp_avg": exp_avg[name].to(p.device, torch.float32),
+                                  "exp_avg_sq": exp_avg_sq[name].to(p.device, torch.float32)}
+    return meta
 
 
 def parse_args(argv=None):
