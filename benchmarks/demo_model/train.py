@@ -23,15 +23,17 @@ else transformers' torch implementation; the first line printed says which.
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import contextlib
 import copy
 import importlib.util
 import json
 import math
+import multiprocessing
 import random
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,55 +65,100 @@ def gdn_backend() -> str:
     if importlib.util.find_spec("fla") is None:
         return "torch (transformers' chunked fallback; fla not installed)"
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+        import fla.ops.gated_delta_rule  # noqa: F401
     except Exception as error:  # broken fla install: transformers falls back too
         return f"torch (fla import failed: {error})"
     return "fla (flash-linear-attention kernels)"
 
 
-@dataclass(frozen=True)
-class Encoded:
-    ids: list[int]
-    answer_mask: list[bool]  # True at the tokens that answer a question (space, digits, EOS)
-
-
 class Encoder:
+    """Token ids of task text built straight from its pieces (the tokenizer's own split, checked
+    against `tokenizer.encode` at start-up): data generation must keep up with the GPU."""
+
     def __init__(self):
         self.tokenizer = build_tokenizer()
-        self.eos = self.tokenizer.token_to_id(EOS_TOKEN)
-        self._cache: dict[str, list[int]] = {}
+        vocab = self.tokenizer.get_vocab()
+        self.eos = vocab[EOS_TOKEN]
+        self.id = vocab
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def sequence(self, facts: list[data.Fact], asked: list[data.Fact]) -> Encoded:
-        ids = self.encode(data.document_text(facts))
+    def _name(self, name: str) -> list[int]:
+        return [self.id[" "]] + [self.id[c] for c in name]
+
+    def _value(self, value: int) -> list[int]:
+        return [self.id[" "]] + [self.id[c] for c in str(value)]
+
+    def document(self, facts: list[data.Fact]) -> list[int]:
+        v = self.id
+        ids: list[int] = []
+        for i, f in enumerate(facts):
+            if i:
+                ids.append(v["\n"])
+            ids += [v["The"], v[" " + f.attribute], v[" of"], *self._name(f.name), v[" is"], *self._value(f.value),
+                    v["."]]
+        return ids
+
+    def question(self, fact: data.Fact) -> list[int]:
+        """`\nQuestion: What is the {attribute} of {Name}?\nAnswer:`"""
+        v = self.id
+        return [v["\n"], v["Question:"], v[" What"], v[" is"], v[" the"], v[" " + fact.attribute], v[" of"],
+                *self._name(fact.name), v["?"], v["\n"], v["Answer:"]]
+
+    def answer(self, fact: data.Fact) -> list[int]:
+        return self._value(fact.value) + [self.eos]
+
+    def sequence(self, facts: list[data.Fact], asked: list[data.Fact]) -> tuple[list[int], list[bool]]:
+        """Ids of the document and its questions, and a mask of the answer tokens (space, digits, EOS)."""
+        ids = self.document(facts)
         mask = [False] * len(ids)
         for fact in asked:
-            question = self.encode(f"\n{data.question_text(fact)}\nAnswer:")
-            answer = self.encode(data.answer_text(fact)) + [self.eos]
+            question, answer = self.question(fact), self.answer(fact)
             ids += question + answer
             mask += [False] * len(question) + [True] * len(answer)
-        return Encoded(ids, mask)
+        return ids, mask
+
+    def check(self, rng: random.Random) -> None:
+        facts = data.make_document(rng, 12)
+        text = data.prompt_text(facts, facts[0]) + data.answer_text(facts[0])
+        built = self.document(facts) + self.question(facts[0]) + self.answer(facts[0])[:-1]
+        assert built == self.encode(text), "piece ids differ from the tokenizer's"
 
 
-def make_batch(encoder: Encoder, rng: random.Random, n_facts: int, batch_tokens: int, questions: int,
-               device: torch.device):
-    """Documents of `n_facts` facts, as many as fit `batch_tokens`; right-padded (causal: pads never leak)."""
-    encoded = []
-    estimate = 19 * n_facts + 22 * questions
-    for _ in range(max(2, batch_tokens // estimate)):
+_ENCODER: Encoder | None = None
+
+
+def batch_arrays(seed: int, step: int, n_facts: int, batch_tokens: int, questions: int):
+    """One training batch as numpy arrays (ids int64 [B, T], answer mask, valid mask), right-padded
+    (causal: pads never leak into real tokens). A function of its arguments alone, for worker processes."""
+    global _ENCODER
+    if _ENCODER is None:
+        _ENCODER = Encoder()
+    rng = random.Random(seed * 1_000_003 + step)
+    rows = []
+    for _ in range(max(2, batch_tokens // (19 * n_facts + 22 * questions))):
         facts = data.make_document(rng, n_facts)
-        encoded.append(encoder.sequence(facts, rng.sample(facts, min(questions, len(facts)))))
-    length = max(len(e.ids) for e in encoded)
-    ids = torch.full((len(encoded), length), encoder.eos, dtype=torch.long)
-    answer = torch.zeros((len(encoded), length), dtype=torch.bool)
-    valid = torch.zeros((len(encoded), length), dtype=torch.bool)
-    for row, e in enumerate(encoded):
-        ids[row, :len(e.ids)] = torch.tensor(e.ids)
-        answer[row, :len(e.ids)] = torch.tensor(e.answer_mask)
-        valid[row, :len(e.ids)] = True
-    return ids.to(device), answer.to(device), valid.to(device), int(valid.sum())
+        rows.append(_ENCODER.sequence(facts, rng.sample(facts, min(questions, len(facts)))))
+    return pad_rows(rows, _ENCODER.eos)
+
+
+def pad_rows(rows, eos: int):
+    import numpy as np
+
+    length = max(len(ids) for ids, _ in rows)
+    ids = np.full((len(rows), length), eos, dtype=np.int64)
+    answer = np.zeros((len(rows), length), dtype=bool)
+    valid = np.zeros((len(rows), length), dtype=bool)
+    for row, (row_ids, mask) in enumerate(rows):
+        ids[row, :len(row_ids)] = row_ids
+        answer[row, :len(row_ids)] = mask
+        valid[row, :len(row_ids)] = True
+    return ids, answer, valid
+
+
+def to_device(arrays, device):
+    return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in arrays)
 
 
 def losses(model, ids, answer, valid):
@@ -145,19 +192,11 @@ def held_out_batches(encoder: Encoder, n: int, device, seed: int, max_facts: int
     rng = random.Random(data.HELD_OUT_SEED_OFFSET + seed)
     batches = []
     for start in range(0, n, 16):
-        encoded = []
+        rows = []
         for _ in range(min(16, n - start)):
             facts = data.make_document(rng, rng.randint(data.MIN_FACTS, max_facts))
-            encoded.append(encoder.sequence(facts, [rng.choice(facts)]))
-        length = max(len(e.ids) for e in encoded)
-        ids = torch.full((len(encoded), length), encoder.eos, dtype=torch.long)
-        answer = torch.zeros_like(ids, dtype=torch.bool)
-        valid = torch.zeros_like(ids, dtype=torch.bool)
-        for row, e in enumerate(encoded):
-            ids[row, :len(e.ids)] = torch.tensor(e.ids)
-            answer[row, :len(e.ids)] = torch.tensor(e.answer_mask)
-            valid[row, :len(e.ids)] = True
-        batches.append((ids.to(device), answer.to(device), valid.to(device)))
+            rows.append(encoder.sequence(facts, [rng.choice(facts)]))
+        batches.append(to_device(pad_rows(rows, encoder.eos), device))
     return batches
 
 
@@ -241,7 +280,12 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=float, default=20.0, help="seconds between progress lines")
     p.add_argument("--eval-size", type=int, default=128, help="held-out questions per progress line")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return p.parse_args(argv)
+    p.add_argument("--workers", type=int, default=None,
+                   help="data-generation processes (default: 6 on CUDA, 0 = in the training loop on CPU)")
+    args = p.parse_args(argv)
+    if args.workers is None:
+        args.workers = 6 if args.device.startswith("cuda") else 0
+    return args
 
 
 def main(argv=None) -> None:
@@ -249,8 +293,13 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     device = torch.device(args.device)
+    torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls of the torch GDN fallback
     torch.manual_seed(args.seed)
     encoder = Encoder()
+    encoder.check(random.Random(args.seed))
+    # Workers start before CUDA is touched; each builds whole batches from (seed, step) alone.
+    pool = (concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"))
+            if args.workers else None)
     vocab = -(-encoder.tokenizer.get_vocab_size() // 32) * 32
     config = tf.Qwen3_5TextConfig(**model_config(vocab, args.tiny))
     model = tf.Qwen3_5ForCausalLM(config).to(device)
@@ -277,18 +326,29 @@ def main(argv=None) -> None:
     start = time.monotonic()
     last_log = last_save = start
     step, tokens_since, loss_sum, loss_n = meta["step"], 0, torch.zeros((), device=device), 0
+    batch_tokens = 2048 if args.tiny else args.batch_tokens
+
+    def progress_at(at_step: int) -> float:
+        return at_step / args.steps if args.steps else (prior_s + time.monotonic() - start) / total_s
+
+    def submit(at_step: int):
+        # The batch's fact count follows the curriculum at submit time (a few steps early: harmless).
+        cur_max = data.MIN_FACTS + (max_facts - data.MIN_FACTS) * min(1.0, progress_at(at_step) / args.curriculum)
+        n_facts = random.Random(args.seed * 7_919 + at_step).randint(data.MIN_FACTS, round(cur_max))
+        job = (args.seed, at_step, n_facts, batch_tokens, args.questions)
+        return (pool.submit(batch_arrays, *job) if pool else job), round(cur_max)
+
+    pending = collections.deque(submit(step + k) for k in range(max(1, 2 * args.workers)))
     model.train()
     while True:
-        now = time.monotonic()
-        elapsed = now - start
+        elapsed = time.monotonic() - start
         if elapsed >= 60 * args.minutes or (args.steps and step >= args.steps):
             break
-        progress = step / args.steps if args.steps else (prior_s + elapsed) / total_s
-        cur_max = data.MIN_FACTS + (max_facts - data.MIN_FACTS) * min(1.0, progress / args.curriculum)
-        rng = random.Random(args.seed * 1_000_003 + step)
-        n_facts = rng.randint(data.MIN_FACTS, max(data.MIN_FACTS, round(cur_max)))
-        ids, answer, valid, n_tokens = make_batch(encoder, rng, n_facts, args.batch_tokens if not args.tiny else 2048,
-                                        args.questions, device)
+        progress = progress_at(step)
+        job, cur_max = pending.popleft()
+        arrays = job.result() if pool else batch_arrays(*job)
+        pending.append(submit(step + len(pending) + 1))
+        ids, answer, valid = to_device(arrays, device)
         lr = lr_at(progress, args.lr, args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -300,19 +360,21 @@ def main(argv=None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
-        tokens_since += n_tokens
+        tokens_since += int(arrays[2].sum())
         loss_sum += answer_loss.detach()  # stays on the device: no sync per step
         loss_n += 1
         now = time.monotonic()
         if now - last_log >= args.log_every:
             acc = held_out_accuracy(model, encoder, eval_batches, autocast)
             print(f"step {step} | {(prior_s + now - start) / 60:5.1f} min | answer loss {float(loss_sum) / loss_n:.3f} "
-                  f"| other {float(other_loss.detach()):.3f} | held-out acc {acc:.3f} | facts<={round(cur_max)} "
+                  f"| other {float(other_loss.detach()):.3f} | held-out acc {acc:.3f} | facts<={cur_max} "
                   f"| lr {lr:.2e} | {tokens_since / (now - last_log):,.0f} tok/s", flush=True)
             last_log, tokens_since, loss_sum, loss_n = now, 0, torch.zeros((), device=device), 0
         if now - last_save >= 60 * args.save_every:
             save_checkpoint(model, optimizer, args.out, {**meta, "step": step, "elapsed_s": prior_s + now - start})
             last_save = time.monotonic()
+    if pool:
+        pool.shutdown(wait=False, cancel_futures=True)
     elapsed = time.monotonic() - start
     acc = held_out_accuracy(model, encoder, eval_batches, autocast)
     save_checkpoint(model, optimizer, args.out, {**meta, "step": step, "elapsed_s": prior_s + elapsed})
