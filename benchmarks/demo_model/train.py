@@ -1,8 +1,11 @@
 """Train the demo model: a Qwen3.5 GDN hybrid (3 GDN : 1 gated attention) on document look-ups.
 
-    python -m benchmarks.demo_model.train --minutes 8 --out $OUT/demo_ckpt            # H200
-    python -m benchmarks.demo_model.train --minutes 2 --resume CKPT --out $OUT/demo_ckpt
-    python -m benchmarks.demo_model.train --minutes 0.5 --tiny --out /tmp/demo_tiny      # CPU smoke
+    PYTHONUNBUFFERED=1 python -m benchmarks.demo_model.train --minutes 8.5 --out $OUT/demo_ckpt   # H200, one call
+    # a second call continuing it (CKPT: the first call's demo_ckpt, carried; LR re-warms to the
+    # cosine position of elapsed/total):
+    PYTHONUNBUFFERED=1 python -m benchmarks.demo_model.train --minutes 8.5 --total-minutes 17 \
+        --resume CKPT --out $OUT/demo_ckpt
+    python -m benchmarks.demo_model.train --minutes 0.5 --tiny --out /tmp/demo_tiny   # CPU smoke
 
 Each training sequence is one document followed by several questions, each answered and
 ended by EOS (`doc\nQuestion: ..\nAnswer: 1234<eos>\nQuestion: ..`), so the first question
@@ -137,7 +140,7 @@ def batch_arrays(seed: int, step: int, n_facts: int, batch_tokens: int, question
         _ENCODER = Encoder()
     rng = random.Random(seed * 1_000_003 + step)
     rows = []
-    for _ in range(max(2, batch_tokens // (19 * n_facts + 22 * questions))):
+    for _ in range(max(2, batch_tokens // (19 * n_facts + 22 * min(questions, n_facts)))):
         facts = data.make_document(rng, n_facts)
         rows.append(_ENCODER.sequence(facts, rng.sample(facts, min(questions, len(facts)))))
     return pad_rows(rows, _ENCODER.eos)
@@ -270,9 +273,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", type=Path, default=None, help="checkpoint folder written by this script")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model and short documents (CPU smoke)")
-    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--batch-tokens", type=int, default=65536)
-    p.add_argument("--questions", type=int, default=8, help="questions per training document")
+    p.add_argument("--questions", type=int, default=16, help="questions per training document (at most its facts)")
     p.add_argument("--aux-weight", type=float, default=0.1)
     p.add_argument("--curriculum", type=float, default=0.35, help="fraction of progress to reach 80 facts")
     p.add_argument("--warmup", type=float, default=0.03)
@@ -319,7 +322,8 @@ def main(argv=None) -> None:
     params = sum(p.numel() for p in model.parameters())
     max_facts = 20 if args.tiny else data.MAX_FACTS
     print(f"GDN kernel: {gdn_backend()}; device {device}; bf16 autocast {use_bf16}; params {params / 1e6:.2f}M "
-          f"(bf16 {2 * params / 2**20:.1f} MiB); vocab {vocab}; resume step {meta['step']}", flush=True)
+          f"(bf16 {2 * params / 2**20:.1f} MiB); vocab {vocab}; attention {model.config._attn_implementation}; "
+          f"data workers {args.workers}; resume step {meta['step']}", flush=True)
     eval_batches = held_out_batches(encoder, 16 if args.tiny else args.eval_size, device, seed=args.seed + 7,
                                     max_facts=max_facts)
 
