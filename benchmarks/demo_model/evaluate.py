@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.demo_model import data
+from batchinfer import demo_task
 
 VALID_ANSWER = re.compile(r"\d{4}(?!\d)")
 
@@ -47,7 +47,7 @@ class EvalResult:
 def eval_rows(n_questions: int, questions_per_doc: int = 8, seed: int = 0) -> list[dict]:
     """At least n_questions held-out rows (documents of 10-80 facts), cut to exactly n_questions."""
     n_docs = -(-n_questions // questions_per_doc)
-    return data.held_out_rows(seed, n_docs, questions_per_doc)[:n_questions]
+    return demo_task.held_out_rows(seed, n_docs, questions_per_doc)[:n_questions]
 
 
 def is_invalid(text: str) -> bool:
@@ -61,7 +61,7 @@ def evaluate(checkpoint: Path, rows: list[dict], engine_config, max_tokens: int 
     from jobs.tokenizer import CheckpointTokenizer
 
     tokenizer = CheckpointTokenizer.from_checkpoint(Path(checkpoint))
-    prompts = tokenizer.encode_batch([data.row_prompt(row) for row in rows])
+    prompts = tokenizer.encode_batch([demo_task.row_prompt(row) for row in rows])
     engine = Engine.from_pretrained(str(checkpoint), engine_config, eos_token_ids=tokenizer.eos_token_ids,
                                     detokenize=tokenizer.decode)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -74,7 +74,7 @@ def evaluate(checkpoint: Path, rows: list[dict], engine_config, max_tokens: int 
         if output.finish_reason == "error":
             errors.add(output.request_id)
     assert len(completions) == len(rows), "every row answered exactly once"
-    correct = sum(data.is_correct(texts[r["question_id"]], r["answer"]) and r["question_id"] not in errors
+    correct = sum(demo_task.is_correct(texts[r["question_id"]], r["answer"]) and r["question_id"] not in errors
                   for r in rows)
     invalid = sum(is_invalid(texts[r["question_id"]]) or r["question_id"] in errors for r in rows)
     return EvalResult(len(rows), correct, invalid, engine.stats.cache_hit_rate, completions, texts)
@@ -106,7 +106,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"wrote {len(rows)} rows to {args.write_parquet}")
         return
     result = evaluate(args.checkpoint, rows, EngineConfig(device=args.device, dtype=args.dtype))
-    wrong = [r for r in rows if not data.is_correct(result.texts[r["question_id"]], r["answer"])]
+    wrong = [r for r in rows if not demo_task.is_correct(result.texts[r["question_id"]], r["answer"])]
     for row in wrong[:args.show]:
         print(f"wrong: {row['question']} expected {row['answer']} got {result.texts[row['question_id']]!r}")
     print(f"accuracy {result.accuracy:.4f} ± {result.standard_error:.4f} (SE) | invalid {result.invalid_rate:.4f} "

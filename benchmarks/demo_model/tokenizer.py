@@ -12,7 +12,7 @@ import json
 import string
 from pathlib import Path
 
-from benchmarks.demo_model.data import ATTRIBUTES
+from batchinfer.demo_task import ATTRIBUTES
 
 EOS_TOKEN = "<|endoftext|>"
 WORDS = ("The", "the", "of", "is", "What") + ATTRIBUTES

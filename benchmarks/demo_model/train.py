@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.demo_model import data
+from batchinfer import demo_task
 from benchmarks.demo_model.tokenizer import EOS_TOKEN, build_tokenizer, write_tokenizer_files
 
 MAX_POSITIONS = 4096
@@ -93,7 +93,7 @@ class Encoder:
     def _value(self, value: int) -> list[int]:
         return [self.id[" "]] + [self.id[c] for c in str(value)]
 
-    def document(self, facts: list[data.Fact]) -> list[int]:
+    def document(self, facts: list[demo_task.Fact]) -> list[int]:
         v = self.id
         ids: list[int] = []
         for i, f in enumerate(facts):
@@ -103,16 +103,16 @@ class Encoder:
                     v["."]]
         return ids
 
-    def question(self, fact: data.Fact) -> list[int]:
+    def question(self, fact: demo_task.Fact) -> list[int]:
         """`\nQuestion: What is the {attribute} of {Name}?\nAnswer:`"""
         v = self.id
         return [v["\n"], v["Question:"], v[" What"], v[" is"], v[" the"], v[" " + fact.attribute], v[" of"],
                 *self._name(fact.name), v["?"], v["\n"], v["Answer:"]]
 
-    def answer(self, fact: data.Fact) -> list[int]:
+    def answer(self, fact: demo_task.Fact) -> list[int]:
         return self._value(fact.value) + [self.eos]
 
-    def sequence(self, facts: list[data.Fact], asked: list[data.Fact]) -> tuple[list[int], list[bool]]:
+    def sequence(self, facts: list[demo_task.Fact], asked: list[demo_task.Fact]) -> tuple[list[int], list[bool]]:
         """Ids of the document and its questions, and a mask of the answer tokens (space, digits, EOS)."""
         ids = self.document(facts)
         mask = [False] * len(ids)
@@ -123,8 +123,8 @@ class Encoder:
         return ids, mask
 
     def check(self, rng: random.Random) -> None:
-        facts = data.make_document(rng, 12)
-        text = data.prompt_text(facts, facts[0]) + data.answer_text(facts[0])
+        facts = demo_task.make_document(rng, 12)
+        text = demo_task.prompt_text(facts, facts[0]) + demo_task.answer_text(facts[0])
         built = self.document(facts) + self.question(facts[0]) + self.answer(facts[0])[:-1]
         assert built == self.encode(text), "piece ids differ from the tokenizer's"
 
@@ -141,7 +141,7 @@ def batch_arrays(seed: int, step: int, n_facts: int, batch_tokens: int, question
     rng = random.Random(seed * 1_000_003 + step)
     rows = []
     for _ in range(max(2, batch_tokens // (19 * n_facts + 22 * min(questions, n_facts)))):
-        facts = data.make_document(rng, n_facts)
+        facts = demo_task.make_document(rng, n_facts)
         rows.append(_ENCODER.sequence(facts, rng.sample(facts, min(questions, len(facts)))))
     return pad_rows(rows, _ENCODER.eos)
 
@@ -191,13 +191,13 @@ def held_out_accuracy(model, encoder: Encoder, batches: list, autocast) -> float
     return right / max(1, total)
 
 
-def held_out_batches(encoder: Encoder, n: int, device, seed: int, max_facts: int = data.MAX_FACTS) -> list:
-    rng = random.Random(data.HELD_OUT_SEED_OFFSET + seed)
+def held_out_batches(encoder: Encoder, n: int, device, seed: int, max_facts: int = demo_task.MAX_FACTS) -> list:
+    rng = random.Random(demo_task.HELD_OUT_SEED_OFFSET + seed)
     batches = []
     for start in range(0, n, 16):
         rows = []
         for _ in range(min(16, n - start)):
-            facts = data.make_document(rng, rng.randint(data.MIN_FACTS, max_facts))
+            facts = demo_task.make_document(rng, rng.randint(demo_task.MIN_FACTS, max_facts))
             rows.append(encoder.sequence(facts, [rng.choice(facts)]))
         batches.append(to_device(pad_rows(rows, encoder.eos), device))
     return batches
@@ -320,7 +320,7 @@ def main(argv=None) -> None:
     use_bf16 = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
     params = sum(p.numel() for p in model.parameters())
-    max_facts = 20 if args.tiny else data.MAX_FACTS
+    max_facts = 20 if args.tiny else demo_task.MAX_FACTS
     print(f"GDN kernel: {gdn_backend()}; device {device}; bf16 autocast {use_bf16}; params {params / 1e6:.2f}M "
           f"(bf16 {2 * params / 2**20:.1f} MiB); vocab {vocab}; attention {model.config._attn_implementation}; "
           f"data workers {args.workers}; resume step {meta['step']}", flush=True)
@@ -337,8 +337,8 @@ def main(argv=None) -> None:
 
     def submit(at_step: int):
         # The batch's fact count follows the curriculum at submit time (a few steps early: harmless).
-        cur_max = data.MIN_FACTS + (max_facts - data.MIN_FACTS) * min(1.0, progress_at(at_step) / args.curriculum)
-        n_facts = random.Random(args.seed * 7_919 + at_step).randint(data.MIN_FACTS, round(cur_max))
+        cur_max = demo_task.MIN_FACTS + (max_facts - demo_task.MIN_FACTS) * min(1.0, progress_at(at_step) / args.curriculum)
+        n_facts = random.Random(args.seed * 7_919 + at_step).randint(demo_task.MIN_FACTS, round(cur_max))
         job = (args.seed, at_step, n_facts, batch_tokens, args.questions)
         return (pool.submit(batch_arrays, *job) if pool else job), round(cur_max)
 

@@ -1,9 +1,10 @@
-"""Documents and questions of the demo task, in exactly the issue's format, from a seed.
+"""The demo model's task: documents and look-up questions in a fixed format, from a seed.
 
 A document is 10-80 lines `The {attribute} of {Name} is {value}.`; a prompt is
 `{document}\nQuestion: What is the {attribute} of {Name}?\nAnswer:` and the right completion
 is ` {value}` then a newline or EOS. Names may repeat within a document with different
 attributes (each (attribute, Name) pair once), so a question needs both to be matched.
+Training (benchmarks/demo_model), the example data and the parity table all draw from here.
 """
 from __future__ import annotations
 
@@ -76,9 +77,14 @@ def is_correct(generated: str, value: int | str) -> bool:
     return text.startswith(expected) and not text[len(expected):len(expected) + 1].isdigit()
 
 
+# A job's prompt template over held_out_rows' columns: the same text as prompt_text.
+ROW_TEMPLATE = "{document}\nQuestion: {question}\nAnswer:"
+
+
 def held_out_rows(seed: int, n_docs: int, questions_per_doc: int, min_facts: int = MIN_FACTS,
                   max_facts: int = MAX_FACTS) -> list[dict]:
-    """Rows {doc_id, document, question_id, question, answer} of fresh documents (uniform fact counts)."""
+    """Rows {doc_id, document, question_id, question, answer} of fresh documents (uniform fact
+    counts); `question` is `What is the {attribute} of {Name}?`, `answer` the value as text."""
     rng = random.Random(HELD_OUT_SEED_OFFSET + seed)
     rows = []
     for d in range(n_docs):
@@ -86,10 +92,9 @@ def held_out_rows(seed: int, n_docs: int, questions_per_doc: int, min_facts: int
         document = document_text(facts)
         for q, fact in enumerate(rng.sample(facts, min(questions_per_doc, len(facts)))):
             rows.append({"doc_id": f"d{d}", "document": document, "question_id": f"d{d}-q{q}",
-                         "question": question_text(fact), "answer": str(fact.value)})
+                         "question": f"What is the {fact.attribute} of {fact.name}?", "answer": str(fact.value)})
     return rows
 
 
 def row_prompt(row: dict) -> str:
-    """The prompt of a held-out row; the same text the job template `{document}\\n{question}\\nAnswer:` gives."""
-    return f"{row['document']}\n{row['question']}\nAnswer:"
+    return ROW_TEMPLATE.format(**row)
