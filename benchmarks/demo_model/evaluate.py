@@ -54,8 +54,12 @@ def is_invalid(text: str) -> bool:
     return VALID_ANSWER.match(text.strip()) is None
 
 
-def evaluate(checkpoint: Path, rows: list[dict], engine_config, max_tokens: int = 8) -> EvalResult:
-    """Run every row's prompt through a fresh engine; score against the row's `answer`."""
+def evaluate(checkpoint: Path, rows: list[dict], engine_config, max_tokens: int = 8,
+             ignore_eos: bool = False) -> EvalResult:
+    """Run every row's prompt through a fresh engine; score against the row's `answer`.
+
+    `ignore_eos` keeps decoding past the answer (the model goes on asking and answering its own
+    questions), so that long decodes, e.g. ReplaySSM ring flushes, are exercised too."""
     from batchinfer.engine.engine import Engine
     from batchinfer.engine.types import Request, SamplingParams
     from jobs.tokenizer import CheckpointTokenizer
@@ -64,7 +68,7 @@ def evaluate(checkpoint: Path, rows: list[dict], engine_config, max_tokens: int 
     prompts = tokenizer.encode_batch([demo_task.row_prompt(row) for row in rows])
     engine = Engine.from_pretrained(str(checkpoint), engine_config, eos_token_ids=tokenizer.eos_token_ids,
                                     detokenize=tokenizer.decode)
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     requests = [Request(row["question_id"], tuple(ids), sampling, seed_key=i)
                 for i, (row, ids) in enumerate(zip(rows, prompts))]
     completions, texts, errors = {}, {}, set()
