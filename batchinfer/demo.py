@@ -1,12 +1,14 @@
-"""The `demo` checkpoint: a tiny GDN-hybrid model with a tiny tokenizer, built offline.
+"""The `demo` checkpoint: the trained look-up model shipped in the package, or a random one.
 
-`model: demo` in a job file resolves here. Everything is deterministic and needs no
-download: a Qwen3.5-text config (3 GDN layers + 1 gated attention layer, hidden 128)
-with seeded random weights, and a byte-level BPE tokenizer trained on the embedded text
-below, with Qwen's special tokens and a ChatML chat template. Its generations are
-gibberish (random weights); it exists so that the whole pipeline runs on any laptop.
+`model: demo` in a job file resolves here. The shipped model (`batchinfer/demo_checkpoint/`,
+docs/DEMO_MODEL.md) is a small Qwen3.5 GDN hybrid trained on `batchinfer.demo_task`'s
+document look-up questions. Where it is absent, or with `BATCHINFER_DEMO=random`, the demo is
+a random-weight one, deterministic and built offline: a Qwen3.5-text config (3 GDN layers + 1
+gated attention layer, hidden 128) with seeded random weights, and a byte-level BPE tokenizer
+trained on the embedded text below, with Qwen's special tokens and a ChatML chat template.
+Its generations are gibberish; it is small and fast, for tests.
 
-The checkpoint is built once into `$BATCHINFER_CACHE_DIR/demo-v1` (default
+The random checkpoint is built once into `$BATCHINFER_CACHE_DIR/demo-v1` (default
 `~/.cache/batchinfer/demo-v1`): built in a temporary sibling folder and renamed, so
 concurrent first runs never see a half-written checkpoint.
 """
@@ -17,7 +19,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
 
+SHIPPED_DEMO_DIR = Path(__file__).with_name("demo_checkpoint")
+SHIPPED_DEMO_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                      "tokenizer_config.json")
 DEMO_VERSION = "demo-v1"  # bump when anything below changes: cached copies are keyed by it
 DEMO_SEED = 1234
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -156,8 +162,26 @@ def build_demo_checkpoint(folder: Path) -> None:
     write_random_checkpoint(folder, DEMO_CONFIG, DEMO_SEED, torch.float32)
 
 
+def shipped_demo_checkpoint() -> Optional[Path]:
+    """The trained demo's folder inside the package; None where it is not installed."""
+    if all((SHIPPED_DEMO_DIR / name).is_file() for name in SHIPPED_DEMO_FILES):
+        return SHIPPED_DEMO_DIR
+    return None
+
+
 def demo_checkpoint() -> Path:
-    """The demo checkpoint folder, built on first use."""
+    """`model: demo`: the shipped trained checkpoint, else (or with BATCHINFER_DEMO=random) the random one."""
+    choice = os.environ.get("BATCHINFER_DEMO", "")
+    if choice not in ("", "random"):
+        raise ValueError(f"BATCHINFER_DEMO must be 'random' or unset, not {choice!r}")
+    shipped = shipped_demo_checkpoint()
+    if shipped is not None and choice != "random":
+        return shipped
+    return random_demo_checkpoint()
+
+
+def random_demo_checkpoint() -> Path:
+    """The random-weight demo checkpoint folder, built on first use."""
     target = demo_cache_dir()
     if target.is_dir():
         return target

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from batchinfer.demo import DEMO_VERSION, demo_checkpoint
+from batchinfer.demo import DEMO_VERSION, random_demo_checkpoint
 from batchinfer.models.config import load_model_config
 from jobs.prompts import build_prompts
 from jobs.spec import PromptSpec
@@ -26,12 +26,12 @@ def file_hashes(folder: Path) -> dict[str, str]:
 # race to rename theirs into place.
 RACER = """
 import os, sys, time
-from batchinfer.demo import demo_cache_dir, demo_checkpoint
+from batchinfer.demo import demo_cache_dir, random_demo_checkpoint
 ready, go = sys.argv[1:]
 open(ready, "w").close()
 while not os.path.exists(go):
     time.sleep(0.005)
-print(demo_cache_dir().is_dir(), demo_checkpoint())
+print(demo_cache_dir().is_dir(), random_demo_checkpoint())
 """
 
 
@@ -58,7 +58,7 @@ def test_demo_is_deterministic_and_complete(demo_dir, tmp_path, monkeypatch):
     assert sorted(p.name for p in demo_dir.iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path))
-    assert file_hashes(demo_checkpoint()) == file_hashes(demo_dir)
+    assert file_hashes(random_demo_checkpoint()) == file_hashes(demo_dir)
     config = load_model_config(demo_dir)
     assert config.layer_types == ("linear_attention",) * 3 + ("full_attention",)
     tokenizer = CheckpointTokenizer.from_checkpoint(demo_dir)
@@ -81,3 +81,121 @@ def test_chat_prompts_equal_transformers_apply_chat_template(demo_dir, system):
         expected = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                  return_dict=False)
         assert ids == list(expected)
+
+
+# ---- the trained demo: its task, tokenizer, training script and how `model: demo` finds it ----
+
+import random  # noqa: E402
+import re  # noqa: E402
+
+from batchinfer import demo, demo_task  # noqa: E402
+
+LINE = re.compile(r"The (" + "|".join(demo_task.ATTRIBUTES) + r") of ([A-Z][a-z]{4,7}) is ([1-9]\d{3})\.")
+
+
+def test_task_documents_follow_the_issue_format():
+    rng = random.Random(5)
+    for n_facts in (10, 37, 80):
+        facts = demo_task.make_document(rng, n_facts)
+        lines = demo_task.document_text(facts).split("\n")
+        assert len(lines) == n_facts
+        pairs = [LINE.fullmatch(line).groups()[:2] for line in lines]
+        assert len(set(pairs)) == n_facts  # each (attribute, Name) once
+        fact = facts[3]
+        assert demo_task.prompt_text(facts, fact) == (
+            demo_task.document_text(facts) + f"\nQuestion: What is the {fact.attribute} of {fact.name}?\nAnswer:")
+    rows = demo_task.held_out_rows(seed=3, n_docs=4, questions_per_doc=5)
+    assert rows == demo_task.held_out_rows(seed=3, n_docs=4, questions_per_doc=5)  # seeded
+    row = rows[0]
+    facts_of_row = dict(((a, n), v) for a, n, v in (LINE.fullmatch(x).groups() for x in row["document"].split("\n")))
+    attribute, name = re.fullmatch(r"What is the (\w+) of (\w+)\?", row["question"]).groups()
+    assert facts_of_row[(attribute, name)] == row["answer"]
+    assert demo_task.row_prompt(row) == f"{row['document']}\nQuestion: {row['question']}\nAnswer:"
+    # Names repeat with other attributes, so a question must match both.
+    assert any(len({n for _, n in pairs}) < len(pairs) for pairs in
+               [[(f.attribute, f.name) for f in demo_task.make_document(random.Random(s), 60)] for s in range(5)])
+
+
+@pytest.mark.parametrize("text, right", [(" 1234", True), ("1234\nQuestion", True), ("1234.", True),
+                                         (" 12345", False), ("123", False), ("", False), ("x1234", False)])
+def test_task_correctness_rule(text, right):
+    assert demo_task.is_correct(text, "1234") is right
+
+
+def test_demo_tokenizer_pieces_and_round_trip():
+    from benchmarks.demo_model.tokenizer import build_tokenizer
+    from benchmarks.demo_model.train import Encoder
+
+    tokenizer = build_tokenizer()
+    text = "The seat of Theodora is 4071.\nQuestion: What is the seat of Theodora?\nAnswer:"
+    tokens = tokenizer.encode(text).tokens
+    assert tokens[:4] == ["The", " seat", " of", " "] and tokens[4:12] == list("Theodora")  # a name: letters
+    assert tokens[12:18] == [" is", " ", "4", "0", "7", "1"]
+    assert tokens[-3:] == ["?", "\n", "Answer:"] and "Question:" in tokens and " What" in tokens
+    odd = "12 résumés 🙂 <b>\t{x}"
+    assert tokenizer.decode(tokenizer.encode(odd).ids) == odd  # byte fallback: lossless
+    encoder = Encoder()
+    for seed in range(3):
+        encoder.check(random.Random(seed))  # the training loop's piece ids equal the tokenizer's
+
+
+def test_model_demo_prefers_the_shipped_checkpoint(tmp_path, monkeypatch):
+    shipped = tmp_path / "demo_checkpoint"
+    shipped.mkdir()
+    monkeypatch.setattr(demo, "SHIPPED_DEMO_DIR", shipped)
+    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(demo, "random_demo_checkpoint", lambda: tmp_path / "random")
+    monkeypatch.delenv("BATCHINFER_DEMO", raising=False)
+    for name in demo.SHIPPED_DEMO_FILES[:-1]:
+        (shipped / name).write_text("{}")
+    assert demo.demo_checkpoint() == tmp_path / "random"  # incomplete: not used
+    (shipped / demo.SHIPPED_DEMO_FILES[-1]).write_text("{}")
+    assert demo.demo_checkpoint() == shipped
+    monkeypatch.setenv("BATCHINFER_DEMO", "random")
+    assert demo.demo_checkpoint() == tmp_path / "random"
+    monkeypatch.setenv("BATCHINFER_DEMO", "trained")
+    with pytest.raises(ValueError, match="BATCHINFER_DEMO"):
+        demo.demo_checkpoint()
+
+
+def test_pyproject_ships_the_demo_checkpoint_files():
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "demo_checkpoint/*" in pyproject["tool"]["setuptools"]["package-data"]["batchinfer"]
+    assert demo.SHIPPED_DEMO_DIR.parent.name == "batchinfer"
+
+
+def test_training_writes_a_checkpoint_that_transformers_and_the_engine_agree_on(tmp_path):
+    """A tiny run (2 steps) and its resume (1 more): both loaders give the same greedy tokens."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    from batchinfer.engine.config import EngineConfig
+    from benchmarks.demo_model import evaluate, train
+
+    out = tmp_path / "ckpt"
+    train.main(["--tiny", "--steps", "2", "--minutes", "5", "--out", str(out), "--eval-size", "4"])
+    train.main(["--tiny", "--steps", "3", "--minutes", "5", "--out", str(out), "--resume", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == sorted(demo.SHIPPED_DEMO_FILES + ("train_state",))
+    from safetensors import safe_open
+    with safe_open(str(out / "train_state" / "exp_avg.safetensors"), "pt") as handle:
+        assert '"step": 3' in handle.metadata()["meta"]
+    rows = demo_task.held_out_rows(seed=11, n_docs=2, questions_per_doc=2, max_facts=12)
+    result = evaluate.evaluate(out, rows, EngineConfig(device="cpu", dtype="float32"), max_tokens=5)
+    tokenizer = CheckpointTokenizer.from_checkpoint(out)
+    reference = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for row in rows:
+        ids = tokenizer.encode_batch([demo_task.row_prompt(row)])[0]
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=0,
+                                      pad_token_id=0)[0, len(ids):].tolist()
+        assert list(result.completions[row["question_id"]]) == expected
+
+
+@pytest.mark.skipif(demo.shipped_demo_checkpoint() is None, reason="the trained demo is not in the package")
+def test_the_shipped_demo_answers_fresh_questions():
+    from batchinfer.engine.config import EngineConfig
+    from benchmarks.demo_model import evaluate
+
+    rows = demo_task.held_out_rows(seed=99, n_docs=4, questions_per_doc=4)
+    result = evaluate.evaluate(demo.shipped_demo_checkpoint(), rows, EngineConfig(device="cpu", dtype="float32"))
+    assert result.correct >= 14, result.texts  # of 16; the model card's measured accuracy is ~0.95+
