@@ -83,8 +83,7 @@ class Engine:
         # One working slot per running request, plus plan_pools' shared pool of cached states
         # that tracking borrows from (a tracked state goes to the tree at once) and eviction
         # refills: tree states are never pinned by running requests, only during admission.
-        self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=config.max_running,
-                                    slots_per_request=cache_config.slots_per_request)
+        self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=config.max_running)
         if self.pool_plan.max_running < config.max_running:
             # Say so: a quietly smaller batch looks like a slow GPU.
             log.warning("memory budget fits %d concurrent requests, not max_running=%d (%.0f MiB per state slot)",

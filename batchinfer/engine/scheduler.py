@@ -44,10 +44,6 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # cannot run even alone: finish with an error
 
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
-
 
 class Scheduler:
     def __init__(self, cache, *, max_running: int, max_batch_tokens: int, track_interval: int,

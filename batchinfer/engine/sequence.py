@@ -95,12 +95,6 @@ class StopRules:
             seq.stop_token_ids = ids if params.ignore_eos else ids | self.eos_token_ids
         return seq.stop_token_ids
 
-    def banned_ids(self, seq: Sequence) -> tuple[int, ...]:
-        """Stop tokens may not be drawn before min_tokens outputs."""
-        if seq.num_outputs < seq.request.sampling.min_tokens:
-            return tuple(sorted(self.stop_ids(seq)))
-        return ()
-
     def finish_reason(self, seq: Sequence) -> Optional[str]:
         """After a token was appended: "stop", "length" or None (go on). The stop token stays
         in the output; a stop string ends generation at the token that completed it."""
