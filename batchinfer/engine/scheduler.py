@@ -77,7 +77,7 @@ class Scheduler:
     def add(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             if seq.leader is not None:
-                seq.leader.followers.setdefault(seq.planned_reuse, []).append(seq)
+                seq.leader.add_follower(seq)
         self.waiting.add(seqs)
 
     # ---- one step --------------------------------------------------------------------------

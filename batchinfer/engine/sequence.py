@@ -62,6 +62,10 @@ class Sequence:
         return len(self.tokens) + self.awaiting - self.computed
 
     # ---- changes (the scheduler's) ----------------------------------------------------------
+    def add_follower(self, follower: "Sequence") -> None:
+        """`follower` plans to resume from this sequence's state at its `planned_reuse`."""
+        self.followers.setdefault(follower.planned_reuse, []).append(follower)
+
     def admitted(self, handle) -> None:
         """Running on `handle` (a cache.SeqHandle): its first resume_len tokens are computed."""
         self.handle = handle
