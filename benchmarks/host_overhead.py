@@ -59,7 +59,7 @@ class PhaseTimer:
         self.steps: list[dict[str, float]] = []
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine, "_draw", "sample_stop")
-        self._wrap(engine, "_accept", "sample_stop")
+        self._wrap(engine, "_postprocess", "sample_stop")
         self._wrap(engine.model if forward_owner is None else forward_owner, forward_name, "forward")
         step = engine._step
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 StateCacheMode = Literal["extra_buffer", "no_buffer"]
 
@@ -13,20 +13,12 @@ class CacheConfig:
     prefix_cache: bool = True  # False: never match, never insert (every prompt from scratch)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("extra_buffer", "no_buffer"):
+        if self.mode not in get_args(StateCacheMode):
             raise ValueError(f"mode must be 'extra_buffer' or 'no_buffer', not {self.mode!r}")
 
     @property
     def tracks(self) -> bool:
         return self.prefix_cache and self.mode == "extra_buffer"
-
-    @property
-    def slots_per_request(self) -> int:
-        """State slots a running request holds for its whole life: its working slot, whatever the
-        mode. extra_buffer tracking borrows a slot from the pool only at the moment it tracks
-        and normally hands it to the tree at once, so tracked states are counted with the
-        cached states (`plan_pools`' cache pool), not per request."""
-        return 1
 
 
 @dataclass(frozen=True)

@@ -65,10 +65,6 @@ class SeqHandle:
         """Every state slot this sequence owns."""
         return [self.working_slot, *(slot for _, slot in self.filled_tracks)]
 
-    def kv_memory(self) -> memoryview:
-        """The KV slots of `kv_indices` as raw int64 memory (no tensor built): see `pack_kv`."""
-        return memoryview(self._kv_buf)[:len(self.tokens)]
-
     def _reserve(self, total: int) -> None:
         """Room for `total` tokens; a bigger buffer replaces the old one (never resized in place:
         tensors viewing the old one stay valid)."""
@@ -111,7 +107,7 @@ def pack_kv(handles: Sequence[SeqHandle]) -> torch.Tensor:
     """Every handle's `kv_indices`, concatenated: [Σ num_tokens] int64 CPU. One join of raw memory
     instead of a slice and a concatenation per sequence (a decode step's whole context)."""
     # bytearray.join: one copy, writable (torch.frombuffer wants that), where bytes.join + bytearray made two.
-    joined = bytearray().join([memoryview(h._kv_buf)[:len(h.tokens)] for h in handles])  # kv_memory, inlined
+    joined = bytearray().join([memoryview(h._kv_buf)[:len(h.tokens)] for h in handles])  # raw memory
     if not joined:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(joined, dtype=torch.int64)

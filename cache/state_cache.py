@@ -104,7 +104,7 @@ class StateCache:
         match = self.match(tokens)
         self._hold(match.state_node)  # the reusable prefix must survive the eviction
         try:
-            return self.ensure_free(len(tokens) - match.resume_len, self.config.slots_per_request)
+            return self.ensure_free(len(tokens) - match.resume_len, num_states=1)  # its working slot
         finally:
             self._let_go(match.state_node)
 
@@ -119,7 +119,7 @@ class StateCache:
         match = self.match(tokens)
         node, resume = match.state_node, match.resume_len
         self._hold(node)  # lock (KV for good) and pin the state until it is copied below
-        if not self.ensure_free(len(tokens) - resume, self.config.slots_per_request):
+        if not self.ensure_free(len(tokens) - resume, num_states=1):  # its working slot
             self._let_go(node)
             return None
         working = self.state_pool.alloc()
@@ -272,7 +272,6 @@ class StateCache:
         self.kv_pool.free(seq.owned_kv.clone())
         self._release(seq, free_working=True)
 
-    preempt = abort
 
     # ---- internals -------------------------------------------------------------------------
     def _hold(self, node: Optional[RadixNode]) -> None:

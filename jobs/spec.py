@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, get_args
 
 import yaml
 
+from batchinfer.engine.config import EngineConfig, StateCacheMode
 from batchinfer.engine.types import SamplingParams
 from jobs import spec_checks as check
 from jobs.errors import JobError
@@ -41,20 +42,10 @@ class PromptSpec:
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """The job's `engine:` block; maps 1:1 onto `batchinfer.engine.EngineConfig`."""
+class EngineSettings(EngineConfig):
+    """The job's `engine:` block: `EngineConfig` itself (its fields, its defaults), plus the
+    job-only keys below. A job file sets only the keys of `ENGINE_KEYS`."""
 
-    device: str = "auto"
-    dtype: str = "auto"
-    prefix_cache: bool = True
-    state_cache: str = "extra_buffer"
-    replayssm: bool = True
-    ring_len: int = 16
-    track_interval: int = 256
-    max_running: int = 256
-    max_batch_tokens: int = 8192
-    max_model_len: Optional[int] = None
-    memory_fraction: float = 0.9
     # global: the whole job sorted and cut into work units, each planned whole by the engine;
     # window: the engine plans windows of rows in input order (the comparison arm, as no_buffer is)
     plan: str = "global"
@@ -128,7 +119,7 @@ REASONING_MODES = ("auto", "split", "raw")
 ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
     "device": check.device_name,
     "dtype": check.choice("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
-    "prefix_cache": check.boolean, "state_cache": check.choice("extra_buffer", "no_buffer"), "replayssm": check.boolean,
+    "prefix_cache": check.boolean, "state_cache": check.choice(*get_args(StateCacheMode)), "replayssm": check.boolean,
     "ring_len": check.integer(1), "track_interval": check.integer(1), "max_running": check.integer(1),
     "max_batch_tokens": check.integer(1), "max_model_len": check.integer(2, optional=True),
     "memory_fraction": check.number(0.0, 1.0, low_open=True), "plan": check.choice("global", "window"),
@@ -323,8 +314,8 @@ def load_job_file(path: Path) -> JobFile:
 
 
 def engine_settings_dict(settings: EngineSettings) -> dict:
-    """Every engine setting of the job (what `_stats.json` reports)."""
-    return {f.name: getattr(settings, f.name) for f in fields(settings)}
+    """Every engine setting a job file can set, in field order (what `_stats.json` reports)."""
+    return {f.name: getattr(settings, f.name) for f in fields(settings) if f.name in ENGINE_KEYS}
 
 
 def engine_config_kwargs(settings: EngineSettings) -> dict:

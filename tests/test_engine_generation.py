@@ -108,8 +108,8 @@ def test_memory_pressure_forces_eviction_and_preemption():
                 for r in requests_for(shared_prefix_prompts(seed=5), greedy)]
     reference = tokens_of(run(make_engine(model, prefix_cache=False, replayssm=False, overlap_decode=False), requests))
     engine = make_engine(model, memory_budget_bytes=540_000, max_running=64)
-    drains, drain = [], engine.scheduler.drain
-    engine.scheduler.drain = lambda: drains.append(engine._inflight is not None) or drain()
+    drains, schedule_rest = [], engine.scheduler.schedule_rest  # called once the step in flight was read
+    engine.scheduler.schedule_rest = lambda plan: drains.append(engine.overlap.step is None) or schedule_rest(plan)
     assert engine.pool_plan.kv_slots < 300
     preempted, preempt = [], engine.scheduler.preempt
     engine.scheduler.preempt = lambda seq: preempted.append(seq.request.sampling.temperature) or preempt(seq)

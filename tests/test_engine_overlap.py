@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from batchinfer.engine import engine as engine_module
+from batchinfer.engine import overlap as overlap_module
 from batchinfer.engine.types import Request, SamplingParams
 from tests.engine_utils import make_engine, requests_for, run, shared_prefix_prompts, tiny_model, tokens_of
 
@@ -82,12 +82,12 @@ def test_steps_are_read_one_launch_late(model, prompts, monkeypatch):
     on host bookkeeping); with overlap off it reads each step before the next launch."""
     events = []
 
-    class RecordingDownload(engine_module.Download):
+    class RecordingDownload(overlap_module.Download):
         def tolist(self):
             events.append("read")
             return super().tolist()
 
-    monkeypatch.setattr(engine_module, "Download", RecordingDownload)
+    monkeypatch.setattr(overlap_module, "Download", RecordingDownload)
     requests = requests_for(prompts[:3], SamplingParams(max_tokens=6, ignore_eos=True))
     for overlap in (True, False):
         events.clear()
@@ -115,7 +115,7 @@ def test_a_closed_generator_leaves_nothing_in_flight(model, prompts):
     stream = engine.generate(requests_for(prompts, SamplingParams(max_tokens=12, ignore_eos=True)))
     next(stream)
     stream.close()
-    assert engine._inflight is None and not engine.scheduler.running
+    assert engine.overlap.step is None and not engine.scheduler.running
     engine.cache.audit()
     again = run(engine, requests_for(prompts[:2], SamplingParams(max_tokens=3, ignore_eos=True)))
     assert len(again) == 2

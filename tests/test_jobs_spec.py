@@ -143,3 +143,18 @@ def test_missing_job_file_and_unknown_job_name(tmp_path):
     with pytest.raises(JobError, match=r"--job rga: no such job \(did you mean 'rag'\?\)"):
         load_job_file(path).select("rga")
     assert [job.name for job in load_job_file(path).select("rag")] == ["rag"]
+
+
+def test_engine_section_is_engine_config_with_its_defaults():
+    """The job's engine keys are EngineConfig's own fields (plus the job-only `plan`), and a job
+    that sets none runs with EngineConfig's defaults: the defaults live in one place."""
+    from dataclasses import fields
+
+    from batchinfer.engine.config import EngineConfig
+    from jobs.spec import ENGINE_KEYS, JOB_ONLY_ENGINE_KEYS, engine_config_kwargs
+
+    config_fields = {f.name for f in fields(EngineConfig)}
+    assert set(ENGINE_KEYS) - set(JOB_ONLY_ENGINE_KEYS) <= config_fields
+    defaults = EngineConfig()
+    assert all(getattr(defaults, key) == value for key, value in engine_config_kwargs(EngineSettings()).items())
+    assert EngineConfig(**engine_config_kwargs(EngineSettings(max_running=3))).max_running == 3

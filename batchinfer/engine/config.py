@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal, Optional
+from typing import Optional, get_args
 
 import torch
 
-StateCacheMode = Literal["extra_buffer", "no_buffer"]
+from cache.cache_config import StateCacheMode
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -31,7 +31,7 @@ class EngineConfig:
     overlap_decode: bool = True          # launch the next decode step before reading this one's tokens
 
     def __post_init__(self) -> None:
-        if self.state_cache not in ("extra_buffer", "no_buffer"):
+        if self.state_cache not in get_args(StateCacheMode):
             raise ValueError(f"state_cache must be 'extra_buffer' or 'no_buffer', not {self.state_cache!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, not {self.dtype!r}")

@@ -1,29 +1,17 @@
 """A decode step's rows: which token each sequence feeds (from the host, or from the device
 when the previous step's draw is still in flight), and which KV each shares with the row before.
 
-The engine keeps at most one decode step in flight (`InFlightDecode`, config.overlap_decode):
-its tokens were drawn on the device and the host reads them only after launching the next
-step, which feeds them straight from the device (`DecodeRows.token_from`).
+A step kept in flight (`overlap.InFlightDecode`) feeds its tokens to the next step straight
+from the device (`DecodeRows.token_from`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
-from batchinfer.engine.host_copy import Download
 from batchinfer.engine.model_runner import DecodeRows
+from batchinfer.engine.overlap import InFlightDecode
 from batchinfer.engine.sequence import Sequence
 from cache.seq_handle import pack_kv
-
-
-@dataclass(frozen=True)
-class InFlightDecode:
-    """A decode step launched with its tokens drawn on the device, not yet read by the host."""
-    seqs: list[Sequence]   # its rows, in order
-    tokens: torch.Tensor   # [B] int64 on the device: what the next step feeds those still going
-    download: Download     # the same tokens on their way to the host
 
 
 def decode_rows(seqs: list[Sequence], prior: Optional[InFlightDecode]) -> DecodeRows:

@@ -19,9 +19,9 @@ import torch
 from batchinfer.engine.activations import decode_graph_bytes, step_activation_bytes
 from batchinfer.engine.config import EngineConfig, dtype_name
 from batchinfer.engine.cuda_graphs import DecodeGraphs, bucket_sizes
-from batchinfer.engine.decode_rows import InFlightDecode, decode_rows
-from batchinfer.engine.host_copy import Download
-from batchinfer.engine.model_runner import ModelRunner, SequenceChunk
+from batchinfer.engine.decode_rows import decode_rows
+from batchinfer.engine.model_runner import DecodeRows, ModelRunner, SequenceChunk
+from batchinfer.engine.overlap import DecodeOverlap
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
 from batchinfer.engine.sampler import SamplingTensors, identity_key, sample
 from batchinfer.engine.scheduler import Scheduler
@@ -85,8 +85,7 @@ class Engine:
         # One working slot per running request, plus plan_pools' shared pool of cached states
         # that tracking borrows from (a tracked state goes to the tree at once) and eviction
         # refills: tree states are never pinned by running requests, only during admission.
-        self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=config.max_running,
-                                    slots_per_request=cache_config.slots_per_request)
+        self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=config.max_running)
         if self.pool_plan.max_running < config.max_running:
             # Say so: a quietly smaller batch looks like a slow GPU.
             log.warning("memory budget fits %d concurrent requests, not max_running=%d (%.0f MiB per state slot)",
@@ -101,12 +100,9 @@ class Engine:
             self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.max_batch_tokens,
             track_interval=config.track_interval, wait_for_leaders=cache_config.tracks, tally=self.tally,
             state_slots=self.pool_plan.state_slots, branch_state_capacity=self.pool_plan.cache_state_slots,
-            max_model_len=self.max_model_len, drain=self._drain)
+            max_model_len=self.max_model_len)
         self._windows = itertools.count()
-        # Overlap (config.overlap_decode): the decode step whose tokens the host has not read yet,
-        # and the sequences a drain finished in the middle of scheduling (reported by _step).
-        self._inflight: Optional[InFlightDecode] = None
-        self._drained: list[Sequence] = []
+        self.overlap = DecodeOverlap()  # the decode step whose tokens the host has not read yet
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig(), seed: int = 0,
@@ -183,7 +179,7 @@ class Engine:
                     yield self._complete(seq, left)
         finally:
             if not completed:  # closed early or failed: the next generate() must start clean
-                self._inflight, self._drained = None, []
+                self.overlap.clear()
                 self.scheduler.abandon()
             self.tally.add(wall_seconds=time.perf_counter() - started)
 
@@ -237,100 +233,86 @@ class Engine:
         left[seq.unit_index] -= 1
         return seq.to_output(unit_done=left[seq.unit_index] == 0)
 
-    # ---- one step --------------------------------------------------------------------------
+    # ---- one step: schedule, run, postprocess ----------------------------------------------
     def _step(self) -> list[Sequence]:
+        """One step; returns the sequences it finished. The scheduler plans it, the model runs
+        one prefill and one decode forward, and `_postprocess` turns drawn tokens into progress."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
-        done, self._drained = self._drained, []
-        for seq in plan.failed:
-            seq.finish_reason = "error"
-            done.append(seq)
+        done = []
+        if plan.needs_host_tokens:  # decode slots ran short: preempting needs every token read
+            done += self._postprocess(*self.overlap.take())
+            self.scheduler.schedule_rest(plan)
+        done += self._fail(plan.failed)
         prefill_seconds = 0.0
         if plan.prefill:
             with self._timed("prefill_seconds") as timing:  # syncs: a decode step in flight finishes too
-                done += self._run_prefill(plan.prefill)
+                done += self._prefill(plan.prefill)
             prefill_seconds = timing["seconds"]
         if plan.decode:
-            done += self._run_decode(plan.decode)
+            done += self._decode(plan.decode)
             # With steps in flight the host waits on the previous step here, so wall time per
             # step is the GPU's time per step (a device sync would stop the overlap).
             self.tally.add(decode_seconds=time.perf_counter() - started - prefill_seconds)
         else:
-            self._drain()
-            done, self._drained = done + self._drained, []
+            done += self._postprocess(*self.overlap.take())
         return done
 
-    def _run_prefill(self, items: list[tuple[Sequence, int]]) -> list[Sequence]:
+    @staticmethod
+    def _fail(seqs: list[Sequence]) -> list[Sequence]:
+        for seq in seqs:
+            seq.finish("error")
+        return seqs
+
+    # ---- run -------------------------------------------------------------------------------
+    def _prefill(self, items: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Run one prefill forward over (sequence, new tokens) chunks; sample where a chunk ends
+        its sequence's tokens."""
         chunks = [SequenceChunk(token_ids=seq.tokens[seq.computed:seq.computed + n], start=seq.computed,
                                 state_slot=seq.handle.working_slot,
                                 context_kv=seq.handle.kv_indices[:seq.computed + n],
                                 wants_logits=seq.computed + n == len(seq.tokens))
                   for seq, n in items]
         logits = self.runner.prefill(chunks)  # [N, V] for the chunks that end their tokens
-        for seq, n in items:
-            self._advance(seq, n)
+        self.scheduler.advance(items)
         sampled = [seq for (seq, _), c in zip(items, chunks) if c.wants_logits]
         if not sampled:
             return []
-        return self._accept(sampled, self._draw(sampled, logits).tolist())
+        return self._postprocess(sampled, self._draw(sampled, logits).tolist())
 
-    def _run_decode(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Launch one decode step. Its tokens are drawn on the device; with overlap the host reads
-        them only after launching the next step (`InFlightDecode`), so the GPU never waits for the
-        host's bookkeeping. A sequence whose token is still in flight feeds it from the device."""
-        prior = self._inflight
+    def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Run one decode step and draw its tokens on the device. With overlap they stay in
+        flight (`DecodeOverlap`) and the host reads the previous step's meanwhile, so the GPU
+        never waits for the host's bookkeeping; otherwise they are read at once."""
         seqs = sorted(seqs, key=lambda seq: seq.priority)  # plan (DFS) order: sharers adjacent
-        rows = decode_rows(seqs, prior)
+        rows = decode_rows(seqs, self.overlap.step)
         logits = self.runner.decode(rows)  # [B, V]
+        self._count_decode(seqs, rows)
+        self.scheduler.advance([(seq, 1) for seq in seqs])
+        tokens = self._draw(seqs, logits)  # [B] on the device
+        done = self._postprocess(*self.overlap.take())
+        if not self._keeps_in_flight(seqs):
+            return done + self._postprocess(seqs, tokens.tolist())
+        self.overlap.launch(seqs, tokens)
+        return done
+
+    def _keeps_in_flight(self, seqs: list[Sequence]) -> bool:
+        # Repetition penalties need every earlier token on the host: such steps are read at once.
+        return self.config.overlap_decode and not any(s.request.sampling.repetition_penalty != 1.0 for s in seqs)
+
+    def _count_decode(self, seqs: list[Sequence], rows: DecodeRows) -> None:
+        """A decode step's counters, ReplaySSM ring folds included (each step moves every
+        row's ring cursor; a full ring is folded into the checkpoint by the step's kernel)."""
         self.tally.add(decode_steps=1, decode_seq_steps=len(seqs), decode_context_tokens=sum(rows.positions) + len(seqs),
                        decode_shared_kv_tokens=sum(rows.shared_with_prev))
         if self.config.replayssm:
             ring_len = self.config.ring_len
-            flushes = 0
-            for seq in seqs:  # a full ring (cursor == L) is folded into the checkpoint by this step's kernel
-                flushes += seq.ring_cursor == ring_len
-                seq.ring_cursor = seq.ring_cursor % ring_len + 1
-            self.tally.add(replayssm_flushes=flushes)
-        for seq in seqs:
-            if seq.computed < seq.prompt_len:  # only prompt positions are ever tracked
-                self._advance(seq, 1)
-            else:
-                seq.computed += 1
-                seq.high_water = max(seq.high_water, seq.computed)
-        tokens = self._draw(seqs, logits)  # [B] on the device
-        # Repetition penalties need every earlier token on the host: such steps are read at once.
-        deferred = self.config.overlap_decode and not any(s.request.sampling.repetition_penalty != 1.0 for s in seqs)
-        self._inflight = None
-        done = [] if prior is None else self._resolve(prior)
-        if not deferred:
-            return done + self._accept(seqs, tokens.tolist())
-        for seq in seqs:
-            seq.awaiting += 1
-        self._inflight = InFlightDecode(seqs, tokens, Download(tokens))
-        return done
+            self.tally.add(replayssm_flushes=sum(seq.ring_step(ring_len) for seq in seqs))
 
-    def _drain(self) -> None:
-        """Read the step in flight, if any (the scheduler calls this before preempting)."""
-        if self._inflight is not None:
-            prior, self._inflight = self._inflight, None
-            self._drained += self._resolve(prior)
-
-    def _resolve(self, step: InFlightDecode) -> list[Sequence]:
-        for seq in step.seqs:
-            seq.awaiting -= 1
-        return self._accept(step.seqs, step.download.tolist())
-
-    def _advance(self, seq: Sequence, n: int) -> None:
-        """`n` more tokens computed; snapshot and donate the state if that position is tracked."""
-        seq.computed += n
-        seq.high_water = max(seq.high_water, seq.computed)
-        if self.scheduler.should_track(seq) and self.cache.track(seq.handle, seq.computed):
-            self.cache.donate(seq.handle)  # at once: planned followers may be admitted next step
-            # Keep it until they are: eviction takes states nobody is waiting for first.
-            self.cache.expect_followers(seq.handle, seq.computed, self.scheduler.followers_expected(seq, seq.computed))
-
+    # ---- postprocess: logits → tokens → progress -------------------------------------------
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Each sequence's next token, drawn on the device: [N] int64 (no host sync)."""
+        """Each sequence's next token from its logits ([N, V]), drawn on the device: [N] int64
+        (no host sync)."""
         params = [seq.request.sampling for seq in seqs]
         for seq in seqs:
             if seq.sample_key is None:
@@ -346,15 +328,16 @@ class Engine:
             if penalised else None, banned=banned, device=logits.device)
         return sample(logits, tensors)
 
-    def _accept(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
-        """Append each sequence's drawn token and finish those that stop. A row whose sequence
-        already finished (it was fed once more while its stop token was in flight) is dropped."""
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Append each sequence's drawn token and finish those that stop (the scheduler releases
+        their cache). A row whose sequence already finished (it was fed once more while its
+        stop token was in flight) is dropped."""
         done = []
         stop_rules, max_len, cache = self.stop_rules, self.max_model_len, self.cache
         for seq, token in zip(seqs, tokens):
             if seq.finished:
                 continue
-            seq.tokens.append(token)
+            seq.append_token(token)
             if len(seq.tokens) <= seq.handle.num_tokens:  # already fed, its KV slot taken before it was known
                 cache.resolve_token(seq.handle, len(seq.tokens) - 1, token)
             p = seq.request.sampling
@@ -365,8 +348,8 @@ class Engine:
                 continue
             reason = stop_rules.finish_reason(seq)
             if reason is not None:
-                seq.finish_reason = reason
-                self.scheduler.finish(seq)  # KV and state of every token fed, a token in flight too
+                seq.finish(reason)
+                self.scheduler.finish(seq)
                 done.append(seq)
         return done
 

@@ -28,7 +28,6 @@ to recompute prompt + generated tokens (resuming from whatever the cache still h
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.stats import StatsTally
@@ -43,17 +42,16 @@ class StepPlan:
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
     decode: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # cannot run even alone: finish with an error
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
+    # Decode tokens found no KV slots while tokens are still in flight: preempting needs every
+    # token on the host, so `schedule` stopped; read them, then `schedule_rest` this plan.
+    needs_host_tokens: bool = False
 
 
 class Scheduler:
     def __init__(self, cache, *, max_running: int, max_batch_tokens: int, track_interval: int,
                  wait_for_leaders: bool, tally: StatsTally, state_slots: int = 1 << 30,
                  branch_state_capacity: int = 1 << 30,
-                 max_model_len: int = 1 << 62, drain: Callable[[], None] = lambda: None) -> None:
+                 max_model_len: int = 1 << 62) -> None:
         self.cache = cache                    # cache.StateCache
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
@@ -66,8 +64,6 @@ class Scheduler:
         # the pace of admission, how many branch states leaders other than the head may open.
         self.branch_state_capacity = branch_state_capacity
         self.max_model_len = max_model_len
-        # Resolves every decode step still in flight (the engine's): called before preempting.
-        self.drain = drain
         # Live branch states: (leader, depth) → planned followers not yet admitted (sequences
         # hash by identity). Counted from the leader's first admission, before the state exists.
         self._live_branches: dict[tuple[Sequence, int], int] = {}
@@ -81,14 +77,26 @@ class Scheduler:
     def add(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             if seq.leader is not None:
-                seq.leader.followers.setdefault(seq.planned_reuse, []).append(seq)
+                seq.leader.add_follower(seq)
         self.waiting.add(seqs)
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """This step's work: admit waiting sequences, reserve decode KV slots, cut prefill chunks.
+        Stops early with `plan.needs_host_tokens` (see there)."""
         plan = StepPlan()
         self._admit(plan)
-        self._reserve_decode_slots(plan)
+        if self._reserve_decode_slots(plan):
+            self._plan_prefill(plan)
+        return plan
+
+    def schedule_rest(self, plan: StepPlan) -> None:
+        """Finish a plan that stopped for tokens in flight, once the host has them all."""
+        plan.needs_host_tokens = False
+        self._reserve_one_by_one(plan)
+        self._plan_prefill(plan)
+
+    def _plan_prefill(self, plan: StepPlan) -> None:
         budget = self.max_batch_tokens
         for seq in self.running:
             if seq.pending < 2 or budget == 0:
@@ -96,7 +104,6 @@ class Scheduler:
             chunk = min(seq.pending, self.next_boundary(seq) - seq.computed, budget)
             plan.prefill.append((seq, chunk))
             budget -= chunk
-        return plan
 
     def next_boundary(self, seq: Sequence) -> int:
         """First position after `computed` where a prefill chunk must end."""
@@ -110,7 +117,18 @@ class Scheduler:
                 end = min(end, interval_mark)
         return end
 
-    def should_track(self, seq: Sequence) -> bool:
+    # ---- after the model ran -----------------------------------------------------------------
+    def advance(self, items: list[tuple[Sequence, int]]) -> None:
+        """Each (sequence, n) computed n more tokens; a state reached at a planned or interval
+        checkpoint is snapshot and donated to the tree at once (planned followers may be
+        admitted next step), and kept until they are: eviction takes states nobody awaits first."""
+        for seq, n in items:
+            seq.advance(n)
+            if self._tracks_here(seq) and self.cache.track(seq.handle, seq.computed):
+                self.cache.donate(seq.handle)
+                self.cache.expect_followers(seq.handle, seq.computed, self.followers_expected(seq, seq.computed))
+
+    def _tracks_here(self, seq: Sequence) -> bool:
         """Whether the state at `seq.computed` (just reached) is a planned or interval checkpoint."""
         p = seq.computed
         return 0 < p <= seq.prompt_len and (p in seq.checkpoints or p % self.track_interval == 0)
@@ -154,7 +172,7 @@ class Scheduler:
                 return False
             self.waiting.take(position)  # nothing will ever free room for it
             plan.failed.append(seq)
-            seq.error = f"the cache cannot hold this sequence ({len(seq.tokens)} tokens) even alone"
+            seq.set_error(f"the cache cannot hold this sequence ({len(seq.tokens)} tokens) even alone")
             if first:
                 self._follower_gone(seq, admitted=False)
             return True
@@ -229,14 +247,9 @@ class Scheduler:
             self.cache.forget_followers(seq.leader.tokens, seq.planned_reuse, 1)
 
     def _start(self, seq: Sequence, handle) -> None:
-        seq.handle = handle
-        seq.computed = handle.resume_len
-        seq.ring_cursor = 0  # admission copies or zeroes the working state: cursor 0
-        if seq.cached_tokens is None:
-            seq.cached_tokens = handle.resume_len
-        else:
+        if seq.cached_tokens is not None:  # re-admitted after preemption
             self.tally.add(recomputed_tokens=len(seq.tokens) - handle.resume_len)
-        seq.high_water = max(seq.high_water, seq.computed)
+        seq.admitted(handle)
         # KV matched past the resume point, for want of a state there. The last token is always
         # recomputed (it yields the logits), so a KV hit on it is not counted as discarded.
         usable_kv = min(handle.matched_kv_len, len(seq.tokens) - 1)
@@ -244,12 +257,13 @@ class Scheduler:
         self.running.append(seq)
 
     # ---- decode slots and preemption -------------------------------------------------------
-    def _reserve_decode_slots(self, plan: StepPlan) -> None:
+    def _reserve_decode_slots(self, plan: StepPlan) -> bool:
         """KV slots for every decode token; preempt the youngest sequences when there are none.
 
         Usually every token fits: one allocation for the whole batch (`append_many`). Only when
         it does not are the sequences served one by one, preempting as they go — after the
-        steps in flight are drained (`drain`), since a preempted sequence must know its tokens."""
+        tokens in flight reached the host, since a preempted sequence must know its tokens:
+        False (`plan.needs_host_tokens`) when some are still in flight."""
         decoding = [seq for seq in self.running if seq.handle is not None and seq.pending == 1
                     and not seq.awaits_last_token(self.max_model_len)]
         # The token fed now sits at index `computed`; the handle lacks its KV slot unless it is a
@@ -259,10 +273,12 @@ class Scheduler:
         ids = [seq.tokens[seq.computed] if seq.computed < len(seq.tokens) else AWAITED_TOKEN for seq in needing]
         if self.cache.append_many([seq.handle for seq in needing], ids):
             plan.decode.extend(decoding)
-            return
+            return True
         if any(seq.awaiting for seq in self.running):
-            self.drain()
+            plan.needs_host_tokens = True
+            return False
         self._reserve_one_by_one(plan)
+        return True
 
     def _reserve_one_by_one(self, plan: StepPlan) -> None:
         for seq in list(self.running):
@@ -274,7 +290,7 @@ class Scheduler:
                 if victim is seq and len(self.running) == 1:
                     self._drop(seq)
                     plan.failed.append(seq)
-                    seq.error = f"the KV cache cannot hold this sequence ({len(seq.tokens)} tokens) even alone"
+                    seq.set_error(f"the KV cache cannot hold this sequence ({len(seq.tokens)} tokens) even alone")
                     break
                 self.preempt(victim)
                 if victim is seq:
@@ -284,20 +300,20 @@ class Scheduler:
         plan.decode = [s for s in plan.decode if s.handle is not None]
 
     def preempt(self, seq: Sequence) -> None:
-        self._drop(seq)
-        seq.computed = 0
+        self._drop(seq, recompute=True)
         self.waiting.insert(seq)
         self.tally.add(preemptions=1)
 
-    def _drop(self, seq: Sequence) -> None:
+    def _drop(self, seq: Sequence, recompute: bool = False) -> None:
         self.cache.abort(seq.handle)
-        seq.handle = None
+        seq.released(recompute)
         self.running.remove(seq)
 
     # ---- completion ------------------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:
+        """`seq` stopped: the KV and state of every token fed (a token in flight too) go to the tree."""
         self.cache.finish(seq.handle, seq.computed)
-        seq.handle = None
+        seq.released()
         self.running.remove(seq)
 
     def abandon(self) -> None:

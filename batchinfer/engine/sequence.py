@@ -1,4 +1,9 @@
-"""One (request, sample) pair as the engine runs it: tokens, progress, plan links, stop rules."""
+"""One (request, sample) pair as the engine runs it: tokens, progress, plan links, stop rules.
+
+A `Sequence` changes only through its methods: the scheduler admits, advances, preempts and
+releases it; the engine appends its tokens and finishes it. The fields marked as memos are
+derived values kept beside it for the decode hot path.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,12 +33,12 @@ class Sequence:
     # Tokens drawn on the device by decode steps still in flight, not yet in `tokens` (engine
     # overlap: the next step is launched before the host reads this one's tokens).
     awaiting: int = 0
-    # (previous row's handle, this handle, their tree_lens, shared KV positions): the decode
-    # batch's `shared_with_prev` for this row, kept while neither side changes (engine).
+    # Memo: (previous row's handle, this handle, their tree_lens, shared KV positions): the decode
+    # batch's `shared_with_prev` for this row, kept while neither side changes (decode_rows).
     shared_memo: Optional[tuple] = field(default=None, repr=False)
     finish_reason: Optional[str] = None
     error: Optional[str] = None
-    # Per-sample constants the decode hot path reads every step (see engine._sample_and_stop).
+    # Memos: per-sample constants the decode hot path reads every step (engine._draw, _postprocess).
     stop_token_ids: Optional[frozenset[int]] = field(default=None, repr=False)  # set by StopRules
     sample_key: Optional[tuple[int, int]] = field(default=None, repr=False)     # sampler.identity_key
     prompt_len: int = field(init=False, default=0)
@@ -55,6 +60,57 @@ class Sequence:
     def pending(self) -> int:
         """Tokens still to feed to the model (the last sampled token counts, on the host or not)."""
         return len(self.tokens) + self.awaiting - self.computed
+
+    # ---- changes (the scheduler's) ----------------------------------------------------------
+    def add_follower(self, follower: "Sequence") -> None:
+        """`follower` plans to resume from this sequence's state at its `planned_reuse`."""
+        self.followers.setdefault(follower.planned_reuse, []).append(follower)
+
+    def admitted(self, handle) -> None:
+        """Running on `handle` (a cache.SeqHandle): its first resume_len tokens are computed."""
+        self.handle = handle
+        self.computed = handle.resume_len
+        self.ring_cursor = 0  # admission copies or zeroes the working state: cursor 0
+        if self.cached_tokens is None:
+            self.cached_tokens = handle.resume_len
+        self.high_water = max(self.high_water, self.computed)
+
+    def advance(self, n: int) -> None:
+        """`n` more tokens computed (KV and GDN state in place)."""
+        self.computed += n
+        self.high_water = max(self.high_water, self.computed)
+
+    def released(self, recompute: bool = False) -> None:
+        """Its cache handle is gone (finished, dropped); `recompute`: preempted, starts over."""
+        self.handle = None
+        if recompute:
+            self.computed = 0
+
+    def set_error(self, error: str) -> None:
+        """Why it cannot run; the engine finishes it with reason "error"."""
+        self.error = error
+
+    # ---- changes (the engine's) -------------------------------------------------------------
+    def append_token(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+
+    def token_in_flight(self) -> None:
+        """A decode step drew its next token on the device; the host has not read it yet."""
+        self.awaiting += 1
+
+    def token_landed(self) -> None:
+        """The host read a token that was in flight (it is appended next)."""
+        self.awaiting -= 1
+
+    def ring_step(self, ring_len: int) -> bool:
+        """One ReplaySSM decode step on this sequence's slot; True when it folds a full ring
+        into the checkpoint (cursor == L). The host mirror of the kernel's cursor."""
+        folds = self.ring_cursor == ring_len
+        self.ring_cursor = self.ring_cursor % ring_len + 1
+        return folds
 
     def awaits_last_token(self, max_model_len: int) -> bool:
         """A token in flight will end this sequence by length: there is nothing more to feed."""
@@ -94,12 +150,6 @@ class StopRules:
             ids = frozenset(params.stop_token_ids)
             seq.stop_token_ids = ids if params.ignore_eos else ids | self.eos_token_ids
         return seq.stop_token_ids
-
-    def banned_ids(self, seq: Sequence) -> tuple[int, ...]:
-        """Stop tokens may not be drawn before min_tokens outputs."""
-        if seq.num_outputs < seq.request.sampling.min_tokens:
-            return tuple(sorted(self.stop_ids(seq)))
-        return ()
 
     def finish_reason(self, seq: Sequence) -> Optional[str]:
         """After a token was appended: "stop", "length" or None (go on). The stop token stays
