@@ -234,6 +234,31 @@ def load_child_main(checkpoint: Path, device: str, out_path: Path) -> int:
     return 0
 
 
+def write_child_main(checkpoint: Path, config_path: Path, device: str = "cuda") -> int:
+    """`write_random_checkpoint`'s names, shapes and init rules, drawn on the GPU (the CPU draw of a
+    17 GB checkpoint takes minutes), in bf16."""
+    import torch
+    from safetensors.torch import save_file
+
+    from batchinfer.models.checkpoint_layout import checkpoint_tensors, default_layout
+    from batchinfer.models.config import model_config_from_dict
+    from batchinfer.models.random_init import init_random_, make_generator
+
+    raw = json.loads(config_path.read_text())
+    config = model_config_from_dict(raw)
+    generator = make_generator(0, device)
+    tensors = {}
+    for spec in checkpoint_tensors(config, default_layout(config)):
+        value = torch.empty(spec.shape, dtype=torch.float32, device=device)
+        init_random_(value, spec.name, config.num_layers, generator)
+        tensors[spec.name] = value.to(torch.bfloat16).cpu()
+        del value
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    (checkpoint / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
 # ---------------------------------------------------------------- parent
 
 
@@ -260,7 +285,13 @@ def setup(folder: Path, args: argparse.Namespace) -> Path:
         config["num_hidden_layers"] = args.layers
     if not (checkpoint / "config.json").is_file():
         start = time.monotonic()
-        write_random_checkpoint(checkpoint, config, dtype=torch.float32 if args.quick else torch.bfloat16)
+        if args.quick:
+            write_random_checkpoint(checkpoint, config, dtype=torch.float32)
+        else:  # the same tensors drawn on the GPU, in a child so this process holds no CUDA context
+            config_path = folder / "checkpoint-config.json"
+            config_path.write_text(json.dumps(config))
+            subprocess.run([sys.executable, "-m", "benchmarks.cold_start", "--write-child", str(checkpoint),
+                            "--child-out", str(config_path)], cwd=REPO_ROOT, env=child_env({}), check=True)
         write_demo_tokenizer_files(checkpoint)
         size = sum(p.stat().st_size for p in shard_files(checkpoint))
         print(f"checkpoint: {args.preset}, {config['num_hidden_layers']} layers, {size / 2**30:.2f} GiB written in "
@@ -402,6 +433,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--load-child", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--write-child", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -425,6 +457,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(raw)
     if args.load_child is not None:
         return load_child_main(args.load_child, args.device, args.child_out)
+    if args.write_child is not None:
+        return write_child_main(args.write_child, args.child_out, args.device)
     import shutil
     import tempfile
 

@@ -36,3 +36,19 @@ def test_summary_sums_phases_and_compiles_per_phase():
     assert run["compile_by_phase"] == {"generate": {"count": 2, "seconds": 3.0}}
     assert [c["kernel"] for c in run["compiles"]] == ["b", "a"]  # slowest first
     assert run["process_start_seconds"] == 0.5 and run["imports_seconds"] == 1.5
+
+
+def test_device_drawn_checkpoint_loads(tmp_path):
+    import json
+
+    import torch
+
+    from batchinfer.models.loader import load_model
+    from batchinfer.models.presets import PRESETS
+    from benchmarks.cold_start import write_child_main
+
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(PRESETS["tiny"]))
+    write_child_main(tmp_path / "ckpt", config_path, device="cpu")
+    model = load_model(tmp_path / "ckpt", torch.float32)  # every tensor named, shaped and present
+    assert all(torch.isfinite(p).all() for p in model.parameters())
