@@ -149,6 +149,8 @@ def child_main(out_path: Path, cli_args: list[str]) -> int:
     _patch(timeline, loader, "load_weights", "load_weights")
     _patch(timeline, engine_module.Engine, "__init__", "engine_init")
     _patch(timeline, cuda_graphs.DecodeGraphs, "capture_all", "capture_graphs")
+    if hasattr(engine_module.Engine, "_precompile"):  # the parallel up-front compile (absent: lazy compiles only)
+        _patch(timeline, engine_module.Engine, "_precompile", "precompile")
     _patch(timeline, runner, "plan_units", "plan")
     _patch(timeline, runner, "prepare_units", "prepare_units")
     _patch(timeline, global_run.UnitsInProcess, "run", "generate")
@@ -331,8 +333,8 @@ def run_once(folder: Path, job_file: Path, label: str, triton_cache: Path) -> di
     return summarise(label, wall, timeline, stats)
 
 
-PHASES = ("prepare_job", "build_model", "load_weights", "engine_init", "capture_graphs", "plan", "prepare_units",
-          "generate")
+PHASES = ("prepare_job", "build_model", "load_weights", "engine_init", "precompile", "capture_graphs", "plan",
+          "prepare_units", "generate")
 
 
 def summarise(label: str, wall: float, timeline: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
@@ -396,14 +398,15 @@ def print_table(runs: list[dict[str, Any]], load: Optional[dict[str, Any]]) -> N
     row("  interpreter start", [r["process_start_seconds"] for r in runs])
     row("  imports (torch, triton, batchinfer)", [r["imports_seconds"] for r in runs])
     labels = {"prepare_job": "  prepare job (tokenise)", "build_model": "  build model", "load_weights":
-              "    of it load weights", "engine_init": "  engine init (pools, graphs)", "capture_graphs":
+              "    of it load weights", "engine_init": "  engine init (pools, graphs)",
+              "precompile": "    of it trace + parallel compile", "capture_graphs":
               "    of it CUDA-graph capture", "plan": "  plan", "prepare_units": "  prepare units",
               "generate": "  generate"}
     for phase in PHASES:
         row(labels[phase], [r["phases_seconds"].get(phase) for r in runs])
     row("Triton compiles or cache loads", [float(r["compile_count"]) for r in runs])
     row("  their seconds", [r["compile_seconds"] for r in runs])
-    for phase in ("capture_graphs", "generate", "engine_init", "other"):
+    for phase in ("precompile", "capture_graphs", "generate", "engine_init", "other"):
         row(f"  of it in {phase}", [r["compile_by_phase"].get(phase, {}).get("seconds") for r in runs])
     row("job wall (_stats.json)", [r["job_wall_seconds"] for r in runs])
     if len(runs) == 2:

@@ -92,6 +92,7 @@ class Engine:
         kv_pool, state_pool = build_pools(self.pool_plan, kv_shape, state_shape, self.device)
         self.cache = StateCache(kv_pool, state_pool, cache_config)
         caches = state_pool.model_caches(kv_pool)
+        self.precompile_report = self._precompile(caches, kv_pool, state_pool)  # before the graphs compile one by one
         self.runner = ModelRunner(model, caches, self.device, replay=config.replayssm,
                                   decode_graphs=self._decode_graphs(caches, kv_pool, state_pool))
         self.tally = StatsTally()
@@ -116,6 +117,18 @@ class Engine:
 
         built = build_model(model, config.resolved_dtype(), config.resolved_device(), seed=seed)
         return cls(built, config, eos_token_ids=eos_token_ids, detokenize=detokenize, model_name=str(model))
+
+    def _precompile(self, caches, kv_pool, state_pool):
+        """Every Triton kernel the steps will launch, compiled in parallel processes (CUDA only)."""
+        if self.device.type != "cuda":
+            return None
+        from batchinfer.engine.precompile import StepShapes, engine_trace, precompile
+
+        shapes = StepShapes(decode_buckets=bucket_sizes(self.pool_plan.max_running),
+                            graph_ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP), decode_hint=True,
+                            max_batch_tokens=self.config.max_batch_tokens, max_running=self.pool_plan.max_running,
+                            max_model_len=self.max_model_len, replay=self.config.replayssm)
+        return precompile(engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot, self.device))
 
     def _decode_graphs(self, caches, kv_pool, state_pool) -> Optional[DecodeGraphs]:
         if not (self.config.cuda_graphs and self.device.type == "cuda"):
