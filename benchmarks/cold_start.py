@@ -203,19 +203,25 @@ def sequential_read_seconds(files: list[Path]) -> float:
 
 
 def load_child_main(checkpoint: Path, device: str, out_path: Path) -> int:
+    import inspect
+
     import torch
 
-    from batchinfer.models.loader import load_model
+    from batchinfer.models.config import load_model_config
+    from batchinfer.models.loader import load_weights
+    from batchinfer.models.qwen3_hybrid import HybridModel
 
     files = shard_files(checkpoint)
+    has_modes = "streamed" in inspect.signature(load_weights).parameters  # the loader's two read paths
     size = sum(p.stat().st_size for p in files)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if device == "cuda":
         torch.zeros(1, device=device)  # CUDA initialised outside the timed loads
 
-    def timed_load() -> float:
+    def timed_load(streamed: Optional[bool] = None) -> float:
         start = time.monotonic()
-        model = load_model(checkpoint, dtype, device)
+        model = HybridModel(load_model_config(checkpoint), dtype, device)
+        load_weights(model, checkpoint, **({"streamed": streamed} if has_modes else {}))
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.monotonic() - start
@@ -232,6 +238,10 @@ def load_child_main(checkpoint: Path, device: str, out_path: Path) -> int:
     drop = drop_from_page_cache(files)
     result["drop_failed"] = result["drop_failed"] or drop
     result["load_cold_seconds"] = timed_load()
+    if has_modes and device == "cuda":  # the memory-mapped, tensor-by-tensor path, for comparison
+        result["load_warm_mapped_seconds"] = timed_load(streamed=False)
+        drop_from_page_cache(files)
+        result["load_cold_mapped_seconds"] = timed_load(streamed=False)
     out_path.write_text(json.dumps(result, indent=1))
     return 0
 
@@ -409,15 +419,20 @@ def print_table(runs: list[dict[str, Any]], load: Optional[dict[str, Any]]) -> N
     for phase in ("precompile", "capture_graphs", "generate", "engine_init", "other"):
         row(f"  of it in {phase}", [r["compile_by_phase"].get(phase, {}).get("seconds") for r in runs])
     row("job wall (_stats.json)", [r["job_wall_seconds"] for r in runs])
+    for name in ("load", "compile_and_capture", "plan"):
+        row(f"  startup_seconds.{name}", [(r["stats"].get("startup_seconds") or {}).get(name) for r in runs])
+    row("  generation_seconds", [r["stats"].get("generation_seconds") for r in runs])
     if len(runs) == 2:
         print(f"first run − second run: {runs[0]['wall_seconds'] - runs[1]['wall_seconds']:.1f} s")
     if load:
         gib = load["file_bytes"] / 2**30
         print(f"\ncheckpoint load: {gib:.2f} GiB in {load['files']} file(s)"
               + (f"; page-cache drop FAILED ({load['drop_failed']})" if load["drop_failed"] else ""))
-        for what in ("read_cold", "read_warm", "load_cold", "load_warm"):
-            seconds = load[f"{what}_seconds"]
-            print(f"  {what.replace('_', ' '):<10} {seconds:7.2f} s  {gib / max(seconds, 1e-9):6.2f} GiB/s")
+        for what in ("read_cold", "read_warm", "load_cold", "load_warm", "load_cold_mapped", "load_warm_mapped"):
+            seconds = load.get(f"{what}_seconds")
+            if seconds is None:
+                continue
+            print(f"  {what.replace('_', ' '):<17} {seconds:7.2f} s  {gib / max(seconds, 1e-9):6.2f} GiB/s")
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
