@@ -63,3 +63,31 @@ def test_precompile_covers_graph_capture_and_keeps_tokens(tmp_path):
     lazy = _run(tmp_path, "0", "lazy-cache")
     assert lazy["report"] is None
     assert fresh["tokens"] == lazy["tokens"] == warm["tokens"]
+
+
+def test_warmup_command_fills_the_cache_for_the_run(tmp_path):
+    import yaml
+
+    job = {"name": "rag", "model": "demo", "input": "unused.parquet", "prompt": {"template": "{q}"},
+           "engine": {"device": "cuda", "max_running": 16}}
+    (tmp_path / "jobs.yaml").write_text(yaml.safe_dump({"jobs": [job]}))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "batchinfer", "warmup", str(tmp_path / "jobs.yaml")], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "Triton kernels" in done.stdout
+    check = textwrap.dedent("""
+        import json, sys
+        from batchinfer.demo import demo_checkpoint
+        from batchinfer.engine import Engine, EngineConfig
+        from jobs.spec import engine_config_kwargs, load_job_file
+        spec = load_job_file(sys.argv[1]).jobs[0]  # the engine settings the run would use
+        engine = Engine.from_pretrained(str(demo_checkpoint()), EngineConfig(**engine_config_kwargs(spec.engine)))
+        print(json.dumps(engine.precompile_report.__dict__))
+    """)
+    done = subprocess.run([sys.executable, "-c", check, str(tmp_path / "jobs.yaml")], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["kernels"] > 0 and report["missing"] == 0  # the run found everything in the cache
