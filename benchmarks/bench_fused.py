@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from benchmarks.bench_replay_attn import bench_graph
 from kernels import activation as tri_act
 from kernels import conv1d as tri_conv
-from kernels import rmsnorm as tri_norm
+from kernels.rmsnorm import rmsnorm as tri_norm
 from kernels.ref import activation as ref_act
 from kernels.ref import conv1d as ref_conv
 from kernels.ref import norm as ref_norm

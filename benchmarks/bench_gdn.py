@@ -165,7 +165,7 @@ def _prefill_sweeps(quick: bool, big: bool):
     program walks the whole chain of chunks (1–2 programs per SM), so the big shape keeps the
     narrow blocks.
     """
-    from kernels._common import KernelLaunch as L
+    from kernels.gdn_prefill import KernelLaunch as L
     from kernels.gdn_prefill import StatePassLaunch as S
 
     wy = [L(64, 1, 1), L(64, 2, 1)]  # the WY kernel has no d_v block; 1 warp: 255 regs, 160 B spill
@@ -188,7 +188,7 @@ def _prefill_sweeps(quick: bool, big: bool):
 def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
     """(row at the default launch, sweep closure returning the row with its tuned time)."""
     from kernels import gdn_prefill as ours
-    from kernels._common import ChunkTables
+    from kernels import ChunkTables
     from kernels.ref import gdn as ref
 
     gen = torch.Generator(device="cuda").manual_seed(0)

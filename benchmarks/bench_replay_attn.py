@@ -37,7 +37,7 @@ import triton
 
 from kernels import attention as triton_attention
 from kernels import replay_ssm as triton_replay
-from kernels.attention_shared import SharedPrefixLaunch
+from kernels.attention import SharedPrefixLaunch
 from kernels.ref import attention as ref_attention
 from kernels.ref import replay as ref_replay
 
@@ -47,8 +47,13 @@ PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
 # the flush's d_v block × warps. A d_k chunk equal to d_k (128) is one loop iteration, where
 # stages do not matter. Small blocks with few warps = many small programs in flight per SM
 # (what fla's fused recurrent kernel does); large ones = more bytes per program.
-_Launch = triton_replay.StepLaunch
 _DEFAULT = triton_replay.DEFAULT_STEP_LAUNCH
+# The step sweep's base: one warp, 32 columns of d_v, d_k in 32-row chunks 4 deep, every optional
+# path off (the per-(sequence, value head, d_v block) flush, all L ring entries loaded).
+_PLAIN = triton_replay.StepLaunch(block_v=32, block_k=32, num_warps=1, num_stages=4, key_dots_in_flush=False,
+                                  flush_block_v=32, flush_block_k=16, flush_warps=1, flush_per_key_head=False,
+                                  flush_persistent=False, flush_programs_per_sm=2, flush_tile_items=False,
+                                  live_ring_loads=False)
 # The non-persistent flush: one program per (sequence, key head), all L ring entries loaded.
 _PER_KEY_HEAD_FLUSH = replace(_DEFAULT, flush_persistent=False, live_ring_loads=False)
 FLUSH_SWEEP = [_DEFAULT] + [
@@ -71,21 +76,21 @@ FLUSH_SWEEP = [_DEFAULT] + [
 REPLAY_SWEEP = FLUSH_SWEEP + [
     # Step: mma d_k dots (default) vs CUDA-core ones, ring-key dots in the step or once per key
     # head in the flush launch, d_k chunk / stages / d_v block / warps around the default.
-    _Launch(tensor_cores=False),
-    _Launch(key_dots_in_flush=True),
-    _Launch(tensor_cores=False, key_dots_in_flush=True),
-    _Launch(block_k=64, num_stages=3),
-    _Launch(block_k=64, num_stages=3, key_dots_in_flush=True),
-    _Launch(block_k=128, num_stages=1),
-    _Launch(block_k=128, num_stages=1, key_dots_in_flush=True),
-    _Launch(block_v=64, num_warps=2),
-    _Launch(block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True),
-    _Launch(block_v=16, key_dots_in_flush=True),
-    _Launch(num_stages=2),
+    replace(_PLAIN, tensor_cores=False),
+    replace(_PLAIN, key_dots_in_flush=True),
+    replace(_PLAIN, tensor_cores=False, key_dots_in_flush=True),
+    replace(_PLAIN, block_k=64, num_stages=3),
+    replace(_PLAIN, block_k=64, num_stages=3, key_dots_in_flush=True),
+    replace(_PLAIN, block_k=128, num_stages=1),
+    replace(_PLAIN, block_k=128, num_stages=1, key_dots_in_flush=True),
+    replace(_PLAIN, block_v=64, num_warps=2),
+    replace(_PLAIN, block_v=64, block_k=64, num_warps=2, num_stages=3, key_dots_in_flush=True),
+    replace(_PLAIN, block_v=16, key_dots_in_flush=True),
+    replace(_PLAIN, num_stages=2),
 ] + [
     # Flush: d_v block × d_k rows per chunk × warps (registers bound how many of its mostly
     # early-exiting programs are resident per SM). (128, 128, 4) is ~the old per-(seq, head) shape.
-    _Launch(flush_block_v=fbv, flush_block_k=fbk, flush_warps=fw)
+    replace(_PLAIN, flush_block_v=fbv, flush_block_k=fbk, flush_warps=fw)
     for fbv, fbk, fw in [(32, 32, 1), (32, 16, 2), (64, 16, 1), (16, 16, 1), (128, 32, 4), (128, 32, 8), (128, 128, 4)]
 ]
 

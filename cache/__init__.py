@@ -6,7 +6,7 @@ Typical use (the engine):
     plan = plan_pools(kv_shape, state_shape, budget_bytes, max_running=256)  # 1 working slot each + cache pool
     kv_pool, state_pool = build_pools(plan, kv_shape, state_shape, device)
     cache = StateCache(kv_pool, state_pool, CacheConfig(mode="extra_buffer"))
-    caches = state_pool.model_caches(kv_pool)      # what model.forward reads and writes
+    caches = ModelCaches.from_pools(kv_pool, state_pool)  # the model's view (batchinfer.models.forward_batch)
     seq = cache.admit(request_id, prompt_ids)      # then see StateCache's docstring
 """
 from .budget import PoolPlan, build_pools, memory_budget, plan_pools

@@ -117,15 +117,3 @@ class GdnStatePool(SlotPool):
     def reset_cursor(self, slots: int | Sequence[int] | torch.Tensor) -> None:
         """Mark the ring of each slot empty (its checkpoint alone is then its state)."""
         self.cursor[_as_slots(slots, self.device)] = 0
-
-    # ---- the model's view ------------------------------------------------------------------
-    def model_caches(self, kv_pool):
-        """`batchinfer.models.forward_batch.ModelCaches` over this pool and `kv_pool`'s tensors.
-
-        The model updates these tensors in place (and advances `cursor` after a ReplaySSM decode
-        step); the pools keep owning them.
-        """
-        from batchinfer.models.forward_batch import ModelCaches  # model layer; imported lazily
-
-        return ModelCaches(kv_k=kv_pool.k, kv_v=kv_pool.v, conv=self.conv, ssm=self.ssm, ring_k=self.ring_k,
-                           ring_u=self.ring_u, ring_g=self.ring_g, cursor=self.cursor)

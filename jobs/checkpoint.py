@@ -6,10 +6,14 @@ reads only small JSON files (and the tokenizer later); weights are loaded by the
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+from safetensors import safe_open
 
 from batchinfer.models.config import ModelConfigError, load_model_config
+from batchinfer.models.quantization import check_tensor_names, parse_quantization
 from jobs.errors import JobError, display_path
 from jobs.spec import DEMO_MODEL, JobSpec
 
@@ -39,6 +43,12 @@ def check_checkpoint(checkpoint: Path, spec: JobSpec) -> int:
         raise fail(str(exc)) from None
     if not any((checkpoint / name).is_file() for name in WEIGHT_FILES):
         raise fail(f"{display_path(checkpoint)} has no safetensors weights")
+    names = tensor_names(checkpoint)
+    if names is not None:
+        try:
+            check_tensor_names(names, parse_quantization(json.loads((checkpoint / "config.json").read_text())))
+        except ModelConfigError as exc:
+            raise fail(str(exc)) from None
     if not (checkpoint / "tokenizer.json").is_file():
         raise fail(f"{display_path(checkpoint)} has no tokenizer.json")
     max_model_len = spec.engine.max_model_len
@@ -48,6 +58,19 @@ def check_checkpoint(checkpoint: Path, spec: JobSpec) -> int:
                        f"must be <= the model's max_position_embeddings ({config.max_position_embeddings}), "
                        f"got {max_model_len}")
     return config.vocab_size
+
+
+def tensor_names(checkpoint: Path) -> Optional[list[str]]:
+    """The checkpoint's tensor names from its safetensors index or file header (no tensor data is
+    read); None when they cannot be read, which the loader reports when it opens the files."""
+    index = checkpoint / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return list(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        with safe_open(str(checkpoint / "model.safetensors"), framework="numpy") as handle:
+            return list(handle.keys())
+    except Exception:  # a malformed index or header: safetensors raises its own error types
+        return None
 
 
 def checkpoint_fingerprint(checkpoint: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from batchinfer.engine.types import Request, RequestOutput, SamplingParams
 from jobs.outputs import SampleResult
+from jobs.reasoning import ReasoningSplit, split_reasoning
 from jobs.tokenizer import CheckpointTokenizer
 
 
@@ -39,10 +40,16 @@ def error_result(row_index: int, sample: int, error: str) -> SampleResult:
     return SampleResult(row_index, sample, "", (), 0, 0, 0, "error", error)
 
 
-def output_result(output: RequestOutput, tokenizer: CheckpointTokenizer, stops: tuple[str, ...]) -> SampleResult:
+def output_result(output: RequestOutput, tokenizer: CheckpointTokenizer, stops: tuple[str, ...],
+                  reasoning: ReasoningSplit = ReasoningSplit()) -> SampleResult:
+    text = cut_at_stop(tokenizer.decode(output.token_ids), stops)
+    reasoning_text, truncated = None, None
+    if reasoning.enabled and output.finish_reason != "error":
+        parts = split_reasoning(text, reasoning.starts_inside)
+        text, reasoning_text, truncated = parts.answer, parts.reasoning, parts.truncated
     return SampleResult(
-        row_index=int(output.request_id), sample_index=output.sample_index,
-        generated_text=cut_at_stop(tokenizer.decode(output.token_ids), stops),
+        row_index=int(output.request_id), sample_index=output.sample_index, generated_text=text,
         output_token_ids=tuple(output.token_ids), prompt_tokens=output.prompt_tokens,
         cached_tokens=output.cached_tokens, completion_tokens=output.completion_tokens,
-        finish_reason=output.finish_reason, error=output.error)
+        finish_reason=output.finish_reason, error=output.error,
+        reasoning_text=reasoning_text, reasoning_truncated=truncated)

@@ -21,7 +21,9 @@ ROW_INDEX_COLUMN = "row_index"
 RESULT_SCHEMA = pa.schema([
     (ROW_INDEX_COLUMN, pa.int64()),       # the row's position in the input (resume key)
     ("sample_index", pa.int32()),
-    ("generated_text", pa.string()),
+    ("generated_text", pa.string()),     # the answer: after the reasoning block when it is split off
+    ("reasoning_text", pa.string()),     # the reasoning block's text; null: none, or not split (jobs/reasoning.py)
+    ("reasoning_truncated", pa.bool_()),  # the output ended inside the reasoning; null when not split
     ("output_token_ids", pa.list_(pa.int32())),
     ("prompt_tokens", pa.int32()),
     ("cached_tokens", pa.int32()),
@@ -45,6 +47,8 @@ class SampleResult:
     completion_tokens: int
     finish_reason: str
     error: Optional[str] = None
+    reasoning_text: Optional[str] = None
+    reasoning_truncated: Optional[bool] = None
 
 
 class PartWriter:

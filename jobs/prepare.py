@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pyarrow as pa
 
@@ -21,7 +21,9 @@ from jobs.errors import JobError, display_path
 from jobs.inputs import InputFiles, input_fingerprint, open_inputs
 from jobs.outputs import RESULT_COLUMNS
 from jobs.prompts import is_text, parse_template, template_can_format, template_columns
+from jobs.reasoning import ReasoningSplit, reasoning_split
 from jobs.resume import check_resumable
+from jobs.sampling_defaults import ResolvedSampling, resolve_sampling
 from jobs.spec import JobSpec, did_you_mean
 from jobs.tokenizer import CheckpointTokenizer
 
@@ -34,6 +36,8 @@ class PreparedJob:
     tokenizer: CheckpointTokenizer
     inputs: InputFiles
     fingerprint: dict[str, Any]
+    sampling: Optional[ResolvedSampling] = None  # spec.sampling is its params; this adds where each came from
+    reasoning: ReasoningSplit = ReasoningSplit()
 
     @property
     def rows(self) -> int:
@@ -118,17 +122,22 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     """Every bad-input check, in the order a user would fix them; writes nothing."""
     checkpoint = resolve_checkpoint(spec)
     vocab_size = check_checkpoint(checkpoint, spec)
+    sampling = resolve_sampling(spec, checkpoint)
+    spec = replace(spec, sampling=sampling.params)
     inputs = open_inputs(spec.input, spec.job_file, spec.where("input"), exclude=spec.output.path)
     _check_columns(spec, inputs.schema)
     tokenizer = _load_tokenizer(checkpoint, spec)
+    reasoning = reasoning_split(spec, tokenizer)
     fingerprint = {
         "model": checkpoint_fingerprint(checkpoint),
         "prompt": {"template": spec.prompt.template, "column": spec.prompt.column,
-                   "token_ids_column": spec.prompt.token_ids_column, "chat": spec.chat, "system": spec.system},
+                   "token_ids_column": spec.prompt.token_ids_column, "chat": spec.chat, "system": spec.system,
+                   "chat_template_kwargs": dict(spec.prompt.chat_template_kwargs)},
+        "reasoning": reasoning,
         "id_column": spec.id_column,
         "sampling": spec.sampling,
         "input": input_fingerprint(inputs),
     }
     _check_output(spec)
     check_resumable(spec.output.path, fingerprint, overwrite, spec.job_file, spec.where("output"))
-    return PreparedJob(spec, checkpoint, vocab_size, tokenizer, inputs, fingerprint)
+    return PreparedJob(spec, checkpoint, vocab_size, tokenizer, inputs, fingerprint, sampling, reasoning)

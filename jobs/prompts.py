@@ -173,13 +173,13 @@ def _token_id_lists(frame: pl.DataFrame, column: str, vocab_size: int) -> Prompt
 
 
 def _render_chat(texts: list[Optional[str]], errors: list[Optional[str]], tokenizer: CheckpointTokenizer,
-                 system: Optional[str]) -> tuple[list[Optional[str]], list[Optional[str]]]:
+                 system: Optional[str], template_kwargs: dict) -> tuple[list[Optional[str]], list[Optional[str]]]:
     rendered: list[Optional[str]] = []
     rendered_errors: list[Optional[str]] = []
     for text, error in zip(texts, errors):
         if error is None:
             try:
-                text = tokenizer.render_chat(text, system)
+                text = tokenizer.render_chat(text, system, template_kwargs)
             except jinja2.TemplateError as exc:  # templates may reject a conversation via raise_exception
                 text, error = None, f"chat template: {exc}"
         rendered.append(text)
@@ -227,7 +227,7 @@ def build_prompts(table: pa.Table, spec: PromptSpec, tokenizer: CheckpointTokeni
     errors = [text_error or error or ("empty prompt" if not text else None)
               for text, error, text_error in zip(texts, errors, text_errors)]
     if chat:
-        texts, errors = _render_chat(texts, errors, tokenizer, system)
+        texts, errors = _render_chat(texts, errors, tokenizer, system, dict(spec.chat_template_kwargs))
     good = [i for i, error in enumerate(errors) if error is None]
     good_texts = [texts[i] for i in good]
     # Chat-rendered text already holds its special tokens; transformers encodes it without adding more.

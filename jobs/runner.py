@@ -247,6 +247,8 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             summed_counters(getattr(parallel_report[0], "results", {}).values()) if parallel_report else None
         stats = build_stats(spec.name, counters, engine_stats, _settings(engine, spec), status, failure,
                             interrupted_by)
+        if job.sampling is not None:
+            stats["sampling"] = job.sampling.report()
         if planned is not None:
             stats["plan"] = plan_stats(planned)
             for name in ("planned_reuse_lost_tokens", "branch_states_over_capacity"):  # a plan the pool could not hold

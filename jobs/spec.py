@@ -33,6 +33,9 @@ class PromptSpec:
     template: Optional[str] = None          # "{document}\n\nQuestion: {question}"
     column: Optional[str] = None            # a column holding the whole prompt text
     token_ids_column: Optional[str] = None  # a column of pre-tokenised prompts (list of ints)
+    # the job's `chat_template_kwargs`: extra chat-template variables, as transformers'
+    # apply_chat_template(**kwargs) passes them; ((name, value), ...) sorted by name
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,10 @@ class JobSpec:
     output: OutputSpec
     chat: bool = False
     system: Optional[str] = None
+    reasoning: str = "auto"    # auto | split | raw (jobs/reasoning.py)
+    # sampling keys the job set itself; the rest come from generation_config.json or the defaults
+    sampling_keys: frozenset[str] = frozenset()
+    use_generation_config: bool = True
     id_column: Optional[str] = None
     limit: Optional[int] = None
     parallel: ParallelSpec = ParallelSpec()
@@ -110,7 +117,9 @@ SAMPLING_KEYS: dict[str, Callable[[Any], Any]] = {
     "top_p": check.number(0.0, 1.0, low_open=True), "top_k": check.integer(0), "min_p": check.number(0.0, 1.0),
     "repetition_penalty": check.number(0.0, low_open=True), "seed": check.seed,
     "stop": check.stop_strings, "n": check.integer(1), "ignore_eos": check.boolean, "min_tokens": check.integer(0),
+    "use_generation_config": check.boolean,
 }
+REASONING_MODES = ("auto", "split", "raw")
 ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
     "device": check.device_name,
     "dtype": check.choice("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
@@ -122,8 +131,8 @@ ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
 PROMPT_KEYS = {"template": check.text(), "column": check.text(), "token_ids_column": check.text()}
 OUTPUT_KEYS = {"path": check.text(), "flush_rows": check.integer(1),
                "order": check.choice("completion", "input"), "keep_work": check.boolean}
-JOB_KEYS = ("name", "model", "input", "prompt", "chat", "system", "id_column", "sampling", "engine",
-            "output", "limit", "parallel")
+JOB_KEYS = ("name", "model", "input", "prompt", "chat", "system", "chat_template_kwargs", "reasoning", "id_column",
+            "sampling", "engine", "output", "limit", "parallel")
 TOP_KEYS = ("defaults", "jobs")
 
 
@@ -142,14 +151,16 @@ def _resolve(path_text: str, base: Path) -> Path:
     return path if path.is_absolute() else (base / path).resolve()
 
 
-def _sampling(checker: Checker, raw: Any, where: str) -> SamplingParams:
+def _sampling(checker: Checker, raw: Any, where: str) -> tuple[SamplingParams, frozenset[str], bool]:
+    """(the job's own sampling values over the built-in defaults, the keys it set, use_generation_config)."""
     values = checker.section(raw, where, SAMPLING_KEYS)
+    use_generation_config = values.pop("use_generation_config", True)
     defaults = SamplingParams()
     min_tokens, max_tokens = (values.get(key, getattr(defaults, key)) for key in ("min_tokens", "max_tokens"))
     if min_tokens > max_tokens:
         raise checker.fail(f"{where}.min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}")
     try:
-        return SamplingParams(**values)
+        return SamplingParams(**values), frozenset(values), use_generation_config
     except ValueError as exc:  # the engine's own checks; the key checks above should leave none
         raise checker.fail(where, str(exc)) from None
 
@@ -179,7 +190,16 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
     chat = scalar("chat", check.boolean, False)
     if chat and "token_ids_column" in prompt:
         raise checker.fail(f"{where}.chat", "cannot be true with prompt.token_ids_column (already tokenised)")
-    sampling = _sampling(checker, raw.get("sampling", {}), f"{where}.sampling")
+    sampling, sampling_keys, use_generation_config = _sampling(checker, raw.get("sampling", {}), f"{where}.sampling")
+    template_kwargs = raw.get("chat_template_kwargs", {})
+    if not isinstance(template_kwargs, dict) or not all(isinstance(key, str) for key in template_kwargs):
+        raise checker.fail(f"{where}.chat_template_kwargs", "must be a mapping of template variable names to values")
+    if template_kwargs and not chat:
+        raise checker.fail(f"{where}.chat_template_kwargs", "needs chat: true (it is passed to the chat template)")
+    reserved = sorted(set(template_kwargs) & {"messages", "add_generation_prompt"})
+    if reserved:
+        raise checker.fail(f"{where}.chat_template_kwargs.{reserved[0]}", "is set by batchinfer, not the job")
+    reasoning = scalar("reasoning", check.choice(*REASONING_MODES), "auto")
     output = raw.get("output", f"out/{name}")
     output = checker.section({"path": output} if isinstance(output, str) else output, f"{where}.output",
                              OUTPUT_KEYS)
@@ -189,12 +209,15 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
         name=name,
         model=model if model == DEMO_MODEL else str(_resolve(model, base)),
         input=str(_resolve(input_pattern, base)),
-        prompt=PromptSpec(**prompt),
+        prompt=PromptSpec(**prompt, chat_template_kwargs=tuple(sorted(template_kwargs.items()))),
         sampling=sampling,
         engine=EngineSettings(**checker.section(raw.get("engine", {}), f"{where}.engine", ENGINE_KEYS)),
         output=OutputSpec(path=_resolve(output.pop("path"), base), **output),
         chat=chat,
         system=scalar("system", check.text(optional=True), None),
+        reasoning=reasoning,
+        sampling_keys=sampling_keys,
+        use_generation_config=use_generation_config,
         id_column=scalar("id_column", check.text(optional=True), None),
         limit=scalar("limit", check.integer(1, optional=True), None),
         parallel=ParallelSpec(**checker.section(raw.get("parallel", {}), f"{where}.parallel", PARALLEL_KEYS)),

@@ -119,6 +119,20 @@ def render_summary(console: Console, stats: dict[str, Any]) -> None:
          f"{stats['peak_memory_bytes'] / 2**20:,.1f} MiB"),
         ("peak RSS (this process)", f"{stats.get('process_peak_rss_bytes', 0) / 2**20:,.1f} MiB"),
     ]
+    rows.extend(_sampling_rows(stats.get("sampling")))
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+
+
+def _sampling_rows(sampling: Optional[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One row per source of the job's sampling values (the job, generation_config.json, defaults)."""
+    if not sampling:
+        return []
+    by_source: dict[str, list[str]] = {}
+    for name, source in sampling["sources"].items():
+        by_source.setdefault(source, []).append(f"{name}={sampling['values'][name]}")
+    rows = [(f"sampling ({source})", ", ".join(values)) for source, values in by_source.items()]
+    if sampling.get("generation_config_ignored"):
+        rows.append(("generation_config.json ignored", ", ".join(sampling["generation_config_ignored"])))
+    return rows

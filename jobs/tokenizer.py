@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jinja2
 import jinja2.ext
@@ -19,6 +19,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -123,14 +124,25 @@ class CheckpointTokenizer:
     def has_chat_template(self) -> bool:
         return self._compiled is not None
 
-    def render_chat(self, user_message: str, system: Optional[str] = None) -> str:
-        """The chat-formatted prompt text for one user turn, ready for the assistant's reply."""
+    def render_chat(self, user_message: str, system: Optional[str] = None,
+                    template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
+        """The chat-formatted prompt text for one user turn, ready for the assistant's reply.
+
+        `template_kwargs` become template variables (e.g. enable_thinking), over the special
+        tokens, as the keyword arguments of transformers' `apply_chat_template` do.
+        """
         if self._compiled is None:
             raise ValueError("the checkpoint has no chat template")
         messages = ([{"role": "system", "content": system}] if system is not None else [])
         messages.append({"role": "user", "content": user_message})
-        return self._compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
-                                     **self.special_tokens)
+        variables = {"tools": None, "documents": None, **self.special_tokens, **(template_kwargs or {})}
+        return self._compiled.render(messages=messages, add_generation_prompt=True, **variables)
+
+    @property
+    def has_thinking_tags(self) -> bool:
+        """Whether the chat template writes reasoning blocks (Qwen3 / Qwen3.5: `<think>...</think>`)."""
+        source = self.chat_template_source or ""
+        return THINK_OPEN in source and THINK_CLOSE in source
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)

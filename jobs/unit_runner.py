@@ -244,7 +244,7 @@ class UnitRunner:
             while complete:
                 yield self._result(complete.pop(0))
             unit = pulled[output.unit_index]
-            self._record(unit, output_result(output, self.job.tokenizer, stops))
+            self._record(unit, output_result(output, self.job.tokenizer, stops, self.job.reasoning))
             if output.unit_done:
                 if not unit.complete:
                     raise RuntimeError(f"unit {unit.unit_id}: the engine ended it with samples missing")

@@ -91,7 +91,7 @@ class WindowRun:
     def run(self) -> None:
         stops = self.job.spec.sampling.stop
         for output in self.engine.generate(self.requests()):
-            self.record(output_result(output, self.job.tokenizer, stops))
+            self.record(output_result(output, self.job.tokenizer, stops, self.job.reasoning))
 
     @property
     def samples_written(self) -> int:

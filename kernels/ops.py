@@ -1,8 +1,10 @@
-"""The one entry point the model uses for every kernel.
+"""The entry point the model uses for every kernel.
 
-Each op runs its Triton kernel when the inputs live on CUDA and the kernel exists,
-otherwise the plain-torch reference in `kernels/ref/` (fp32-accurate; what the CPU path and
-CI run). `BATCHINFER_KERNELS=ref` forces the references everywhere (for A/B checks on a GPU).
+`OPS` is the one dispatch table: each op names the package of its Triton kernel and the module of
+its plain-torch reference (fp32-accurate; what the CPU path and CI run). An op runs its Triton
+kernel when its first input lives on CUDA, else the reference; `BATCHINFER_KERNELS=ref` forces
+the references everywhere (for A/B checks on a GPU). A Triton kernel that cannot load on CUDA
+raises `KernelLoadError`: running the slow reference there instead would hide a broken install.
 Signatures and shapes: docs/MODULES.md.
 """
 from __future__ import annotations
@@ -14,60 +16,59 @@ from typing import Callable
 
 import torch
 
-_REF_MODULES = {
-    "rms_norm": "kernels.ref.norm",
-    "gated_rms_norm": "kernels.ref.norm",
-    "add_rms_norm": "kernels.ref.norm",
-    "rms_norm_rope": "kernels.ref.rope",
-    "silu_mul": "kernels.ref.activation",
-    "causal_conv1d_prefill": "kernels.ref.conv1d",
-    "causal_conv1d_decode": "kernels.ref.conv1d",
-    "gdn_prefill": "kernels.ref.gdn",
-    "gdn_decode": "kernels.ref.gdn",
-    "replay_decode": "kernels.ref.replay",
-    "replay_fold": "kernels.ref.replay",
-    "store_kv": "kernels.ref.attention",
-    "attention_prefill": "kernels.ref.attention",
-    "attention_decode": "kernels.ref.attention",
+# op -> (Triton package, reference module)
+OPS: dict[str, tuple[str, str]] = {
+    "rms_norm": ("kernels.rmsnorm", "kernels.ref.norm"),
+    "gated_rms_norm": ("kernels.rmsnorm", "kernels.ref.norm"),
+    "add_rms_norm": ("kernels.rmsnorm", "kernels.ref.norm"),
+    "rms_norm_rope": ("kernels.rope", "kernels.ref.rope"),
+    "silu_mul": ("kernels.activation", "kernels.ref.activation"),
+    "causal_conv1d_prefill": ("kernels.conv1d", "kernels.ref.conv1d"),
+    "causal_conv1d_decode": ("kernels.conv1d", "kernels.ref.conv1d"),
+    "gdn_prefill": ("kernels.gdn_prefill", "kernels.ref.gdn"),
+    "gdn_decode": ("kernels.gdn_decode", "kernels.ref.gdn"),
+    "replay_decode": ("kernels.replay_ssm", "kernels.ref.replay"),
+    "replay_fold": ("kernels.replay_ssm", "kernels.ref.replay"),
+    "store_kv": ("kernels.attention", "kernels.ref.attention"),
+    "attention_prefill": ("kernels.attention", "kernels.ref.attention"),
+    "attention_decode": ("kernels.attention", "kernels.ref.attention"),
 }
-_TRITON_MODULES = {
-    "rms_norm": "kernels.rmsnorm",
-    "gated_rms_norm": "kernels.rmsnorm",
-    "add_rms_norm": "kernels.rmsnorm",
-    "rms_norm_rope": "kernels.rope",
-    "silu_mul": "kernels.activation",
-    "causal_conv1d_prefill": "kernels.conv1d",
-    "causal_conv1d_decode": "kernels.conv1d",
-    "gdn_prefill": "kernels.gdn_prefill",
-    "gdn_decode": "kernels.gdn_decode",
-    "replay_decode": "kernels.replay_ssm",
-    "replay_fold": "kernels.replay_ssm",
-    "store_kv": "kernels.attention",
-    "attention_prefill": "kernels.attention",
-    "attention_decode": "kernels.attention",
-}
+
+
+class KernelLoadError(RuntimeError):
+    """A Triton kernel was needed (CUDA input) but its module failed to import."""
+
+
+_import_module = importlib.import_module  # one seam, so tests can fail the import
 
 
 @lru_cache(maxsize=None)
-def _impl(name: str, triton: bool) -> Callable:
-    if triton:
-        try:
-            return getattr(importlib.import_module(_TRITON_MODULES[name]), name)
-        except (ImportError, AttributeError):
-            pass  # no Triton kernel for this op (yet): the reference serves
-    return getattr(importlib.import_module(_REF_MODULES[name]), name)
+def implementation(name: str, triton: bool) -> Callable:
+    """The function that serves op `name`: its Triton kernel, or its reference. Raises
+    `KernelLoadError` when the Triton kernel cannot load (never falls back)."""
+    triton_module, ref_module = OPS[name]
+    if not triton:
+        return getattr(_import_module(ref_module), name)
+    try:
+        return getattr(_import_module(triton_module), name)
+    except (ImportError, AttributeError) as err:
+        raise KernelLoadError(
+            f"kernels.ops.{name}: the Triton kernel {triton_module}.{name} cannot load for a CUDA input "
+            f"({type(err).__name__}: {err}); fix the install, or set BATCHINFER_KERNELS=ref to run the "
+            f"torch references on purpose") from err
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether an op whose first input is `t` runs its Triton kernel."""
     return t.is_cuda and os.environ.get("BATCHINFER_KERNELS", "auto") != "ref"
 
 
 def _dispatch(name: str) -> Callable:
     def op(*args, **kwargs):
-        return _impl(name, _use_triton(args[0]))(*args, **kwargs)
+        return implementation(name, uses_triton(args[0]))(*args, **kwargs)
 
     op.__name__ = name
-    op.__doc__ = f"Dispatches `{name}` to Triton on CUDA, else to kernels/ref (see docs/MODULES.md)."
+    op.__doc__ = f"Dispatches `{name}` to its Triton kernel on CUDA, else to its reference (kernels.ops.OPS)."
     return op
 
 

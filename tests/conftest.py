@@ -1,4 +1,5 @@
-"""Test-wide setup: without CUDA, Triton kernels run in the interpreter (tiny shapes)."""
+"""Test-wide setup: without CUDA, Triton kernels run in the interpreter (tiny shapes); every test
+skipped without CUDA is marked `gpu`, so `-m gpu` selects the GPU tests."""
 import os
 
 import torch
@@ -9,4 +10,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+NEEDS_CUDA = "needs CUDA"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(mark.kwargs.get("reason") == NEEDS_CUDA for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)

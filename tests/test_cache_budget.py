@@ -136,7 +136,7 @@ def test_step_activation_estimate_counts_its_terms():
     residual stream and GDN tensors, the M⁻¹ blocks per chunk, and two fp32 logits rows per
     request; the decode graphs: one logits buffer of the largest bucket (shared by all), the
     context buffer and the largest bucket's tensors."""
-    from cache.budget import decode_graph_bytes, step_activation_bytes
+    from batchinfer.engine.activations import decode_graph_bytes, step_activation_bytes
 
     config = model_config_from_dict(TINY_CONFIG)
     conv_dim, h_k, h_v, d_v = 2 * 2 * 8 + 4 * 6, 2, 4, 6

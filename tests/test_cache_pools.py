@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchinfer.models.forward_batch import ModelCaches
 from cache import DoubleFreeError, FreeList, GdnStatePool, GdnStateShape, KVPool, KVShape
 from kernels.ref.replay import replay_state
 from tests.conftest import requires_cuda
@@ -112,7 +113,7 @@ def test_flush_keeps_the_state_and_empties_the_ring():
 def test_model_caches_are_the_pools_own_tensors(ring_len):
     kv = KVPool(5, KVShape(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32))
     pool = GdnStatePool(3, _state_shape(ring_len))
-    caches = pool.model_caches(kv)
+    caches = ModelCaches.from_pools(kv, pool)
     assert caches.kv_k[1] is kv.k[1] and caches.kv_v[0] is kv.v[0]
     assert caches.conv[1] is pool.conv[1] and caches.ssm[0] is pool.ssm[0] and caches.cursor is pool.cursor
     assert caches.has_replay == bool(ring_len) and caches.ring_len == ring_len

@@ -9,12 +9,15 @@ deeper, never at the full length) without mutating the tree.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cache import CacheConfig, GdnStatePool, GdnStateShape, KVPool, KVShape, StateCache
+
+pytestmark = pytest.mark.slow  # a stateful hypothesis search over the cache
 
 # Prompts are a cut of one of a few "documents" plus a short random tail: many shared prefixes.
 DOCUMENTS = ((0, 1, 2, 0, 1, 1, 2), (0, 1, 1, 2, 0), (2, 2, 0, 1))

@@ -79,6 +79,7 @@ def _start_job_and_signal_after_first_part(tmp_path: Path, demo_cache: Path, row
     return process.returncode, stderr, out_dir
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_finished_parts_exits_130_and_a_rerun_completes(tmp_path, demo_cache):
     rows = 13
     code, stderr, out_dir = _start_job_and_signal_after_first_part(tmp_path, demo_cache, rows, signal.SIGINT)

@@ -73,6 +73,7 @@ def test_samples_of_one_prompt_share_all_but_the_last_token(model, workload, ref
     assert sorted([first.cached_tokens, second.cached_tokens])[1] == first.prompt_tokens - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_running", [256, 1])
 def test_no_buffer_reuses_less_and_keeps_tokens(model, workload, reference, max_running):
     engine = make_engine(model, state_cache="no_buffer", max_running=max_running)
@@ -94,6 +95,7 @@ def test_plan_windows_keep_tokens_and_still_reuse(model, workload, reference):
     assert 0 < engine.stats.cached_tokens
 
 
+@pytest.mark.slow
 def test_memory_pressure_forces_eviction_and_preemption():
     # Two attention layers of four: KV is dear next to the GDN states, so a small budget holds
     # the states of 4 running requests but less KV than they grow to over 40 output tokens.
@@ -132,6 +134,7 @@ def test_a_budget_below_max_running_is_reported(caplog):
     assert "concurrent requests" not in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ctx_cap", [128, 80])  # 80: some steps do not fit and run eagerly
 def test_padded_static_decode_buffers_give_the_same_tokens(model, workload, reference, ctx_cap):
     """The CUDA-graph path's buffers and padding rows, run without capture on the CPU."""

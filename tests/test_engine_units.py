@@ -66,6 +66,7 @@ def run_units(engine, units) -> dict:
     return outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,root_len", [(1, 0), (2, 0), (1, 12)], ids=["rag", "rag_n2", "rag_system_root"])
 def test_one_unit_reaches_the_global_ideal_shuffled_or_grouped(model, n, root_len):
     prompts = rag_prompts(docs=16, questions=5, doc_len=16, seed=n + root_len, root_len=root_len)

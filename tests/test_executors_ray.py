@@ -13,6 +13,8 @@ import pytest
 from jobs.executors import RayExecutor, RetryPolicy, UnitSpec
 from tests.test_executors_fakes import committed_rows, opened_workers, read_attempts, write_fake_job
 
+pytestmark = pytest.mark.slow  # a local Ray cluster
+
 ray = pytest.importorskip("ray")
 
 UNIT_ROWS = {0: 3, 1: 5, 2: 2, 3: 6, 4: 4, 5: 1}

@@ -182,6 +182,7 @@ def test_a_changed_input_prompt_or_model_rebuilds_the_spill(tmp_path, checkpoint
         assert second.summary != first.summary
 
 
+@pytest.mark.slow
 def test_workers_read_units_from_another_process(tmp_path, checkpoint):
     job = prepared(make_job(tmp_path, checkpoint, rag_rows(20, 4)))
     plan = build(job, tmp_path / "work")
@@ -212,6 +213,7 @@ build_work_plan(job, Path(sys.argv[2]), UnitConfig(max_rows=40, min_rows=1),
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["tokenise", "sort"])
 def test_kill_9_mid_plan_leaves_no_plan_a_rerun_trusts_and_the_rerun_is_right(tmp_path, checkpoint, phase):
     rows = rag_rows(60, 10)

@@ -17,7 +17,7 @@ from tests.conftest import requires_cuda
 
 # Tiny-shape kernel tests run compiled on a GPU, else in the Triton interpreter on the CPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# fp32 inputs use ieee dots (kernels/attention.py); a GPU only reorders the fp32 sums.
+# fp32 inputs use ieee dots (kernels/attention/attention.py); a GPU only reorders the fp32 sums.
 TOL = {"rtol": 1e-5, "atol": 1e-5} if DEVICE == "cpu" else {"rtol": 1e-4, "atol": 1e-4}
 
 
@@ -234,6 +234,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
     ("straddling", "exact", "bf16", 3),
     ("edges", "exact", "bf16", 2),
 ])
+@pytest.mark.slow
 def test_shared_prefix_decode_matches_reference(case, mode, dtype_name, stage_splits):
     """Stage splits None: from shapes (one on the CPU); 2 and 3 cut the prefixes unevenly."""
     dtype = DTYPES[dtype_name]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import conv1d as tri_conv
-from kernels import rmsnorm as tri_norm
+from kernels.rmsnorm import rmsnorm as tri_norm
 from kernels.ref import conv1d as ref_conv
 from kernels.ref import norm as ref_norm
 from tests.conftest import requires_cuda

@@ -179,6 +179,7 @@ def test_chunk_tables_are_built_once_per_size_for_their_own_batch():
         chunk_table_for(cu, 64, 199, tables)
 
 
+@pytest.mark.slow
 def test_triton_prefill_with_shared_chunk_tables_matches_its_own():
     """Two layers' prefills sharing one ChunkTables give what each gives with its own table."""
     x, state, cu = make_inputs([65, 1, 64], device=DEVICE, seed=29)
@@ -286,6 +287,7 @@ def _launch_id(launch) -> str:
     return "-".join(f"{k.block_v}.{k.num_warps}.{k.num_stages}" for k in (launch.wy, launch.state_pass, launch.output))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch", MIXED_LAUNCHES, ids=_launch_id)
 def test_triton_prefill_mixed_launches(launch):
     """d_v = 48: not a power of two, so every block_v leaves a masked tail or exceeds d_v."""
@@ -299,7 +301,7 @@ def test_triton_prefill_mixed_launches(launch):
     assert torch.equal(state[_untouched(slots)], original[_untouched(slots)])
 
 
-# State-pass layouts (kernels/gdn_prefill_state.py): one and two d_k parts, at block_v 32 (d_v =
+# State-pass layouts (kernels/gdn_prefill/state_pass.py): one and two d_k parts, at block_v 32 (d_v =
 # 48 leaves a masked tail). key_parts=2 needs d_k ≥ 32, so these run at d_k = 32.
 STATE_VARIANTS = [tri_prefill.StatePassLaunch(32, 4, 2, key_parts=parts) for parts in (1, 2)]
 PLAN_INPUTS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "slots", "cu", "chunks")
@@ -357,6 +359,7 @@ def test_triton_prefill_writes_every_output_element():
     torch.testing.assert_close(state, expect_state, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pieces", [2, 5])
 def test_triton_prefill_in_pieces_matches_reference(pieces):
     """The chunk table cut into pieces run one after the other (what the overlapped GPU path runs
@@ -375,6 +378,7 @@ def test_triton_prefill_in_pieces_matches_reference(pieces):
     assert torch.equal(state[slots[1]], original[slots[1]])  # the empty sequence's state
 
 
+@pytest.mark.slow
 def test_triton_prefill_in_pieces_keeps_a_bf16_pool_state_in_fp32():
     """With a 16-bit pool the pieces carry the state in fp32 between cuts: the same outputs and
     final bf16 state as the whole table in one go (the state rounded once, at the end)."""

@@ -1,4 +1,4 @@
-"""Triton GDN decode (kernels/gdn_decode.py), every launch variant, vs the fp32 reference.
+"""Triton GDN decode (kernels/gdn_decode/decode.py), every launch variant, vs the fp32 reference.
 
 CPU runs the kernel in the Triton interpreter (tests/conftest.py) at tiny shapes: H_k=2, H_v=4
 (a wrong key-head mapping shows), several sequences on out-of-order slots of a larger pool whose
@@ -18,7 +18,7 @@ import pytest
 import torch
 import triton
 
-from kernels import gdn_decode as tri
+from kernels.gdn_decode import decode as tri
 from kernels._common import KernelLaunch, multiprocessor_count
 from kernels.ref import gdn as ref
 from tests.conftest import requires_cuda
@@ -261,6 +261,7 @@ SM90_LAUNCHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CUDA tests run these launches for real")
 def test_stream_hints_compile_for_sm90(tmp_path):
     """ptxas accepts the hinted loads and stores (it rejects .cg combined with an eviction policy),

@@ -69,6 +69,7 @@ def hf_generations(models):
 
 # The two distinct code paths: dense Qwen3.5 (split projections) and Qwen3-Next (fused, MoE).
 # The VLM copy and Qwen3.5-MoE differ only in loading / routing, which prefill parity covers.
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("ring_len", [None, 8], ids=["recurrent", "replay-L8"])
 def test_greedy_decode_matches_transformers(models, hf_generations, kind, ring_len):

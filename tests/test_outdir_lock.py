@@ -153,6 +153,7 @@ lock.release()
 """
 
 
+@pytest.mark.slow
 def test_contenders_for_a_stale_lock_take_it_over_exactly_once(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     for round_ in range(3):

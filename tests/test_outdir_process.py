@@ -10,10 +10,13 @@ import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from tests.job_process import (damage_column, demo_cache, keys, read_parts, run_in_this_process,  # noqa: F401
                                start_run, wait_for, write_demo_job)
 from tests.jobs_fixtures import rag_table
+
+pytestmark = pytest.mark.slow  # concurrent runs in subprocesses
 
 BUSY_LINE = re.compile(r"^error: jobs\.yaml: jobs\.rag\.output: out/rag is in use by pid (\d+) on host (\S+) "
                        r"since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC; .+$")

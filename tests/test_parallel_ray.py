@@ -13,6 +13,8 @@ import pytest
 from tests.test_parallel_run import DOCS, GREEDY, QUESTIONS, generations, one_engine, run  # noqa: F401 (fixture)
 from tests.job_process import demo_cache  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.slow  # a local Ray cluster
+
 ray = pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[1]

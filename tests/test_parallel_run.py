@@ -26,6 +26,8 @@ from jobs.unit_worker import KILL_AFTER_ENV, STOP_PARENT_AFTER_ENV
 from tests.job_process import demo_cache, run_in_this_process, start_run, wait_for  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 
+pytestmark = pytest.mark.slow  # worker processes, kills and signals
+
 TEMPLATE = "{document}\n\nQuestion: {question}\nAnswer:"
 WORDS = "river town baker shutters bread morning market lantern harbor bridge stone garden".split()
 DOCS, QUESTIONS = 6, 4

@@ -2,9 +2,12 @@
 `batchinfer run` processes with 1 and 2 engines, the comparison and the table) on the tiny preset."""
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import scale_out
 
 
+@pytest.mark.slow
 def test_smoke_run_compares_one_and_two_engines_and_passes_its_checks(tmp_path, capsys):
     assert scale_out.main(["--smoke", "--folder", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -31,6 +31,7 @@ def test_ray_executor_without_ray_is_one_line_before_anything_runs(ray_job, monk
     assert run_cli(ray_job, command, "jobs.yaml") == RAY_MISSING_LINE
 
 
+@pytest.mark.slow
 def test_ray_hidden_from_a_real_process_is_the_same_line(ray_job):
     # The package itself made unimportable (None in sys.modules), not the finder patched.
     code = "import sys; sys.modules['ray'] = None; from batchinfer.cli import main; main(['run', 'jobs.yaml'])"

@@ -12,7 +12,8 @@ import pytest
 
 from benchmarks.sm90_compile import PTXAS
 
-pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton ships no ptxas here")
+pytestmark = [pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton ships no ptxas here"),
+              pytest.mark.slow]  # compiles every prefill kernel for sm_90a
 
 CHILD = """
 import re

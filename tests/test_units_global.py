@@ -21,6 +21,8 @@ from jobs.spec import engine_config_kwargs, load_job_file
 from tests.job_process import demo_cache  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 
+pytestmark = pytest.mark.slow  # whole-job runs of the demo model in subprocesses
+
 TEMPLATE = "{document}\n\nQuestion: {question}\nAnswer:"
 WORDS = "river town baker shutters bread morning market lantern harbor bridge stone garden".split()
 DOCS, QUESTIONS = 6, 4                       # 24 rows

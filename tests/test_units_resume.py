@@ -28,6 +28,8 @@ from tests.fake_engine import FakeEngine
 from tests.job_process import damage_column
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 
+pytestmark = pytest.mark.slow  # kill -9 and rerun of whole jobs
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ROWS = 30
 UNITS = UnitConfig(max_rows=4, units_goal=1)   # several units of whole groups (plus split ones)

@@ -16,6 +16,7 @@ from typing import Iterable, Iterator, Optional, Sequence as Seq
 
 import torch
 
+from batchinfer.engine.activations import decode_graph_bytes, step_activation_bytes
 from batchinfer.engine.config import EngineConfig, dtype_name
 from batchinfer.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from batchinfer.engine.decode_rows import InFlightDecode, decode_rows
@@ -28,7 +29,8 @@ from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
 from batchinfer.engine.startup import phase
 from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
 from batchinfer.engine.types import Request, RequestOutput
-from cache.budget import build_pools, decode_graph_bytes, memory_budget, plan_pools, step_activation_bytes
+from batchinfer.models.forward_batch import ModelCaches
+from cache.budget import build_pools, memory_budget, plan_pools
 from cache.shapes import shapes_from_model_config
 from cache.state_cache import CacheConfig, StateCache
 
@@ -94,7 +96,7 @@ class Engine:
                         self.pool_plan.max_running, config.max_running, self.pool_plan.bytes_per_state_slot / 2**20)
         kv_pool, state_pool = build_pools(self.pool_plan, kv_shape, state_shape, self.device)
         self.cache = StateCache(kv_pool, state_pool, cache_config)
-        caches = state_pool.model_caches(kv_pool)
+        caches = ModelCaches.from_pools(kv_pool, state_pool)
         self.precompile_report = self._precompile(caches, kv_pool, state_pool)  # before the graphs compile one by one
         self.runner = ModelRunner(model, caches, self.device, replay=config.replayssm,
                                   decode_graphs=self._decode_graphs(caches, kv_pool, state_pool))

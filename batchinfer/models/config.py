@@ -140,7 +140,10 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 def model_config_from_dict(raw: Mapping[str, Any]) -> ModelConfig:
     """`ModelConfig` from a parsed config.json (top level; `text_config` is found here)."""
+    from batchinfer.models.quantization import parse_quantization  # imported here: it imports this module
+
     architecture, model_type = _identify(raw)
+    parse_quantization(raw)  # refuses the methods the engine cannot run (one line)
     text = dict(raw.get("text_config") or {}) if model_type in _VLM_MODEL_TYPES else dict(raw)
     get = text.get
     num_layers = int(get("num_hidden_layers", 32))

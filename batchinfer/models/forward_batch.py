@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from batchinfer.models.config import ModelConfig
-from kernels._common import ChunkTables
+from kernels import ChunkTables
 from kernels.ref.conv1d import conv_state_zeros
 
 
@@ -65,6 +65,15 @@ class ModelCaches:
     ring_u: Sequence[torch.Tensor] = ()
     ring_g: Sequence[torch.Tensor] = ()
     cursor: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_pools(cls, kv_pool, state_pool) -> "ModelCaches":
+        """The model's view of a `cache.KVPool` and a `cache.GdnStatePool`: their own tensors,
+        which the model updates in place (and whose `cursor` it advances after a ReplaySSM decode
+        step); the pools keep owning them."""
+        return cls(kv_k=kv_pool.k, kv_v=kv_pool.v, conv=state_pool.conv, ssm=state_pool.ssm,
+                   ring_k=state_pool.ring_k, ring_u=state_pool.ring_u, ring_g=state_pool.ring_g,
+                   cursor=state_pool.cursor)
 
     @property
     def has_replay(self) -> bool:

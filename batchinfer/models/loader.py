@@ -5,8 +5,8 @@ pinned buffers and copied to the device asynchronously, so the disk read of one 
 the copies of the last (a tensor read through an mmap page by page, then copied from pageable
 memory, reaches neither rate). Onto the CPU, files are memory-mapped (`safe_open`) and read one
 tensor at a time. Either way each tensor goes straight into its parameter (converted to its
-dtype), so peak host memory is a buffer or one tensor, not the checkpoint. Single-file (`model.safetensors`) and index-sharded
-(`model.safetensors.index.json`) checkpoints both work. Vision-tower and MTP tensors are
+dtype), so peak host memory is a buffer or one tensor, not the checkpoint. Single-file
+(`model.safetensors`) and index-sharded (`model.safetensors.index.json`) checkpoints both work. Vision-tower and MTP tensors are
 skipped; anything else that is missing, misshapen, unexpected or unreadable raises a
 `CheckpointError` naming the tensor and the file.
 """

@@ -5,7 +5,7 @@ tokens' `(k_i, u_i, G_i)`:
 
     S_n = exp(G_n) · C + Σ_{i<n} exp(G_n − G_i) · k_i ⊗ u_i
 
-Ring layout (shared with the Triton kernel in `kernels/replay_ssm.py`):
+Ring layout (shared with the Triton kernels in `kernels/replay_ssm/`):
 - `ring_k[slot, i]`  the L2-normalised key of entry i, per KEY head      [L, H_k, d_k]
 - `ring_u[slot, i]`  the delta-rule "new value" u_i, per value head      [L, H_v, d_v]
 - `ring_g[slot, i]`  the CUMULATIVE log decay G_i since the checkpoint,   [L, H_v]

@@ -21,8 +21,7 @@ from torch import nn
 
 from batchinfer.models.config import ModelConfig
 from batchinfer.models.layers.params import empty_param
-from kernels import ops
-from kernels._common import cuda_capability
+from kernels import cuda_capability, ops
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ kernels/ref/attention.py).
   log-sum-exp. Decode is bound by KV bytes, so the split count only has to give enough
   programs to keep every SM streaming; it is chosen from shapes alone (no device sync, so
   the launch can be captured in a CUDA graph). With the `shared_with_prev` hint, blocks of
-  consecutive rows stream their common prefix once (kernels/attention_shared.py) and the
+  consecutive rows stream their common prefix once (shared_prefix.py) and the
   split kernel covers only each row's own tail; the merge folds both.
 - `attention_prefill`: a causal varlen flash kernel over the slot table (Triton, not
   gather + SDPA: the gather would copy every cached prefix once per step and SDPA cannot
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import LOOP_AS_WHILE
-from kernels.attention_shared import (SharedPrefixLaunch, attend_range, block_shared_len, num_shared_splits,
+from kernels.attention.shared_prefix import (SharedPrefixLaunch, attend_range, block_shared_len, num_shared_splits,
                                       run_shared_prefix_stage, softmax_partial)
 
 

@@ -1,16 +1,17 @@
-"""The WY transform of the chunked GDN prefill (kernels/gdn_prefill_kernels.py has the maths): one
+"""The WY transform of the chunked GDN prefill (kernels/gdn_prefill/__init__.py has the maths): one
 program per (chunk, key head) computes the Gram blocks of the chunk's keys once, then for each of
 the key head's value heads in turn the gates and G, the chunk's triangular system and its inverse
 by 16-row blocks, all in registers, and stores M⁻¹·diag(beta). W and U are never formed here: the
-state pass applies the inverse to its own products (kernels/gdn_prefill_state.py).
+state pass applies the inverse to its own products (state_pass.py).
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from kernels._common import L2NORM_EPS, gdn_gate_terms
-from kernels.gdn_prefill_tiles import _load_rows
+from kernels._common import L2NORM_EPS, KernelLaunch, gdn_gate_terms, next_pow2_at_least_16
+from kernels.gdn_prefill.work import CHUNK, SUB, WY_KEY_STEP, PrefillWork, _load_rows, chunk_range
 
 
 @triton.jit
@@ -95,7 +96,7 @@ def chunk_wy_kernel(
     far more registers than the maths needs).
 
     The keys enter the tensor cores in the input dtype, and M⁻¹·diag(beta) is stored in minv's
-    (the input dtype: kernels/gdn_prefill.py). PRECISION is for products of fp32 operands (M⁻¹'s
+    (the input dtype: work.py). PRECISION is for products of fp32 operands (M⁻¹'s
     off-diagonal blocks): "ieee" for fp32 inputs (exact path throughout), "tf32" for 16-bit
     inputs, where the blocks are rounded to 16 bits when stored anyway (as fla does).
     """
@@ -229,3 +230,18 @@ def _store_block(base, r, row_block: tl.constexpr, col_block: tl.constexpr, C: t
                  block):
     offsets = (row_block * SUB + r)[:, None] * C + (col_block * SUB + r)[None, :]
     tl.store(base + offsets, block.to(base.dtype.element_ty))
+
+
+def run_wy(work: PrefillWork, launch: KernelLaunch, chunks: tuple[int, int] | None = None) -> None:
+    """`chunks`: the piece [lo, hi) of the chunk table to run (None: all of it); likewise below."""
+    T, H_k, d_k, H_v, d_v = work.dims
+    block_k = next_pow2_at_least_16(d_k)
+    lo, hi = chunk_range(work, chunks)
+    chunk_wy_kernel[(H_k, hi - lo)](
+        work.k, work.a, work.b, work.A_log, work.dt_bias, work.chunks.start, work.chunks.seq_end, lo,
+        work.G, work.k_inv_norm, work.minv,
+        work.k.stride(0), work.k.stride(1), work.a.stride(0), work.b.stride(0), H_v, H_k, d_k,
+        GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, K_STEP=min(WY_KEY_STEP, block_k),
+        PRECISION="ieee" if work.q.dtype == torch.float32 else "tf32",
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )

@@ -1,42 +1,13 @@
-"""Triton kernels of the chunked Gated DeltaNet prefill (chunk C = 64); kernels/gdn_prefill.py
-plans their intermediates and launches them.
-
-Per chunk with cumulative log-decay G (from the chunk start), the C delta-rule updates
-collapse into one triangular system (the WY / UT transform):
-
-    M = I + strict_lower(beta_i · k_i·k_j · exp(G_i − G_j))
-    W = M⁻¹ (beta · exp(G) · k)          U = M⁻¹ (beta · v)
-
-so that for the chunk's initial state S0 the new values are u = U − W·S0, the outputs are
-o = (q·exp(G))·S0 + causal(q·kᵀ · exp(G_i − G_j))·u, and the final state is
-S0·exp(G_C) + kᵀ·(u · exp(G_C − G)), with q and k L2-normalised (q also scaled by d_k^-½).
-W and U are never stored: since they share the factor M⁻¹, u = M⁻¹·diag(beta)·(v − exp(G)·k·S0),
-and only M⁻¹·diag(beta) goes through memory (the "inverse form").
-No kernel normalises q or k on its own: each runs its products on the raw input rows and folds
-the inverse norms into row scales (the WY kernel gets the key norms from its Gram blocks and
-stores them, [T, H_k] fp32). One kernel per stage, in launch order:
-
-1. `chunk_wy_kernel`      (kernels/gdn_prefill_wy.py) per (chunk, key head), all in registers by
-                          16-row sub-blocks: the keys' Gram blocks once, then per value head the
-                          gates and G, the system's blocks and M⁻¹ by blocks (substitution on the
-                          diagonal, products below), stored as M⁻¹·diag(beta).
-2. `state_pass_kernel`    (kernels/gdn_prefill_state.py) per (sequence, value head, d_v block): the
-                          only sequential part — carries S in fp32 registers across chunks, saves
-                          each chunk's q·S0 and u.
-3. `chunk_output_kernel`  (here) per (chunk, key head, d_v block): the outputs of the key head's
-                          value heads, fully parallel.
-
-All three are importable from here; the tile helpers they share are in kernels/gdn_prefill_tiles.py.
-"""
+"""The output stage of the chunked GDN prefill (kernels/gdn_prefill/__init__.py has the maths):
+one program per (chunk, key head, d_v block) forms the outputs of the key head's value heads from
+the saved q·S0 and new values, fully parallel."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels._common import L2NORM_EPS
-from kernels.gdn_prefill_state import state_pass_kernel  # noqa: F401 - listed here with the others
-from kernels.gdn_prefill_tiles import _chunk_rows, _mm
-from kernels.gdn_prefill_wy import chunk_wy_kernel  # noqa: F401 - listed here with the others
+from kernels._common import L2NORM_EPS, TRITON_DTYPES, KernelLaunch, next_pow2_at_least_16
+from kernels.gdn_prefill.work import CHUNK, PrefillWork, _chunk_rows, _mm, chunk_range
 
 
 @triton.jit(do_not_specialize=["chunk_lo"])
@@ -85,3 +56,16 @@ def chunk_output_kernel(
         o = q_projected * (q_scale * tl.exp(G))[:, None] + _mm(scores, v_new, DOT_DTYPE)  # [C, BV]
         tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + vv[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=tile_ok)
+
+
+def run_output(work: PrefillWork, launch: KernelLaunch, chunks: tuple[int, int] | None = None) -> None:
+    T, H_k, d_k, H_v, d_v = work.dims
+    block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
+    lo, hi = chunk_range(work, chunks)
+    chunk_output_kernel[(triton.cdiv(d_v, block_v), H_k, hi - lo)](
+        work.q, work.k, work.k_inv_norm, work.G, work.q_states, work.v_new, work.out,
+        work.chunks.start, work.chunks.seq_end, lo, work.q.stride(0), work.q.stride(1), work.k.stride(0),
+        work.k.stride(1), work.out.stride(0), work.out.stride(1), H_v, H_k, d_k, d_v, d_k ** -0.5,
+        GROUP=H_v // H_k, C=CHUNK, BLOCK_K=next_pow2_at_least_16(d_k), BLOCK_V=block_v,
+        DOT_DTYPE=TRITON_DTYPES[work.q.dtype], num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )

@@ -1,6 +1,6 @@
 """The sequential state pass of the chunked GDN prefill: one program per (d_v block, value head,
-sequence) carries the fp32 state across the sequence's chunks (kernels/gdn_prefill_kernels.py has
-the maths). W and U are never stored: the WY kernel leaves each chunk's M⁻¹·diag(beta) ([C, C],
+sequence) carries the fp32 state across the sequence's chunks (kernels/gdn_prefill/__init__.py
+has the maths). W and U are never stored: the WY kernel leaves each chunk's M⁻¹·diag(beta) ([C, C],
 8 KB in bf16 against 32 KB of W and U rows per chunk and value head at d = 128), and the pass
 forms the new values from it with the raw keys and values, since W = M⁻¹ diag(beta·exp(G)/‖k‖) K
 and U = M⁻¹ diag(beta) V share their left factor:
@@ -22,17 +22,20 @@ loses its largest load and product for one product here, off the sequential path
 (docs/BENCHMARKS.md, "GDN prefill: the state pass saves q·S0").
 
 Each chunk waits on the previous one: with a few long sequences every program walks a long
-chain, one or two programs per SM (kernels/gdn_prefill.py then runs the table in pieces, the
+chain, one or two programs per SM (prefill.py then runs the table in pieces, the
 WY and output kernels of other pieces beside this pass). KEY_PARTS = 2 holds the state as two d_k halves (two
 accumulators, two smaller products whose instructions interleave), as fla does; the launch knobs
-are in kernels/gdn_prefill.py:StatePassLaunch.
+are `StatePassLaunch` below.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
 
-from kernels.gdn_prefill_tiles import _mm
+from kernels._common import LOOP_AS_WHILE, TRITON_DTYPES, KernelLaunch, next_pow2_at_least_16
+from kernels.gdn_prefill.work import CHUNK, SUB, PrefillWork, _mm, chunk_range
 
 
 @triton.jit
@@ -189,3 +192,43 @@ def state_pass_kernel(
             S = _chunk_step(S, tiles, seq_start + j * C, seq_end, qs_ptr, vnew_ptr, head, vv, v_ok, H_V, D_V,
                             C, KEY_PARTS, DOT_DTYPE)
     _store_state(state_base, S, vv, v_ok, stride_s2, D_K, BLOCK_K, KEY_PARTS)
+
+
+@dataclass(frozen=True)
+class StatePassLaunch(KernelLaunch):
+    """The state pass's knobs: KernelLaunch plus key_parts — 1, or 2: the state as two d_k halves
+    (d_k < 32 runs in one part). A plain KernelLaunch means one part."""
+
+    key_parts: int = 1
+
+    def __post_init__(self):
+        if self.key_parts not in (1, 2):
+            raise ValueError(f"key_parts is 1 or 2, not {self.key_parts}")
+
+
+def as_state_pass_launch(launch: KernelLaunch) -> StatePassLaunch:
+    if isinstance(launch, StatePassLaunch):
+        return launch
+    return StatePassLaunch(launch.block_v, launch.num_warps, launch.num_stages)
+
+
+def run_state_pass(work: PrefillWork, launch: KernelLaunch, chunks: tuple[int, int] | None = None) -> None:
+    """`launch`: a StatePassLaunch, or a plain KernelLaunch (one d_k part). A sequence with no
+    chunk in the piece (an empty one, always) keeps its state as it is."""
+    T, H_k, d_k, H_v, d_v = work.dims
+    launch = as_state_pass_launch(launch)
+    block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
+    block_k = next_pow2_at_least_16(d_k)
+    # Halves narrower than 16 columns cannot be tl.dot operands: small heads run in one part.
+    key_parts = launch.key_parts if block_k // launch.key_parts >= 16 else 1
+    state = work.state
+    lo, hi = chunk_range(work, chunks)
+    state_pass_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
+        work.q, work.k, work.v, work.k_inv_norm, work.minv, work.G, state, work.slots, work.cu,
+        work.chunks.seq_offsets, lo, hi, work.q_states, work.v_new, work.q.stride(0), work.q.stride(1),
+        work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1),
+        state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
+        D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, BLOCK_V=block_v,
+        KEY_PARTS=key_parts, DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )

@@ -9,7 +9,7 @@ streamed once for all of them:
   the queries of every row of the block × the GQA heads of its KV head as one tile
   [rows·BLOCK_H, d] and streams its split of positions [0, S_b) from the block's first row's
   slots, writing one softmax partial per (row, head, split);
-- stage 2: the plain split kernel (kernels/attention.py) over each row's own tail [S_b, ctx);
+- stage 2: the plain split kernel (attention.py) over each row's own tail [S_b, ctx);
 - the plain merge folds both stages' partials by their log-sum-exp.
 
 S_b (`block_shared_len`) comes from the caller's hint `shared_with_prev[r]` (leading positions
@@ -19,7 +19,7 @@ shapes only and the op stays CUDA-graph capturable with the hint's contents chan
 
 Also the home of `attend_tile` (the online-softmax step over one KV tile), `attend_range` (its
 loop over a range of positions) and `softmax_partial` (a split's output and lse), which every
-attention kernel uses (here rather than in kernels/attention.py so that imports run one way).
+attention kernel uses (here rather than in attention.py so that imports run one way).
 """
 from __future__ import annotations
 

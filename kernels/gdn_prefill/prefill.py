@@ -1,6 +1,7 @@
 """Triton chunked Gated DeltaNet prefill over packed varlen sequences (chunk 64): the public
-op, its launch knobs and the plan of its intermediates; the kernels and their maths are in
-kernels/gdn_prefill_kernels.py (overview, output), gdn_prefill_wy.py and gdn_prefill_state.py.
+op and its launch knobs, running the three stages (the maths: kernels/gdn_prefill/__init__.py)
+on a planned `PrefillWork` (work.py): `wy.py`, `state_pass.py`, `output.py`, each a kernel with
+its launcher.
 
 Chunks never straddle sequences; a sequence's initial state is read from `state[slot]` and its
 final state written back there. No host sync: the chunk grid is sized from shapes
@@ -21,35 +22,11 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from kernels._common import (
-    LOOP_AS_WHILE, TRITON_DTYPES, ChunkTable, ChunkTables, KernelLaunch, chunk_table_for, multiprocessor_count,
-    next_pow2_at_least_16,
-)
-from kernels.gdn_prefill_kernels import chunk_output_kernel
-from kernels.gdn_prefill_state import state_pass_kernel
-from kernels.gdn_prefill_wy import chunk_wy_kernel
-
-CHUNK = 64
-SUB = 16  # rows of the WY kernel's sub-blocks (its triangular inverse works on SUB×SUB blocks)
-WY_KEY_STEP = 32  # d_k columns per step of the WY kernel's key products (sm90_compile: registers)
-
-
-@dataclass(frozen=True)
-class StatePassLaunch(KernelLaunch):
-    """The state pass's knobs: KernelLaunch plus key_parts — 1, or 2: the state as two d_k halves
-    (d_k < 32 runs in one part). A plain KernelLaunch means one part."""
-
-    key_parts: int = 1
-
-    def __post_init__(self):
-        if self.key_parts not in (1, 2):
-            raise ValueError(f"key_parts is 1 or 2, not {self.key_parts}")
-
-
-def as_state_pass_launch(launch: KernelLaunch) -> StatePassLaunch:
-    if isinstance(launch, StatePassLaunch):
-        return launch
-    return StatePassLaunch(launch.block_v, launch.num_warps, launch.num_stages)
+from kernels._common import ChunkTables, KernelLaunch, multiprocessor_count
+from kernels.gdn_prefill.output import run_output
+from kernels.gdn_prefill.state_pass import StatePassLaunch, run_state_pass
+from kernels.gdn_prefill.work import PrefillWork, plan_prefill
+from kernels.gdn_prefill.wy import run_wy
 
 
 @dataclass(frozen=True)
@@ -102,117 +79,6 @@ class PrefillLaunch:
 
 
 DEFAULT_LAUNCH = PrefillLaunch()
-
-
-def _unit_inner(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-@dataclass(frozen=True)
-class PrefillWork:
-    """Inputs, chunk table and intermediates of one prefill call; each stage reads and writes these.
-
-    Intermediates and matmul operands are in the input dtype (bf16 on the GPU), G in fp32.
-    """
-
-    q: torch.Tensor  # [T, H_k, d_k] raw
-    k: torch.Tensor  # [T, H_k, d_k] raw
-    v: torch.Tensor  # [T, H_v, d_v]
-    a: torch.Tensor  # [T, H_v]
-    b: torch.Tensor  # [T, H_v]
-    A_log: torch.Tensor  # [H_v]
-    dt_bias: torch.Tensor  # [H_v]
-    state: torch.Tensor  # [S, H_v, d_k, d_v]
-    slots: torch.Tensor  # [B]
-    cu: torch.Tensor  # [B+1] int32
-    chunks: ChunkTable
-    G: torch.Tensor  # [T, H_v] fp32 cumulative log-decay within each chunk
-    k_inv_norm: torch.Tensor  # [T, H_k] fp32: 1/‖k‖ (rsqrt(Σk² + eps)), written by the WY kernel
-    minv: torch.Tensor  # [N, H_v, C, C] M⁻¹·diag(beta) per chunk (its 10 lower 16×16 blocks)
-    v_new: torch.Tensor  # [T, H_v, d_v]
-    q_states: torch.Tensor  # [T, H_v, d_v]: raw q·S0 with S0 the state at the token's chunk start
-    out: torch.Tensor  # [T, H_v, d_v]
-
-    @property
-    def dims(self):
-        T, H_k, d_k = self.k.shape
-        return T, H_k, d_k, self.v.shape[1], self.v.shape[2]
-
-
-def plan_prefill(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
-                 chunk_tables: ChunkTables | None = None) -> PrefillWork:
-    q, k, v, a, b = (_unit_inner(t) for t in (q, k, v, a, b))
-    assert state.stride(3) == 1, "state must be contiguous in d_v"
-    T, H_k, d_k = k.shape
-    H_v, d_v = v.shape[1:]
-    chunks = chunk_table_for(cu_seqlens, CHUNK, T, chunk_tables)
-    # Chunks and sequences index grid dims 1-2 (CUDA caps them at 65535): ~4M tokens per call.
-    assert chunks.capacity <= 65535 and slots.numel() <= 65535, "split the prefill into smaller calls"
-    dev, inter = q.device, q.dtype
-    return PrefillWork(
-        q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, slots=slots,
-        cu=cu_seqlens.to(torch.int32), chunks=chunks,
-        G=torch.empty((T, H_v), dtype=torch.float32, device=dev),
-        k_inv_norm=torch.empty((T, H_k), dtype=torch.float32, device=dev),
-        minv=torch.empty((chunks.capacity, H_v, CHUNK, CHUNK), dtype=inter, device=dev),
-        v_new=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
-        q_states=torch.empty((T, H_v, d_v), dtype=inter, device=dev),
-        out=torch.empty((T, H_v, d_v), dtype=q.dtype, device=dev),
-    )
-
-
-def _chunk_range(work: PrefillWork, chunks: tuple[int, int] | None) -> tuple[int, int]:
-    return (0, work.chunks.capacity) if chunks is None else chunks
-
-
-def run_wy(work: PrefillWork, launch: KernelLaunch, chunks: tuple[int, int] | None = None) -> None:
-    """`chunks`: the piece [lo, hi) of the chunk table to run (None: all of it); likewise below."""
-    T, H_k, d_k, H_v, d_v = work.dims
-    block_k = next_pow2_at_least_16(d_k)
-    lo, hi = _chunk_range(work, chunks)
-    chunk_wy_kernel[(H_k, hi - lo)](
-        work.k, work.a, work.b, work.A_log, work.dt_bias, work.chunks.start, work.chunks.seq_end, lo,
-        work.G, work.k_inv_norm, work.minv,
-        work.k.stride(0), work.k.stride(1), work.a.stride(0), work.b.stride(0), H_v, H_k, d_k,
-        GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, K_STEP=min(WY_KEY_STEP, block_k),
-        PRECISION="ieee" if work.q.dtype == torch.float32 else "tf32",
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
-
-
-def run_state_pass(work: PrefillWork, launch: KernelLaunch, chunks: tuple[int, int] | None = None) -> None:
-    """`launch`: a StatePassLaunch, or a plain KernelLaunch (one d_k part). A sequence with no
-    chunk in the piece (an empty one, always) keeps its state as it is."""
-    T, H_k, d_k, H_v, d_v = work.dims
-    launch = as_state_pass_launch(launch)
-    block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
-    block_k = next_pow2_at_least_16(d_k)
-    # Halves narrower than 16 columns cannot be tl.dot operands: small heads run in one part.
-    key_parts = launch.key_parts if block_k // launch.key_parts >= 16 else 1
-    state = work.state
-    lo, hi = _chunk_range(work, chunks)
-    state_pass_kernel[(triton.cdiv(d_v, block_v), H_v, work.slots.numel())](
-        work.q, work.k, work.v, work.k_inv_norm, work.minv, work.G, state, work.slots, work.cu,
-        work.chunks.seq_offsets, lo, hi, work.q_states, work.v_new, work.q.stride(0), work.q.stride(1),
-        work.k.stride(0), work.k.stride(1), work.v.stride(0), work.v.stride(1),
-        state.stride(0), state.stride(1), state.stride(2), H_v, H_k,
-        D_K=d_k, D_V=d_v, GROUP=H_v // H_k, C=CHUNK, SUB=SUB, BLOCK_K=block_k, BLOCK_V=block_v,
-        KEY_PARTS=key_parts, DOT_DTYPE=TRITON_DTYPES[work.q.dtype], LOOP_AS_WHILE=LOOP_AS_WHILE,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
-
-
-def run_output(work: PrefillWork, launch: KernelLaunch, chunks: tuple[int, int] | None = None) -> None:
-    T, H_k, d_k, H_v, d_v = work.dims
-    block_v = min(launch.block_v, next_pow2_at_least_16(d_v))
-    lo, hi = _chunk_range(work, chunks)
-    chunk_output_kernel[(triton.cdiv(d_v, block_v), H_k, hi - lo)](
-        work.q, work.k, work.k_inv_norm, work.G, work.q_states, work.v_new, work.out,
-        work.chunks.start, work.chunks.seq_end, lo, work.q.stride(0), work.q.stride(1), work.k.stride(0),
-        work.k.stride(1), work.out.stride(0), work.out.stride(1), H_v, H_k, d_k, d_v, d_k ** -0.5,
-        GROUP=H_v // H_k, C=CHUNK, BLOCK_K=next_pow2_at_least_16(d_k), BLOCK_V=block_v,
-        DOT_DTYPE=TRITON_DTYPES[work.q.dtype], num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
 
 
 def piece_bounds(capacity: int, pieces: int) -> list[tuple[int, int]]:
