@@ -50,6 +50,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [2])
 def test_traced_specialisations_compile_for_sm90_in_worker_processes(tmp_path, workers):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
