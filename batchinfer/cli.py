@@ -1,4 +1,4 @@
-"""`batchinfer run jobs.yaml` and `batchinfer plan jobs.yaml`.
+"""`batchinfer run jobs.yaml`, `batchinfer plan jobs.yaml` and `batchinfer warmup jobs.yaml`.
 
 Exit codes: 0 done; 2 bad input (one line `error: <file>: <key/column>: <what>`, nothing
 written), an output folder in use by another run among them; 1 a runtime failure (finished
@@ -143,3 +143,19 @@ def plan(job_file: Path, job_name: Optional[str], workers: Optional[int], per_wi
     for job in prepared:
         render_global_plan(console, plan_job_globally(job, console, workers=workers, per_window=per_window,
                                                       config=config))
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--job", "job_name", default=None, help="Warm up only the job with this name.")
+def warmup(job_file: Path, job_name: Optional[str]) -> None:
+    """Compile the Triton kernels the jobs of JOB_FILE need into the compile cache (TRITON_CACHE_DIR),
+    without reading weights or inputs, so their first run starts warm."""
+    from jobs.warmup import warm_up_job_file
+
+    try:
+        warm_up_job_file(job_file, job_name, echo=click.echo)
+    except JobError as exc:
+        _fail(str(exc), EXIT_BAD_INPUT)
+    except OSError as exc:
+        _fail(f"{job_file}: {exc}", EXIT_BAD_INPUT)

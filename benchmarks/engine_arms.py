@@ -2,9 +2,10 @@
 
     python -m benchmarks.engine_arms --quick  # < 5 min on one H200
     python -m benchmarks.engine_arms --layers 16 --hf  # deeper, plus transformers' generate
+    python -m benchmarks.engine_arms --preset qwen3.5-35b-a3b --hf  # the MoE workhorse, all 40 layers
 
-Model: the qwen3.5-27b preset in bf16 with random weights (`--layers N` keeps the 3:1
-GDN/attention pattern with fewer layers). Workloads (random token ids, ignore_eos, so every
+Model: the qwen3.5-27b preset (or `--preset`, e.g. qwen3.5-35b-a3b) in bf16 with random weights
+(`--layers N` keeps the 3:1 GDN/attention pattern with fewer layers). Workloads (random token ids, ignore_eos, so every
 sample generates exactly `--output-tokens`):
 
     rag       8 groups × 32 prompts: a 2048-token document shared per group + 128 unique tokens
@@ -12,8 +13,8 @@ sample generates exactly `--output-tokens`):
     control   256 prompts of 640 unique tokens (nothing to share)
 
 Decode columns: ms per decode step (wall, as the engine runs: steps overlapped; the mean over
-all decode steps), its byte roofline (weights + every sequence's KV + GDN state, at copy
-bandwidth), the same with KV that neighbouring rows share counted once ("once": what the
+all decode steps), its byte roofline (weights — of an MoE stack only the experts the batch is
+expected to route to, E·(1 − (1 − k/E)^B) — + every sequence's KV + GDN state, at copy bandwidth), the same with KV that neighbouring rows share counted once ("once": what the
 shared-prefix attention reads), and the FLOP floor; then the median decode-only step at the
 full batch and the mean SM clock while the arm ran (nvidia-smi; the step time follows it).
 
@@ -98,27 +99,45 @@ COPY_BANDWIDTH = 4.28e12  # B/s, device-to-device copy measured on the H200 (sha
 MATMUL_RATE = 686e12  # FLOP/s, bf16 matrix product at 8192³ measured on the H200 (shared/device/README.md)
 
 
+def expected_unique_experts(num_experts: int, top_k: int, batch: float) -> float:
+    """Experts a batch of `batch` tokens routes to, on average, if each token's k distinct experts
+    are uniform: each expert is missed by a token with probability 1 − k/E."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def _expert_stacks(model) -> list:
+    """The routed experts' stacked weights [E, ...] (MoE layers only)."""
+    return [p for name, p in model.named_parameters() if name.rsplit(".", 1)[-1].startswith("experts_")]
+
+
 def decode_flops(model, batch: float, context: float) -> float:
     """Fewest FLOPs of one decode step: every matrix weight once per sequence (2-D parameters
-    but the gathered input embedding; MoE expert stacks are not counted), attention over the
+    but the gathered input embedding), each sequence's k routed experts (MoE), attention over the
     `context` tokens (summed over the batch), and the GDN state update and read-out."""
     c = model.config
     matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2 and min(p.shape) > 16)
     if model.lm_head is not None:
         matrices -= model.embed.numel()
+    routed = sum(p[0].numel() for p in _expert_stacks(model)) * (c.num_experts_per_tok or 0)  # k experts a token
     attention = len(c.attn_layer_ids) * 4 * c.num_attention_heads * c.head_dim * context
     heads = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-    return 2 * batch * matrices + attention + len(c.gdn_layer_ids) * 6 * heads * batch
+    return 2 * batch * (matrices + routed) + attention + len(c.gdn_layer_ids) * 6 * heads * batch
 
 
 def decode_bytes(model, replay: bool, batch: float, context: float, ring_len: int = 16) -> float:
     """Fewest bytes one decode step must move: every weight once (embedding: only the batch's
-    rows), the KV of every context token of every attention layer, and the GDN state (ReplaySSM:
-    a bf16 checkpoint read plus the live half of the ring on average; recurrent: fp32 read + write)."""
+    rows; MoE: of each expert stack only the experts the batch routes to, expected under uniform
+    routing), the KV of every context token of every attention layer, and the GDN state
+    (ReplaySSM: a bf16 checkpoint read plus the live half of the ring on average; recurrent: fp32
+    read + write)."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:  # untied: the input embedding is gathered, not streamed
         weights -= model.embed.numel() * model.embed.element_size()
+    stacks = _expert_stacks(model)
+    if stacks:  # a decode batch reads the experts it routes to, not all E
+        routed = expected_unique_experts(c.num_experts, c.num_experts_per_tok, batch)
+        weights -= sum(p[0].numel() * p.element_size() * (c.num_experts - routed) for p in stacks)
     kv = len(c.attn_layer_ids) * 2 * c.num_kv_heads * c.head_dim * 2 * context  # bf16 K and V
     heads = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     if replay:
@@ -214,11 +233,14 @@ def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch
     import transformers as tf
 
     text = {k: v for k, v in raw_config.items() if k not in ("architectures", "model_type")}
+    moe = raw_config["model_type"].startswith("qwen3_5_moe")
+    model_class, config_class = ((tf.Qwen3_5MoeForCausalLM, tf.Qwen3_5MoeTextConfig) if moe
+                                 else (tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # build in bf16: an fp32 27B model plus its bf16 copy would not fit
     try:
         with torch.device("cuda"):
-            model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text)).eval()
+            model = model_class(config_class(**text)).eval()
     finally:
         torch.set_default_dtype(previous)
     torch.cuda.reset_peak_memory_stats()

@@ -35,6 +35,7 @@ from jobs.output_lock import OutputBusy, OutputLock
 from jobs.outputs import PartWriter
 from jobs.part_store import PARTS_DIR, PartRecord, damaged_path, record_path, scan_parts
 from jobs.prepare import PreparedJob
+from batchinfer.engine.startup import listening, phase
 from jobs.progress import ProgressReporter
 from jobs.resume import STATS_NAME, ResumeState, check_resumable, prepare_output_dir, read_resume_state
 from jobs.spec import JobSpec, engine_config_kwargs, engine_settings_dict
@@ -232,6 +233,9 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
     planned: Optional[PlannedUnits] = None
     work: Any = None
     parallel_report: list[Any] = []
+    startup: dict[str, float] = {}  # load, compile_and_capture (the engine's), plan
+    generation_start: Optional[float] = None
+    generation_seconds: Optional[float] = None  # set when generation ends (an interrupted run: until finish)
 
     def finish(status: str, failure: Optional[str] = None, interrupted_by: Optional[str] = None) -> dict[str, Any]:
         if lock.lost:  # the folder is another run's now: write nothing more into it
@@ -239,7 +243,9 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         counters = JobCounters(rows=job.rows, samples_total=total, samples_resumed=resumed,
                                samples_written=work.samples_written if work is not None else 0,
                                errors=work.errors_written if work is not None else 0,
-                               wall_seconds=time.monotonic() - start)
+                               wall_seconds=time.monotonic() - start, startup_seconds=dict(startup),
+                               generation_seconds=generation_seconds if generation_seconds is not None else
+                               None if generation_start is None else time.monotonic() - generation_start)
         engine_stats = getattr(engine, "stats", None) if engine is not None else \
             summed_counters(getattr(parallel_report[0], "results", {}).values()) if parallel_report else None
         stats = build_stats(spec.name, counters, engine_stats, _settings(engine, spec), status, failure,
@@ -280,22 +286,26 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         render_summary(console, stats)
         return stats
     executor = _parallel_executor(job, options.executor) if spec.engine.plan == "global" else None
-    if executor is None:  # first: a model that cannot load leaves the folder as it was
-        try:
-            engine = options.engine_factory(job, options.window_rows)
-        except Exception as exc:
-            raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
-    if spec.engine.plan == "global":
-        if lock.lost:  # planning writes into the folder: only while it is ours
-            raise _lost(lock, spec)
-        work_dir = work_dir_for(out_dir)
-        if overwrite:
-            remove_work_dir(work_dir)
-        planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget)
+    progress = ProgressReporter(console, spec.name, total, resumed)
+    with listening(progress.phase_listener):  # the startup phases, shown as they run
+        if executor is None:  # first: a model that cannot load leaves the folder as it was
+            try:
+                engine = options.engine_factory(job, options.window_rows)
+            except Exception as exc:
+                raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
+            startup.update(getattr(engine, "startup_seconds", {}))
+        if spec.engine.plan == "global":
+            if lock.lost:  # planning writes into the folder: only while it is ours
+                raise _lost(lock, spec)
+            work_dir = work_dir_for(out_dir)
+            if overwrite:
+                remove_work_dir(work_dir)
+            with phase("planning", startup, "plan"):
+                planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget)
     _prepare_output_dir(job, overwrite, resume, lock)
     (out_dir / BATCH_OUTPUT_NAME).unlink(missing_ok=True)  # an earlier run's lines: rewritten when the job completes
-    progress = ProgressReporter(console, spec.name, total, resumed)
     writer: Optional[PartWriter] = None
+    generation_start = time.monotonic()
     try:
         if planned is not None:
             unit_ids = prepare_units(job, planned, out_dir, resume)
@@ -321,6 +331,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             with progress:
                 work.run()
             writer.flush()
+        generation_seconds = time.monotonic() - generation_start
         if reorder:
             _reorder(job, lock, console)
         if spec.output.format == "openai":

@@ -1,7 +1,8 @@
 """Per-job statistics: `_stats.json` beside the outputs and a summary table at the end.
 
 Engine counters (prefix reuse, state tracking, ReplaySSM flushes, memory) come from
-`engine.stats`; the job adds rows, errors and its own wall time, and derives rates.
+`engine.stats`; the job adds rows, errors, its own wall time split into startup (`startup_seconds`:
+load, compile_and_capture, plan) and `generation_seconds`, and derives rates over the generation time.
 Samples and errors count what is on disk (in committed parts), whatever stopped the run.
 Memory is reported twice, each labelled: the engine's own peak figure on its device
 (`peak_memory_bytes`, `peak_memory_device`), and this process's peak resident set
@@ -26,6 +27,9 @@ ENGINE_COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "theoretical_ma
                    "decode_seconds", "peak_memory_bytes")
 
 
+STARTUP_PHASES = ("load", "compile_and_capture", "plan")
+
+
 @dataclass(frozen=True)
 class JobCounters:
     """What the job itself counted during this run."""
@@ -36,12 +40,16 @@ class JobCounters:
     samples_written: int     # committed to parts by this run (on disk)
     errors: int              # of those, finish_reason "error"
     wall_seconds: float
+    startup_seconds: Optional[dict[str, float]] = None  # load, compile_and_capture, plan (what ran)
+    generation_seconds: Optional[float] = None          # None: nothing was generated (e.g. all resumed)
 
 
 def build_stats(job_name: str, counters: JobCounters, engine_stats: Any, settings: dict[str, Any],
                 status: str, failure: Optional[str] = None, interrupted_by: Optional[str] = None) -> dict[str, Any]:
     engine = {name: getattr(engine_stats, name, 0) if engine_stats is not None else 0 for name in ENGINE_COUNTERS}
-    wall = max(counters.wall_seconds, 1e-9)
+    # Rates over the generation time: startup (load, compile, plan) is a fixed cost reported apart.
+    generating = counters.generation_seconds if counters.generation_seconds else counters.wall_seconds
+    rate_seconds = max(generating, 1e-9)
     stats: dict[str, Any] = {
         "job": job_name,
         "status": status,
@@ -55,8 +63,11 @@ def build_stats(job_name: str, counters: JobCounters, engine_stats: Any, setting
                                  if engine["prompt_tokens"] else 0.0),
         "errors": counters.errors,
         "wall_seconds": counters.wall_seconds,
-        "prompt_tokens_per_second": engine["prompt_tokens"] / wall,
-        "output_tokens_per_second": engine["output_tokens"] / wall,
+        "startup_seconds": {name: counters.startup_seconds.get(name, 0.0) for name in STARTUP_PHASES}
+        if counters.startup_seconds is not None else None,
+        "generation_seconds": counters.generation_seconds,
+        "prompt_tokens_per_second": engine["prompt_tokens"] / rate_seconds,
+        "output_tokens_per_second": engine["output_tokens"] / rate_seconds,
         # What peak_memory_bytes measures: the engine's device (None: no engine was loaded).
         "peak_memory_device": settings.get("device") if engine_stats is not None else None,
         "process_peak_rss_bytes": process_peak_rss_bytes(),
@@ -106,9 +117,13 @@ def render_summary(console: Console, stats: dict[str, Any]) -> None:
          f"{_count(stats['states_tracked'])} / {_count(stats['states_donated'])} / {_count(stats['states_evicted'])}"),
         ("ReplaySSM flushes", _count(stats["replayssm_flushes"])),
         ("output tokens", _count(stats["output_tokens"])),
-        ("prompt / output tok/s",
+        ("prompt / output tok/s (generation)",
          f"{stats['prompt_tokens_per_second']:,.1f} / {stats['output_tokens_per_second']:,.1f}"),
         ("wall time", f"{stats['wall_seconds']:.1f} s"),
+        ("startup: load / compile+capture / plan", " / ".join(
+            f"{(stats.get('startup_seconds') or {}).get(name, 0.0):.1f}" for name in STARTUP_PHASES) + " s"),
+        ("generation time", f"{stats['generation_seconds']:.1f} s" if stats.get("generation_seconds") is not None
+         else "-"),
         (f"peak memory (engine, {stats['peak_memory_device']})" if stats.get("peak_memory_device")
          else "peak memory (no engine loaded)",
          f"{stats['peak_memory_bytes'] / 2**20:,.1f} MiB"),

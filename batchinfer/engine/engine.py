@@ -26,6 +26,7 @@ from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
 from batchinfer.engine.sampler import SamplingTensors, identity_key, sample
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
+from batchinfer.engine.startup import phase
 from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
 from batchinfer.engine.types import Request, RequestOutput
 from batchinfer.models.forward_batch import ModelCaches
@@ -73,6 +74,8 @@ class Engine:
         self.model = model
         self.model_name = model_name
         self.device = config.resolved_device()
+        # Seconds per startup phase: load (from_pretrained adds it), compile_and_capture.
+        self.startup_seconds: dict[str, float] = {"load": 0.0, "compile_and_capture": 0.0}
         model_config = model.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         eos = tuple(eos_token_ids) or tuple(model_config.eos_token_ids)
@@ -93,6 +96,7 @@ class Engine:
         kv_pool, state_pool = build_pools(self.pool_plan, kv_shape, state_shape, self.device)
         self.cache = StateCache(kv_pool, state_pool, cache_config)
         caches = ModelCaches.from_pools(kv_pool, state_pool)
+        self.precompile_report = self._precompile(caches, kv_pool, state_pool)  # before the graphs compile one by one
         self.runner = ModelRunner(model, caches, self.device, replay=config.replayssm,
                                   decode_graphs=self._decode_graphs(caches, kv_pool, state_pool))
         self.tally = StatsTally()
@@ -112,8 +116,28 @@ class Engine:
         EOS: `eos_token_ids`, or when empty the checkpoint config's `eos_token_id`."""
         from batchinfer.models.presets import build_model
 
-        built = build_model(model, config.resolved_dtype(), config.resolved_device(), seed=seed)
-        return cls(built, config, eos_token_ids=eos_token_ids, detokenize=detokenize, model_name=str(model))
+        loaded: dict[str, float] = {}
+        with phase("loading weights", loaded, "load"):
+            built = build_model(model, config.resolved_dtype(), config.resolved_device(), seed=seed)
+            if config.resolved_device().type == "cuda":
+                torch.cuda.synchronize()  # the copies to the device are part of the load
+        engine = cls(built, config, eos_token_ids=eos_token_ids, detokenize=detokenize, model_name=str(model))
+        engine.startup_seconds["load"] = loaded["load"]
+        return engine
+
+    def _precompile(self, caches, kv_pool, state_pool):
+        """Every Triton kernel the steps will launch, compiled in parallel processes (CUDA only)."""
+        if self.device.type != "cuda":
+            return None
+        from batchinfer.engine.precompile import StepShapes, engine_trace, precompile
+
+        shapes = StepShapes(decode_buckets=bucket_sizes(self.pool_plan.max_running),
+                            graph_ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP), decode_hint=True,
+                            max_batch_tokens=self.config.max_batch_tokens, max_running=self.pool_plan.max_running,
+                            max_model_len=self.max_model_len, replay=self.config.replayssm)
+        with phase("compiling kernels", self.startup_seconds, "compile_and_capture"):
+            return precompile(engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot,
+                                           self.device))
 
     def _decode_graphs(self, caches, kv_pool, state_pool) -> Optional[DecodeGraphs]:
         if not (self.config.cuda_graphs and self.device.type == "cuda"):
@@ -122,7 +146,8 @@ class Engine:
                               max_batch=self.pool_plan.max_running, pad_state_slot=state_pool.pad_slot,
                               pad_kv_slot=kv_pool.pad_slot, ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP))
         try:
-            graphs.capture_all()
+            with phase("capturing CUDA graphs", self.startup_seconds, "compile_and_capture"):
+                graphs.capture_all()
         except Exception as err:  # e.g. an op that syncs with the host (MoE routing): run eagerly
             log.warning("decode CUDA graphs disabled, capture failed: %s", err)
             return None

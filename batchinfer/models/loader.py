@@ -1,9 +1,12 @@
 """Load a Hugging Face safetensors checkpoint into a `HybridModel`.
 
-Files are memory-mapped (`safe_open`) and read one tensor at a time; each tensor goes straight
-into its parameter (on the model's device, converted to its dtype), so peak host memory is
-one tensor, not the checkpoint. Single-file (`model.safetensors`) and index-sharded
-(`model.safetensors.index.json`) checkpoints both work. Vision-tower and MTP tensors are
+Onto a CUDA model, each file is read in large sequential reads (256 MiB) into two alternating
+pinned buffers and copied to the device asynchronously, so the disk read of one batch overlaps
+the copies of the last (a tensor read through an mmap page by page, then copied from pageable
+memory, reaches neither rate). Onto the CPU, files are memory-mapped (`safe_open`) and read one
+tensor at a time. Either way each tensor goes straight into its parameter (converted to its
+dtype), so peak host memory is a buffer or one tensor, not the checkpoint. Single-file
+(`model.safetensors`) and index-sharded (`model.safetensors.index.json`) checkpoints both work. Vision-tower and MTP tensors are
 skipped; anything else that is missing, misshapen, unexpected or unreadable raises a
 `CheckpointError` naming the tensor and the file.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -54,8 +58,12 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
-def load_weights(model: HybridModel, path: str | Path) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path` (streamed, in place)."""
+def load_weights(model: HybridModel, path: str | Path, streamed: Optional[bool] = None) -> None:
+    """Fill every parameter of `model` from the checkpoint at `path` (in place).
+
+    `streamed` (default: when the model is on CUDA) reads each file in large sequential reads
+    into pinned buffers and copies to the device asynchronously, overlapping disk and copies;
+    otherwise tensors are read one at a time from the memory-mapped file."""
     files = tensor_files(path)
     layout = detect_layout(model.config, files.keys())
     wanted = checkpoint_tensors(model.config, layout)
@@ -69,20 +77,116 @@ def load_weights(model: HybridModel, path: str | Path) -> None:
 
     params = dict(model.named_parameters())
     filled = dict.fromkeys(params, 0)  # elements written per parameter, to prove full coverage
+    streamed = streamed if streamed is not None else next(model.parameters()).is_cuda
     for file, tensors in by_file.items():
         if not file.exists():
             raise CheckpointError(f"file {file.name} (holding {tensors[0].name!r}) is missing from {path}")
-        with _open(file, first_tensor=tensors[0].name) as f:
-            for spec in tensors:
-                value = _read(f, spec, file)
-                pieces = spec.split(value) if spec.split else (value,)
-                for target, piece in zip(spec.targets, pieces):
-                    params[target.param][target.index].copy_(piece)
-                    filled[target.param] += piece.numel()
+        values = _streamed_tensors(file, tensors) if streamed else _mapped_tensors(file, tensors)
+        for spec, value in values:
+            pieces = spec.split(value) if spec.split else (value,)
+            for target, piece in zip(spec.targets, pieces):
+                # From pinned staging (streamed) the copy is asynchronous; the buffer is not
+                # reused before the copies that read it are done (_streamed_tensors).
+                params[target.param][target.index].copy_(piece, non_blocking=streamed)
+                filled[target.param] += piece.numel()
+    if streamed and torch.cuda.is_available():
+        torch.cuda.synchronize()
 
     unfilled = [name for name, p in params.items() if filled[name] != p.numel()]
     if unfilled:  # a layout bug, not a user error: the tensor list does not cover the model
         raise CheckpointError(f"checkpoint {path} left parameters unset: {', '.join(unfilled[:5])}")
+
+
+def _mapped_tensors(file: Path, tensors: list[HfTensor]) -> Iterator[tuple[HfTensor, torch.Tensor]]:
+    with _open(file, first_tensor=tensors[0].name) as f:
+        for spec in tensors:
+            yield spec, _read(f, spec, file)
+
+
+STAGING_BYTES = 256 << 20  # one read; two such pinned buffers alternate (read one while the other copies)
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _header(file: Path, first_tensor: str) -> tuple[dict, int]:
+    """A safetensors file's header (name → dtype, shape, data_offsets) and where its data starts."""
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        return header, 8 + size
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {file.name} (holding {first_tensor!r}): {err} — "
+                              "truncated or not safetensors?") from None
+
+
+def _streamed_tensors(file: Path, tensors: list[HfTensor]) -> Iterator[tuple[HfTensor, torch.Tensor]]:
+    """The tensors of one file from large sequential reads into pinned buffers (in file order).
+
+    Each yielded tensor is a view of a staging buffer; it must be consumed (copied) before the
+    next batch is read — the caller's copies are recorded on an event that the buffer waits on
+    before it is refilled."""
+    header, data_start = _header(file, tensors[0].name)
+    entries = []
+    file_size = file.stat().st_size
+    for spec in tensors:
+        info = header.get(spec.name)
+        if info is None or info.get("dtype") not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"cannot read tensor {spec.name!r} from {file.name}: "
+                                  f"{'not in its header' if info is None else 'dtype ' + repr(info.get('dtype'))}")
+        begin, end = (data_start + offset for offset in info["data_offsets"])
+        if tuple(info["shape"]) != spec.shape:
+            raise CheckpointError(f"tensor {spec.name!r} in {file.name} has shape {list(info['shape'])}, "
+                                  f"expected {list(spec.shape)}")
+        if end > file_size:
+            raise CheckpointError(f"cannot read tensor {spec.name!r} from {file.name}: the file ends at byte "
+                                  f"{file_size}, the tensor at {end} — truncated?")
+        entries.append((begin, end, spec, _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])))
+    entries.sort(key=lambda e: e[0])
+    pin = torch.cuda.is_available()
+    buffers: list[Optional[torch.Tensor]] = [None, None]
+    done: list[Optional[torch.cuda.Event]] = [None, None]
+    with open(file, "rb", buffering=0) as f:
+        for turn, batch in enumerate(_read_batches(entries)):
+            lo, hi = batch[0][0], batch[-1][1]
+            slot = turn % 2
+            if done[slot] is not None:
+                done[slot].synchronize()  # the copies out of this buffer two batches ago are finished
+            if buffers[slot] is None or buffers[slot].numel() < hi - lo:
+                buffers[slot] = torch.empty(max(hi - lo, STAGING_BYTES), dtype=torch.uint8, pin_memory=pin)
+            staging = buffers[slot]
+            f.seek(lo)
+            view = memoryview(staging.numpy())[:hi - lo]
+            while view:  # readinto may return less than asked
+                got = f.readinto(view)
+                if not got:
+                    raise CheckpointError(f"cannot read {file.name}: it ended early — truncated?")
+                view = view[got:]
+            for begin, end, spec, dtype, shape in batch:
+                raw = staging[begin - lo:end - lo]
+                if (begin - lo) % dtype.itemsize:  # safetensors does not promise aligned offsets
+                    raw = raw.clone()
+                yield spec, raw.view(dtype).view(shape)
+            if pin:
+                done[slot] = torch.cuda.Event()
+                done[slot].record()
+
+
+def _read_batches(entries: list) -> Iterator[list]:
+    """Consecutive entries (in file order) grouped into reads of at most STAGING_BYTES (a larger
+    tensor is one read of its own); a gap between tensors is read too when it is small."""
+    batch: list = []
+    for entry in entries:
+        if batch and (entry[1] - batch[0][0] > STAGING_BYTES or entry[0] - batch[-1][1] > (1 << 20)):
+            yield batch
+            batch = []
+        batch.append(entry)
+    if batch:
+        yield batch
 
 
 def _open(file: Path, first_tensor: str | None):

@@ -4,8 +4,9 @@ Each preset is a Hugging Face-style config dict (so it goes through the same con
 as a checkpoint); weights are drawn on the target device in the target dtype, deterministic
 by seed. `build_model` takes a preset name or a checkpoint directory.
 
-Sizes in bf16: qwen3.5-27b ≈ 54 GB (fits one H200); qwen3-next-80b-a3b ≈ 160 GB, which does
-not fit one GPU (no tensor parallelism here) — it is useful for shapes and cache budgeting.
+Sizes in bf16: qwen3.5-27b ≈ 54 GB (fits one H200); qwen3.5-35b-a3b ≈ 70 GB (fits; ~3B parameters
+active per token); qwen3-next-80b-a3b ≈ 160 GB, which does not fit one GPU (no tensor parallelism
+here) — it is useful for shapes and cache budgeting.
 """
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "full_attention_interval": 4, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
         "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "max_position_embeddings": 262144,
+    },
+    # Qwen/Qwen3.5-35B-A3B's text model: 40 layers (30 GDN + 10 attention), every layer MoE.
+    "qwen3.5-35b-a3b": {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+        "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         "tie_word_embeddings": False, "max_position_embeddings": 262144,
     },

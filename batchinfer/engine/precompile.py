@@ -1,0 +1,306 @@
+"""Compile the Triton kernels an engine will launch up front, in parallel processes.
+
+A fresh machine otherwise compiles each kernel specialisation the first time it is launched,
+one after another in the engine's thread (tens of seconds for the GDN-hybrid kernels). Here:
+
+1. trace: the model runs the engine's step shapes (every decode-graph bucket, a set of prefill
+   batches that cover the integer classes Triton specialises on: 1, divisible by 16, other) on
+   the pools' scratch slots with every Triton launch turned into a warm-up (no kernel runs) and
+   triton's `jit_cache_hook` answering "skip" (nothing compiles); each launch that would have
+   compiled is recorded as its specialisation data (torch ops run, on garbage: shapes only);
+2. compile: worker processes (spawned, no CUDA: `triton.compile` for the device's target) compile
+   the recorded specialisations the on-disk cache (TRITON_CACHE_DIR) lacks into it, largest
+   first (a warm cache starts no worker);
+3. load: this process `preload`s each one (a cache hit), so later launches find them in memory.
+
+Anything the trace misses still compiles lazily at its first launch, as before: the result is
+only ever faster, never different. A worker failure is logged and left to that lazy compile.
+`BATCHINFER_PRECOMPILE=0` turns it off; `=N` uses N worker processes (default: one per CPU, ≤ 16).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+ENV_WORKERS = "BATCHINFER_PRECOMPILE"
+MAX_WORKERS = 16
+
+
+@dataclass(frozen=True)
+class KernelSpecialisation:
+    module: str   # the kernel's module, importable by name
+    name: str     # its qualified name there (a module-level @triton.jit function)
+    key: str      # triton's in-memory cache key of the specialisation
+    data: str     # triton's serialised specialisation (what `JITFunction.preload` takes)
+
+
+@dataclass(frozen=True)
+class PrecompileReport:
+    kernels: int          # specialisations traced
+    missing: int          # of them not in the disk cache
+    compiled: int         # of those compiled by the workers (the rest failed there: they compile lazily)
+    workers: int
+    trace_seconds: float
+    compile_seconds: float
+    load_seconds: float
+
+
+def worker_count(specs: int) -> int:
+    """Worker processes to use: BATCHINFER_PRECOMPILE (0 = off), else one per CPU up to MAX_WORKERS."""
+    raw = os.environ.get(ENV_WORKERS, "").strip()
+    if raw:
+        try:
+            wanted = int(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_WORKERS} must be a whole number of worker processes, not {raw!r}") from None
+    else:
+        wanted = min(os.cpu_count() or 1, MAX_WORKERS)
+    return max(0, min(wanted, specs))
+
+
+def trace_specialisations(run: Callable[[], None]) -> list[KernelSpecialisation]:
+    """Call `run` with every Triton launch that would compile recorded and skipped (neither
+    compiled nor launched); the distinct specialisations in first-seen order."""
+    import triton
+
+    seen: dict[tuple[str, str, str], KernelSpecialisation] = {}
+
+    def record(*, key, fn, compile, **_: object) -> bool:
+        module = fn.module if isinstance(fn.module, str) else fn.module.__name__
+        spec = KernelSpecialisation(module, fn.name, str(key), compile["specialization_data"])
+        seen.setdefault((spec.module, spec.name, spec.key), spec)
+        return True  # triton then skips the compile, and the launch
+
+    from triton.runtime.jit import JITFunction
+
+    launch = JITFunction.run
+
+    def without_launch(self, *args, grid, warmup, **kwargs):
+        # warmup=True: triton finds or compiles the kernel but launches nothing, so no kernel
+        # compiled earlier runs on the outputs of one the trace skipped.
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = record
+    JITFunction.run = without_launch
+    try:
+        run()
+    finally:
+        JITFunction.run = launch
+        triton.knobs.runtime.jit_cache_hook = previous
+    return list(seen.values())
+
+
+def _jit_function(spec: KernelSpecialisation):
+    return getattr(importlib.import_module(spec.module), spec.name)
+
+
+def _decode(spec: KernelSpecialisation, target: tuple):
+    """`JITFunction.preload`'s decoding of a specialisation: (source, target, options) as
+    `triton.compile` takes them."""
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    fn = _jit_function(spec)
+    obj = json.loads(spec.data)
+    constexprs = {
+        tuple(key): tl.dtype(value) if tl.dtype.is_dtype(value) else
+        tl.constexpr(value["constexpr"]) if isinstance(value, dict) and "constexpr" in value else value
+        for key, value in zip(obj["constant_keys"], obj["constant_vals"])}
+    attrs = dict(zip(map(tuple, obj["attrs_keys"]), obj["attrs_vals"]))
+    signature = {key: convert_to_tuple_if_list(value) for key, value in obj["signature"].items()}
+    options = {key: tuple(value) if isinstance(value, list) else value for key, value in obj["options"].items()}
+    gpu_target = GPUTarget(*target)
+    options = make_backend(gpu_target).parse_options(options)
+    return ASTSource(fn, signature, constexprs, attrs), gpu_target, options
+
+
+def compile_specialisation(spec: KernelSpecialisation, target: tuple) -> None:
+    """Compile one specialisation for `target` (backend, arch, warp size) into the disk cache,
+    without a device: the `triton.compile` call `JITFunction.preload` would make."""
+    import triton
+
+    src, gpu_target, options = _decode(spec, target)
+    triton.compile(src, target=gpu_target, options=options.__dict__)
+
+
+def is_cached(spec: KernelSpecialisation, target: tuple) -> bool:
+    """Whether the disk cache already holds the specialisation (`triton.compile`'s own lookup)."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import get_cache_key, get_cache_manager
+
+    src, gpu_target, options = _decode(spec, target)
+    backend = make_backend(gpu_target)
+    options = backend.parse_options(dict(options.__dict__, **src.parse_options()))
+    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
+    name = f"{src.name[:150]}.json"
+    group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(name) or {}
+    return group.get(name) is not None
+
+
+def _compile_in_worker(spec: KernelSpecialisation, target: tuple) -> Optional[str]:
+    try:
+        compile_specialisation(spec, target)
+    except Exception as err:  # reported by the parent; the kernel then compiles at its first launch
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _source_size(spec: KernelSpecialisation) -> int:
+    try:
+        return len(_jit_function(spec).src)
+    except Exception:
+        return 0
+
+
+def compile_all(specs: Sequence[KernelSpecialisation], workers: int, target: tuple) -> int:
+    """Compile `specs` over `workers` spawned processes (longest sources first: they take longest);
+    the number compiled."""
+    import multiprocessing
+
+    ordered = sorted(specs, key=_source_size, reverse=True)
+    compiled = 0
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for spec, error in zip(ordered, pool.map(_compile_in_worker, ordered, [target] * len(ordered))):
+            if error is None:
+                compiled += 1
+            else:
+                log.warning("precompile of %s.%s failed (it compiles at its first launch): %s",
+                            spec.module, spec.name, error)
+    return compiled
+
+
+def load_all(specs: Sequence[KernelSpecialisation]) -> None:
+    """Each specialisation into its kernel's in-memory cache (from the disk cache the workers filled)."""
+    for spec in specs:
+        fn = _jit_function(spec)
+        try:
+            fn.preload(spec.data)
+        except Exception as err:
+            log.warning("loading precompiled %s.%s failed (it compiles at its first launch): %s",
+                        spec.module, spec.name, err)
+
+
+def _cached_or_unknown(spec: KernelSpecialisation, target: tuple) -> bool:
+    try:
+        return is_cached(spec, target)
+    except Exception:  # triton internals moved: compile it (a cache hit there costs little)
+        return False
+
+
+def current_target() -> tuple:
+    from triton.runtime.driver import driver
+
+    target = driver.active.get_current_target()
+    return (target.backend, target.arch, target.warp_size)
+
+
+def precompile(trace: Callable[[], None]) -> Optional[PrecompileReport]:
+    """Trace `trace`'s launches, compile what they need in parallel, load it (None: turned off)."""
+    if worker_count(1) == 0:
+        return None
+    start = time.monotonic()
+    specs = trace_specialisations(trace)
+    traced = time.monotonic()
+    target = current_target()
+    missing = [spec for spec in specs if not _cached_or_unknown(spec, target)]
+    workers = worker_count(len(missing))  # a warm cache: no worker is started
+    compiled = compile_all(missing, workers, target) if workers else 0
+    built = time.monotonic()
+    load_all(specs)
+    report = PrecompileReport(len(specs), len(missing), compiled, workers, traced - start, built - traced,
+                              time.monotonic() - built)
+    log.info("Triton kernels: %d traced, %d compiled by %d workers; trace %.1f s, compile %.1f s, load %.1f s",
+             report.kernels, report.compiled, report.workers, report.trace_seconds, report.compile_seconds,
+             report.load_seconds)
+    return report
+
+
+# ---- the engine's step shapes ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """What the engine will run: its decode-graph buckets and limits."""
+
+    decode_buckets: Sequence[int]   # batch sizes of the decode graphs (or of eager decode steps)
+    graph_ctx_cap: int              # context slots per row in the decode graphs' buffers
+    decode_hint: bool               # decode steps pass shared_with_prev (the graphs do)
+    max_batch_tokens: int
+    max_running: int
+    max_model_len: int
+    replay: bool
+
+
+def prefill_shapes(shapes: StepShapes) -> list[list[tuple[int, int]]]:
+    """Prefill batches as [(start, new tokens)] per sequence: the token count T and sequence count
+    B each 1, a multiple of 16 and neither, fresh and continued sequences, the largest step."""
+    most = max(2, min(shapes.max_batch_tokens, shapes.max_model_len - 1))
+    cont = min(2048, shapes.max_model_len - most - 1) if shapes.max_model_len - most > 1 else 0
+    many = max(1, min(shapes.max_running, most // 3))
+    mixed = [(0, 1), (cont, 17), (0, 100), (cont, 300), (0, 5), (cont, 64), (0, 129)]
+    batches = [
+        [(0, most)],                                   # the largest fresh step
+        [(cont, most - 1)],                            # a continued long prompt, T not a multiple of 16
+        [(cont, 1)],                                   # a single token after a cached prefix
+        [(cont, 128)] * min(32, many),                 # questions after a shared document
+        [(0, most - 2), (cont, 2)],                    # a long prompt with a short one
+        [(0, 3)] * many,                               # many short prompts
+        [(s, min(n, most)) for s, n in mixed if s + n < shapes.max_model_len],
+    ]
+    batches = [[(s, n) for s, n in batch if n >= 1][:shapes.max_running] for batch in batches]
+    return [batch for batch in batches if batch and sum(n for _, n in batch) <= most]
+
+
+def engine_trace(model, caches, shapes: StepShapes, pad_state_slot: int, pad_kv_slot: int,
+                 device: torch.device) -> Callable[[], None]:
+    """The engine's steps on scratch slots only (nothing the pools own is touched)."""
+    from batchinfer.engine.model_runner import SequenceChunk, build_forward_batch
+    from batchinfer.models.forward_batch import ForwardBatch
+
+    def decode(b: int) -> None:
+        ctx = b * shapes.graph_ctx_cap
+        batch = ForwardBatch(
+            input_ids=torch.zeros(b, dtype=torch.int64, device=device),
+            positions=torch.zeros(b, dtype=torch.int64, device=device),
+            cu_seqlens=torch.arange(b + 1, dtype=torch.int32, device=device), is_decode=True,
+            state_slots=torch.full((b,), pad_state_slot, dtype=torch.int64, device=device),
+            out_kv_slots=torch.full((b,), pad_kv_slot, dtype=torch.int64, device=device),
+            kv_indices=torch.full((ctx,), pad_kv_slot, dtype=torch.int64, device=device),
+            kv_indptr=torch.arange(b + 1, dtype=torch.int32, device=device),
+            logits_indices=torch.arange(b, dtype=torch.int64, device=device), replay=shapes.replay,
+            shared_with_prev=torch.zeros(b, dtype=torch.int32, device=device) if shapes.decode_hint else None)
+        model.forward(batch, caches)
+
+    def prefill(seqs: list[tuple[int, int]]) -> None:
+        chunks = [SequenceChunk(token_ids=[0] * n, start=s, state_slot=pad_state_slot,
+                                context_kv=torch.full((s + n,), pad_kv_slot, dtype=torch.int64), wants_logits=True)
+                  for s, n in seqs]
+        model.forward(build_forward_batch(chunks, is_decode=False, replay=False, device=device), caches)
+
+    @torch.inference_mode()
+    def run() -> None:
+        steps = [("decode", b) for b in reversed(list(shapes.decode_buckets))] + \
+                [("prefill", seqs) for seqs in prefill_shapes(shapes)]
+        for kind, arg in steps:
+            try:
+                decode(arg) if kind == "decode" else prefill(arg)
+            except Exception as err:  # a shape the trace cannot run: its kernels compile lazily
+                log.warning("precompile trace of a %s step failed: %s: %s", kind, type(err).__name__, err)
+        torch.cuda.synchronize(device)
+
+    return run

@@ -1,0 +1,509 @@
+"""Cold start of `batchinfer run`: a fresh machine's first job against the same job run again.
+
+    python -m benchmarks.cold_start                  # H200: qwen3.5-27b shapes, 16 layers, 256-row rag job
+    python -m benchmarks.cold_start --quick          # CPU smoke run: tiny preset, fp32, a few rows
+    python -m benchmarks.cold_start --json out.json  # also every number as JSON
+
+Setup (skipped when `--folder` already holds it): a random-weight checkpoint of the preset's
+shapes with `--layers` layers in bf16 (config.json + model.safetensors, the demo's tokenizer files:
+prompts are token ids, the tokenizer only decodes), a rag job of `--rows` rows (documents of 2048
+random tokens, each shared by 32 questions of 128; `ignore_eos`, `--output-tokens` each).
+
+Then the job runs twice in a row as `python -m batchinfer run jobs.yaml --overwrite` child
+processes (each wrapped by `--child`, which times phases from inside and changes nothing else):
+the first with TRITON_CACHE_DIR an empty new folder (a fresh machine: every Triton kernel
+compiles) and the checkpoint dropped from the page cache, the second with the same cache
+folder and warm files. Per run: the process's wall time and its phases — interpreter start and
+imports, job preparation (tokenising), model build (allocation + weights; of it the weight load),
+engine set-up (pools; of it CUDA-graph capture), planning, generation — and the Triton compiles
+(count and seconds, from triton's `jit_cache_hook` / `jit_post_compile_hook`: the time between
+them is the compile, or the load from the compile cache), attributed to the phase they fell in.
+For the first run also every compile (kernel, constexprs and specialisation, seconds), slowest first.
+
+Last, in a separate child process, the checkpoint load (`load_model` onto the device) from a cold
+page cache (each shard fsynced and dropped with `posix_fadvise(DONTNEED)`; needs no root, but the
+kernel may keep pages: reported when the drop did not take, judged by the sequential read rate) and
+from a warm one, against the file bytes and a plain sequential read of the same files (16 MiB
+`readinto`) cold and warm.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+_T0 = time.time()  # the child's first instant after the interpreter reached this module
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SPAWN_ENV = "BATCHINFER_COLD_START_SPAWN"  # the parent's time.time() just before it spawned the child
+READ_CHUNK = 16 << 20
+
+# ---------------------------------------------------------------- child: phases from inside a run
+
+
+class Timeline:
+    """Phases (nested intervals) and Triton compiles of one process, in time.time() seconds."""
+
+    def __init__(self) -> None:
+        self.phases: list[dict[str, Any]] = []
+        self.compiles: list[dict[str, Any]] = []
+        self._open: list[dict[str, Any]] = []
+        self._compile_start: Optional[tuple[float, str]] = None
+
+    def phase(self, name: str, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            entry = {"name": name, "start": time.time(), "end": None}
+            self.phases.append(entry)
+            self._open.append(entry)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _sync_cuda()
+                entry["end"] = time.time()
+                self._open.remove(entry)
+        timed.__wrapped__ = fn
+        return timed
+
+    def innermost(self) -> str:
+        return self._open[-1]["name"] if self._open else "other"
+
+    # triton calls these with keyword arguments (key, repr, fn, compile, is_manual_warmup, already_compiled)
+    def before_compile(self, **kwargs: Any) -> None:
+        self._compile_start = (time.time(), self.innermost())
+        return None  # a true value would make triton skip the compile
+
+    def after_compile(self, **kwargs: Any) -> None:
+        end = time.time()
+        start, phase = self._compile_start or (end, self.innermost())
+        self._compile_start = None
+        fn = kwargs.get("fn")
+        compile_info = kwargs.get("compile") or {}
+        self.compiles.append({
+            "kernel": f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}",
+            "constexprs": _named_constexprs(getattr(fn, "jit_function", None), compile_info.get("constants") or {}),
+            "repr": kwargs.get("repr", ""),
+            "seconds": end - start, "start": start, "phase": phase})
+        return None
+
+
+def _named_constexprs(jit_function: Any, constants: dict) -> dict[str, Any]:
+    """triton keys constexprs by argument path ((index,) for a plain argument): → parameter names.
+    Integer arguments equal to 1 appear here too (triton specialises them as constants)."""
+    names = [p.name for p in getattr(jit_function, "params", [])]
+    out = {}
+    for path, value in constants.items():
+        index = path[0] if isinstance(path, tuple) and path else path
+        name = names[index] if isinstance(index, int) and index < len(names) else str(path)
+        out[name if len(path) <= 1 else f"{name}{list(path[1:])}"] = _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (int, float, bool, str, type(None))) else str(value)
+
+
+def _sync_cuda() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _patch(timeline: Timeline, owner: Any, attr: str, name: str) -> None:
+    import inspect
+
+    raw = inspect.getattr_static(owner, attr)
+    if isinstance(raw, classmethod):
+        setattr(owner, attr, classmethod(timeline.phase(name, raw.__func__)))
+    elif isinstance(raw, staticmethod):
+        setattr(owner, attr, staticmethod(timeline.phase(name, raw.__func__)))
+    else:
+        setattr(owner, attr, timeline.phase(name, raw))
+
+
+def child_main(out_path: Path, cli_args: list[str]) -> int:
+    """Run the batchinfer CLI in this process with phase timers; write the timeline to `out_path`."""
+    spawn = float(os.environ.get(SPAWN_ENV, _T0))
+    timeline = Timeline()
+    imports_start = time.time()
+    import torch  # noqa: F401  (timed: the imports a run pays before any work)
+    import triton
+
+    import batchinfer.cli as cli
+    import batchinfer.engine.cuda_graphs as cuda_graphs
+    import batchinfer.engine.engine as engine_module
+    import batchinfer.models.loader as loader
+    import batchinfer.models.presets as presets
+    import jobs.global_run as global_run
+    import jobs.runner as runner
+    imports_end = time.time()
+
+    triton.knobs.runtime.jit_cache_hook = timeline.before_compile
+    triton.knobs.runtime.jit_post_compile_hook = timeline.after_compile
+    _patch(timeline, cli, "_prepare_all", "prepare_job")
+    _patch(timeline, engine_module.Engine, "from_pretrained", "open_engine")
+    _patch(timeline, presets, "load_model", "build_model")
+    _patch(timeline, loader, "load_weights", "load_weights")
+    _patch(timeline, engine_module.Engine, "__init__", "engine_init")
+    _patch(timeline, cuda_graphs.DecodeGraphs, "capture_all", "capture_graphs")
+    if hasattr(engine_module.Engine, "_precompile"):  # the parallel up-front compile (absent: lazy compiles only)
+        _patch(timeline, engine_module.Engine, "_precompile", "precompile")
+    _patch(timeline, runner, "plan_units", "plan")
+    _patch(timeline, runner, "prepare_units", "prepare_units")
+    _patch(timeline, global_run.UnitsInProcess, "run", "generate")
+    code = 0
+    try:
+        cli.main.main(args=cli_args, prog_name="batchinfer", standalone_mode=True)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        end = time.time()
+        result = {"spawn": spawn, "interpreter_ready": _T0, "imports": [imports_start, imports_end], "end": end,
+                  "phases": timeline.phases, "compiles": timeline.compiles, "exit_code": code}
+        out_path.write_text(json.dumps(result, indent=1))
+    return code
+
+
+# ---------------------------------------------------------------- child: checkpoint load times
+
+
+def shard_files(checkpoint: Path) -> list[Path]:
+    return sorted(checkpoint.glob("*.safetensors"))
+
+
+def drop_from_page_cache(files: list[Path]) -> Optional[str]:
+    """fsync + POSIX_FADV_DONTNEED on each file; None when done, else why not."""
+    if not hasattr(os, "posix_fadvise"):
+        return "os.posix_fadvise not available"
+    try:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages (a file just written) are not dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    except OSError as err:
+        return f"posix_fadvise failed: {err}"
+    return None
+
+
+def sequential_read_seconds(files: list[Path]) -> float:
+    buffer = bytearray(READ_CHUNK)
+    view = memoryview(buffer)
+    start = time.monotonic()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(view):
+                pass
+    return time.monotonic() - start
+
+
+def load_child_main(checkpoint: Path, device: str, out_path: Path) -> int:
+    import inspect
+
+    import torch
+
+    from batchinfer.models.config import load_model_config
+    from batchinfer.models.loader import load_weights
+    from batchinfer.models.qwen3_hybrid import HybridModel
+
+    files = shard_files(checkpoint)
+    has_modes = "streamed" in inspect.signature(load_weights).parameters  # the loader's two read paths
+    size = sum(p.stat().st_size for p in files)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cuda":
+        torch.zeros(1, device=device)  # CUDA initialised outside the timed loads
+
+    def timed_load(streamed: Optional[bool] = None) -> float:
+        start = time.monotonic()
+        model = HybridModel(load_model_config(checkpoint), dtype, device)
+        load_weights(model, checkpoint, **({"streamed": streamed} if has_modes else {}))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.monotonic() - start
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        return seconds
+
+    result: dict[str, Any] = {"file_bytes": size, "files": len(files)}
+    result["drop_failed"] = drop_from_page_cache(files)
+    result["read_cold_seconds"] = sequential_read_seconds(files)
+    result["read_warm_seconds"] = sequential_read_seconds(files)
+    result["load_warm_seconds"] = timed_load()
+    drop = drop_from_page_cache(files)
+    result["drop_failed"] = result["drop_failed"] or drop
+    result["load_cold_seconds"] = timed_load()
+    if has_modes and device == "cuda":  # the memory-mapped, tensor-by-tensor path, for comparison
+        result["load_warm_mapped_seconds"] = timed_load(streamed=False)
+        drop_from_page_cache(files)
+        result["load_cold_mapped_seconds"] = timed_load(streamed=False)
+    out_path.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def write_child_main(checkpoint: Path, config_path: Path, device: str = "cuda") -> int:
+    """`write_random_checkpoint`'s names, shapes and init rules, drawn on the GPU (the CPU draw of a
+    17 GB checkpoint takes minutes), in bf16."""
+    import torch
+    from safetensors.torch import save_file
+
+    from batchinfer.models.checkpoint_layout import checkpoint_tensors, default_layout
+    from batchinfer.models.config import model_config_from_dict
+    from batchinfer.models.random_init import init_random_, make_generator
+
+    raw = json.loads(config_path.read_text())
+    config = model_config_from_dict(raw)
+    generator = make_generator(0, device)
+    tensors = {}
+    for spec in checkpoint_tensors(config, default_layout(config)):
+        value = torch.empty(spec.shape, dtype=torch.float32, device=device)
+        init_random_(value, spec.name, config.num_layers, generator)
+        tensors[spec.name] = value.to(torch.bfloat16).cpu()
+        del value
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    (checkpoint / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+# ---------------------------------------------------------------- parent
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def setup(folder: Path, args: argparse.Namespace) -> Path:
+    """Checkpoint, data and jobs.yaml in `folder` (kept when already there); → the job file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    import yaml
+
+    from batchinfer.demo import write_demo_tokenizer_files
+    from batchinfer.models.checkpoint_writer import write_random_checkpoint
+    from batchinfer.models.presets import PRESETS
+    from benchmarks.engine_arms import Workload
+
+    checkpoint = folder / "checkpoint"
+    config = dict(PRESETS[args.preset])
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    if not (checkpoint / "config.json").is_file():
+        start = time.monotonic()
+        if args.quick:
+            write_random_checkpoint(checkpoint, config, dtype=torch.float32)
+        else:  # the same tensors drawn on the GPU, in a child so this process holds no CUDA context
+            config_path = folder / "checkpoint-config.json"
+            config_path.write_text(json.dumps(config))
+            subprocess.run([sys.executable, "-m", "benchmarks.cold_start", "--write-child", str(checkpoint),
+                            "--child-out", str(config_path)], cwd=REPO_ROOT, env=child_env({}), check=True)
+        write_demo_tokenizer_files(checkpoint)
+        size = sum(p.stat().st_size for p in shard_files(checkpoint))
+        print(f"checkpoint: {args.preset}, {config['num_hidden_layers']} layers, {size / 2**30:.2f} GiB written in "
+              f"{time.monotonic() - start:.0f} s", flush=True)
+    questions = min(32, args.rows)
+    workload = Workload("rag", max(args.rows // questions, 1), questions, args.doc_tokens, args.question_tokens)
+    data = folder / "rag.parquet"
+    prompts = workload.prompts(int(config["vocab_size"]))
+    pq.write_table(pa.table({"ids": pa.array(prompts, pa.list_(pa.int32()))}), data)
+    job = {"name": "rag", "model": str(checkpoint), "input": str(data), "prompt": {"token_ids_column": "ids"},
+           "sampling": {"max_tokens": args.output_tokens, "ignore_eos": True, "temperature": 0.0},
+           "engine": {"device": "cpu" if args.quick else "cuda", "dtype": "float32" if args.quick else "bfloat16",
+                      "max_running": args.max_running},
+           "output": {"path": str(folder / "out")}}
+    job_file = folder / "jobs.yaml"
+    job_file.write_text(yaml.safe_dump({"jobs": [job]}, sort_keys=False))
+    print(f"job: {len(prompts)} rows ({workload.groups} documents of {args.doc_tokens} tokens × {questions} "
+          f"questions of {args.question_tokens}), {args.output_tokens} output tokens each", flush=True)
+    return job_file
+
+
+def run_once(folder: Path, job_file: Path, label: str, triton_cache: Path) -> dict[str, Any]:
+    timeline_path = folder / f"{label}.timeline.json"
+    log_path = folder / f"{label}.log"
+    command = [sys.executable, "-m", "benchmarks.cold_start", "--child", str(timeline_path), "--",
+               "run", str(job_file), "--overwrite"]
+    start = time.time()
+    with open(log_path, "w") as log:
+        done = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env=child_env({"TRITON_CACHE_DIR": str(triton_cache), SPAWN_ENV: repr(start)}))
+    wall = time.time() - start
+    if done.returncode != 0 or not timeline_path.is_file():
+        tail = log_path.read_text().splitlines()[-20:]
+        raise RuntimeError(f"run {label} exited {done.returncode}:\n" + "\n".join(tail))
+    timeline = json.loads(timeline_path.read_text())
+    stats = json.loads((folder / "out" / "_stats.json").read_text())
+    return summarise(label, wall, timeline, stats)
+
+
+PHASES = ("prepare_job", "build_model", "load_weights", "engine_init", "precompile", "capture_graphs", "plan",
+          "prepare_units", "generate")
+
+
+def summarise(label: str, wall: float, timeline: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    phases: dict[str, float] = {}
+    for entry in timeline["phases"]:
+        if entry["end"] is not None:
+            phases[entry["name"]] = phases.get(entry["name"], 0.0) + entry["end"] - entry["start"]
+    compiles = timeline["compiles"]
+    compile_by_phase: dict[str, list[float]] = {}
+    for c in compiles:
+        compile_by_phase.setdefault(c["phase"], []).append(c["seconds"])
+    return {
+        "run": label, "wall_seconds": wall,
+        "process_start_seconds": timeline["interpreter_ready"] - timeline["spawn"],
+        "imports_seconds": timeline["imports"][1] - timeline["imports"][0],
+        "phases_seconds": phases,
+        "compile_count": len(compiles), "compile_seconds": sum(c["seconds"] for c in compiles),
+        "compile_by_phase": {k: {"count": len(v), "seconds": sum(v)} for k, v in compile_by_phase.items()},
+        "compiles": sorted(({k: c[k] for k in ("kernel", "constexprs", "repr", "seconds", "phase")} for c in compiles),
+                           key=lambda c: -c["seconds"]),
+        "job_wall_seconds": stats.get("wall_seconds"),
+        "output_tokens": stats.get("output_tokens"), "stats": {k: stats.get(k) for k in (
+            "startup_seconds", "generation_seconds", "output_tokens_per_second", "cached_tokens", "prompt_tokens")},
+    }
+
+
+def load_times(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out = folder / "load.json"
+    command = [sys.executable, "-m", "benchmarks.cold_start", "--load-child", str(folder / "checkpoint"),
+               "--device", "cpu" if args.quick else "cuda", "--child-out", str(out)]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=child_env({}), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"load measurement exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def print_compiles(run: dict[str, Any], top: int) -> None:
+    print(f"\nTriton compiles of run {run['run']}: {run['compile_count']} kernels, {run['compile_seconds']:.1f} s "
+          f"(slowest {min(top, run['compile_count'])})")
+    for c in run["compiles"][:top]:
+        constexprs = ", ".join(f"{k}={v}" for k, v in c["constexprs"].items())
+        print(f"  {c['seconds']:6.2f} s  {c['phase']:<14} {c['kernel']}  [{constexprs}]")
+    by_kernel: dict[str, list[float]] = {}
+    for c in run["compiles"]:
+        by_kernel.setdefault(c["kernel"], []).append(c["seconds"])
+    print("  per kernel (specialisations, seconds):")
+    for name, secs in sorted(by_kernel.items(), key=lambda kv: -sum(kv[1])):
+        print(f"    {len(secs):3d} × {sum(secs):6.2f} s  {name}")
+
+
+def print_table(runs: list[dict[str, Any]], load: Optional[dict[str, Any]]) -> None:
+    print()
+    header = f"{'phase (s)':<34}" + "".join(f"{r['run']:>12}" for r in runs)
+    print(header)
+    print("-" * len(header))
+
+    def row(name: str, values: list[Optional[float]]) -> None:
+        print(f"{name:<34}" + "".join(f"{'-' if v is None else f'{v:.2f}':>12}" for v in values))
+
+    row("process wall", [r["wall_seconds"] for r in runs])
+    row("  interpreter start", [r["process_start_seconds"] for r in runs])
+    row("  imports (torch, triton, batchinfer)", [r["imports_seconds"] for r in runs])
+    labels = {"prepare_job": "  prepare job (tokenise)", "build_model": "  build model", "load_weights":
+              "    of it load weights", "engine_init": "  engine init (pools, graphs)",
+              "precompile": "    of it trace + parallel compile", "capture_graphs":
+              "    of it CUDA-graph capture", "plan": "  plan", "prepare_units": "  prepare units",
+              "generate": "  generate"}
+    for phase in PHASES:
+        row(labels[phase], [r["phases_seconds"].get(phase) for r in runs])
+    row("Triton compiles or cache loads", [float(r["compile_count"]) for r in runs])
+    row("  their seconds", [r["compile_seconds"] for r in runs])
+    for phase in ("precompile", "capture_graphs", "generate", "engine_init", "other"):
+        row(f"  of it in {phase}", [r["compile_by_phase"].get(phase, {}).get("seconds") for r in runs])
+    row("job wall (_stats.json)", [r["job_wall_seconds"] for r in runs])
+    for name in ("load", "compile_and_capture", "plan"):
+        row(f"  startup_seconds.{name}", [(r["stats"].get("startup_seconds") or {}).get(name) for r in runs])
+    row("  generation_seconds", [r["stats"].get("generation_seconds") for r in runs])
+    if len(runs) == 2:
+        print(f"first run − second run: {runs[0]['wall_seconds'] - runs[1]['wall_seconds']:.1f} s")
+    if load:
+        gib = load["file_bytes"] / 2**30
+        print(f"\ncheckpoint load: {gib:.2f} GiB in {load['files']} file(s)"
+              + (f"; page-cache drop FAILED ({load['drop_failed']})" if load["drop_failed"] else ""))
+        for what in ("read_cold", "read_warm", "load_cold", "load_warm", "load_cold_mapped", "load_warm_mapped"):
+            seconds = load.get(f"{what}_seconds")
+            if seconds is None:
+                continue
+            print(f"  {what.replace('_', ' '):<17} {seconds:7.2f} s  {gib / max(seconds, 1e-9):6.2f} GiB/s")
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny preset, fp32, few rows")
+    parser.add_argument("--preset", default=None, help="model shapes (default qwen3.5-27b; --quick: tiny)")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default 16; --quick: the preset's)")
+    parser.add_argument("--rows", type=int, default=None, help="job rows (default 256; --quick: 16)")
+    parser.add_argument("--doc-tokens", type=int, default=None, help="document tokens (default 2048; --quick: 24)")
+    parser.add_argument("--question-tokens", type=int, default=None, help="question tokens (default 128; --quick 6)")
+    parser.add_argument("--output-tokens", type=int, default=None, help="per row (default 64; --quick: 4)")
+    parser.add_argument("--max-running", type=int, default=256)
+    parser.add_argument("--folder", type=Path, default=None, help="work folder (default: a temporary one, deleted)")
+    parser.add_argument("--no-load", action="store_true", help="skip the checkpoint load measurement")
+    parser.add_argument("--top", type=int, default=40, help="compiles listed for the first run")
+    parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--load-child", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--write-child", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.preset = args.preset or ("tiny" if quick else "qwen3.5-27b")
+    args.layers = args.layers if args.layers is not None else (None if quick else 16)
+    args.rows = args.rows or (16 if quick else 256)
+    args.doc_tokens = args.doc_tokens or (24 if quick else 2048)
+    args.question_tokens = args.question_tokens or (6 if quick else 128)
+    args.output_tokens = args.output_tokens or (4 if quick else 64)
+    if quick:
+        args.max_running = min(args.max_running, 8)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["--child"]:  # before argparse: the CLI's own arguments follow "--"
+        return child_main(Path(raw[1]), raw[3:] if raw[2:3] == ["--"] else raw[2:])
+    args = parse_args(raw)
+    if args.load_child is not None:
+        return load_child_main(args.load_child, args.device, args.child_out)
+    if args.write_child is not None:
+        return write_child_main(args.write_child, args.child_out, args.device)
+    import shutil
+    import tempfile
+
+    folder = args.folder or Path(tempfile.mkdtemp(prefix="batchinfer-cold-start-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        job_file = setup(folder, args)
+        triton_cache = Path(tempfile.mkdtemp(prefix="triton-cache-", dir=folder))  # empty: a fresh machine
+        drop = drop_from_page_cache(shard_files(folder / "checkpoint"))
+        print(f"page cache before the first run: {'dropped' if drop is None else drop}", flush=True)
+        runs = []
+        for label in ("first", "second"):
+            run = run_once(folder, job_file, label, triton_cache)
+            print(f"run {label}: {run['wall_seconds']:.1f} s, {run['compile_count']} Triton compiles "
+                  f"({run['compile_seconds']:.1f} s)", flush=True)
+            runs.append(run)
+        load = None if args.no_load else load_times(folder, args)
+        print_compiles(runs[0], args.top)
+        if args.json:
+            args.json.write_text(json.dumps({"runs": runs, "load": load, "page_cache_drop_failed": drop,
+                                             "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+        print_table(runs, load)
+        return 0
+    finally:
+        if args.folder is None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""engine_arms' MoE floors: a decode step reads (and multiplies by) only the routed experts."""
+import pytest
+import torch
+
+from batchinfer.models.config import model_config_from_dict
+from batchinfer.models.presets import PRESETS, random_model
+from benchmarks.engine_arms import decode_bytes, decode_flops, expected_unique_experts
+
+
+def _moe_model():
+    raw = dict(PRESETS["qwen3.5-35b-a3b"], vocab_size=256, hidden_size=64, num_hidden_layers=4, head_dim=32,
+               num_attention_heads=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=16, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)
+    return random_model(model_config_from_dict(raw), torch.bfloat16, "cpu")
+
+
+def test_expected_unique_experts():
+    assert expected_unique_experts(256, 8, 1) == pytest.approx(8)
+    assert expected_unique_experts(256, 8, 16) == pytest.approx(256 * (1 - (31 / 32) ** 16))  # ≈ 101
+    assert expected_unique_experts(256, 8, 10_000) == pytest.approx(256)
+
+
+def test_decode_bytes_count_only_routed_experts():
+    model = _moe_model()
+    per_expert = sum(p[0].numel() * p.element_size() for n, p in model.named_parameters() if ".experts_" in n)
+    one = decode_bytes(model, True, 1, 0)
+    many = decode_bytes(model, True, 10_000, 0)
+    # From batch 1 (2 experts a layer) to a batch that routes to all 16: 14 more experts' weights per
+    # layer, plus the per-sequence GDN state of the extra sequences.
+    gdn = decode_bytes(model, True, 10_000, 0) - decode_bytes(model, True, 9_999, 0)
+    assert many - one == pytest.approx(per_expert * 14 + gdn * 9_999, rel=1e-6)
+
+
+def test_decode_flops_count_k_experts_per_sequence(monkeypatch):
+    import benchmarks.engine_arms as arms
+
+    model = _moe_model()
+    k = model.config.num_experts_per_tok
+    per_expert = sum(p[0].numel() for n, p in model.named_parameters() if ".experts_" in n)
+    with_experts = decode_flops(model, 3, 0)
+    monkeypatch.setattr(arms, "_expert_stacks", lambda _model: [])
+    assert with_experts - decode_flops(model, 3, 0) == pytest.approx(2 * 3 * k * per_expert)
