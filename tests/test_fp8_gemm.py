@@ -1,0 +1,88 @@
+"""The FP8 block-scaled GEMM: activation quantization bit-exact against its reference, the
+Triton GEMM against the fp32 dequantize-then-matmul reference (interpreter on the CPU)."""
+import pytest
+import torch
+
+from kernels.fp8_gemm import (FP8_DTYPE, block_dequantize, block_quantize, fp8_gemm, fp8_gemm_reference,
+                              quantize_act_reference)
+from kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, fp8_block_matmul, quantize_act
+from kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
+
+SMALL = Fp8GemmLaunch(block_m=16, block_n=64, num_warps=4, num_stages=1, group_m=2)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("M,K", [(7, 256), (5, 300), (1, 128)])
+def test_quantize_act_is_bit_exact(M, K):
+    g = torch.Generator().manual_seed(M * K)
+    x = (torch.randn(M, K, generator=g) * 3).bfloat16()
+    x[0, :7] = 0  # part of a group zero
+    if K >= 256:
+        x[-1, 128:256] = 0  # a whole group zero: the amax floor, not 0/0
+    # Values whose rounding carries into the next binade (e.g. 124 → 128 after scaling).
+    x[0, 10] = x[0].float().abs().max() * (124 / 448)
+    q, s = quantize_act(x)
+    q_ref, s_ref = quantize_act_reference(x)
+    assert q.dtype == FP8_DTYPE and s.shape == (M, -(-K // 128))
+    assert torch.equal(s, s_ref)
+    assert torch.equal(_bits(q), _bits(q_ref))
+
+
+def test_quantize_act_reads_row_strides():
+    x = torch.randn(6, 512).bfloat16()
+    view = x[:, 128:384]  # a column slice: row stride 512
+    q, s = quantize_act(view)
+    q_ref, s_ref = quantize_act_reference(view.contiguous())
+    assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(s, s_ref)
+
+
+def test_block_quantize_round_trip_within_e4m3_precision():
+    w = torch.randn(3, 200, 300) * 0.02
+    q, s = block_quantize(w)
+    assert q.shape == w.shape and s.shape == (3, 2, 3)
+    err = (block_dequantize(q, s) - w).abs()
+    # e4m3 keeps 3 mantissa bits: half an ulp is at most 2^-4 of the value's binade top.
+    assert (err <= w.abs() * 2 ** -4 + s.max() * 2 ** -9).all()
+
+
+@pytest.mark.parametrize("M,N,K", [(33, 200, 300), (1, 128, 256), (64, 96, 128)])
+def test_fp8_gemm_matches_the_fp32_reference(M, N, K):
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w_q, w_s = block_quantize(torch.randn(N, K, generator=g) * K ** -0.5)
+    ref = fp8_gemm_reference(x, w_q, w_s, torch.float32)
+    out = triton_fp8_gemm(x, w_q, w_s, torch.float32, launch=SMALL)
+    # Same quantized operands, fp32 accumulation on both sides: only summation order differs.
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # And the FP8 result is near the unquantized product (e4m3: ~2^-4 relative per operand).
+    exact = x.float() @ block_dequantize(w_q, w_s).t()
+    assert (ref - exact).abs().max() <= 0.1 * exact.abs().max()
+
+
+def test_fp8_gemm_writes_every_output():
+    M, N, K = 20, 136, 256  # ragged last row and column tiles
+    x = torch.randn(M, K).bfloat16()
+    w_q, w_s = block_quantize(torch.randn(N, K) * 0.1)
+    xq, xs = quantize_act(x)
+    out = torch.full((M, N), float("nan"), dtype=torch.float32)
+    fp8_block_matmul(xq, xs, w_q, w_s, launch=SMALL, out=out)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, fp8_gemm_reference(x, w_q, w_s, torch.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_gemm_on_cpu_is_the_reference():
+    x = torch.randn(4, 256).bfloat16()
+    w_q, w_s = block_quantize(torch.randn(128, 256) * 0.1)
+    out = fp8_gemm(x, w_q, w_s)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, fp8_gemm_reference(x, w_q, w_s))
+
+
+def test_bad_scale_grid_is_refused():
+    x = torch.randn(4, 256).bfloat16()
+    w_q, w_s = block_quantize(torch.randn(128, 256))
+    with pytest.raises(AssertionError, match="one per 128x128 block"):
+        triton_fp8_gemm(x, w_q, w_s[:, :1], launch=SMALL)
