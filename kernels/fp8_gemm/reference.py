@@ -48,7 +48,10 @@ def block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtyp
                      block: tuple[int, int] = (GROUP, GROUP)) -> torch.Tensor:
     """The inverse of `block_quantize`: fp8 [..., N, K] · scale_inv (per block) → dtype."""
     bn, bk = block
-    N, K = q.shape[-2:]
+    *lead, N, K = q.shape
+    if N % bn == 0 and K % bk == 0:  # whole blocks: broadcast the scales, no expanded copy of them
+        blocks = q.reshape(*lead, N // bn, bn, K // bk, bk).float() * scale_inv.float()[..., :, None, :, None]
+        return blocks.reshape(q.shape).to(dtype)
     s = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :N, :].repeat_interleave(bk, dim=-1)[..., :K]
     return (q.float() * s).to(dtype)
 
