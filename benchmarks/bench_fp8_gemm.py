@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_fp8_gemm            # H200: M = 256 (decode) and 8192 (prefill)
     python -m benchmarks.bench_fp8_gemm --quick    # CPU smoke run (interpreter, tiny shapes)
+    python -m benchmarks.bench_fp8_gemm --sm90     # no GPU: compile both kernels for sm_90a, resources
 
 Per shape: bf16 `torch.matmul` TFLOP/s, ours end to end (activation quant + GEMM) with the
 default launch and with the best of a small launch sweep, the GEMM alone, the ratio over bf16,
@@ -86,6 +87,46 @@ def bench_shape(name: str, M: int, N: int, K: int, device: str, sweep: list[Fp8G
     return row
 
 
+def compile_sm90(launch: Fp8GemmLaunch | None, k_tiles: int = HIDDEN // 128):
+    """Offline sm_90a compile (Triton's own ptxas, no GPU): the GEMM at `launch`, or the
+    activation-quant kernel when None. Returns the compiled kernel (`.asm["ptx"]`, `.metadata`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.fp8_gemm import triton_fp8 as kernels
+    if launch is None:
+        fn, types = kernels._quant_act_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+        constexprs, options = dict(BLOCK_G=8, GROUP_SIZE=128), {"num_warps": 4}
+    else:
+        fn = kernels._fp8_gemm_kernel
+        types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
+        constexprs = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=128, GROUP_M=launch.group_m,
+                          SCALE_BLOCK_N=128, K_TILES=k_tiles)
+        options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    divisible = [i for i, n in enumerate(names) if n not in constexprs]  # contiguous, sizes multiples of 16
+    source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def print_sm90() -> None:
+    import re
+
+    from benchmarks.sm90_compile import ptxas_resources
+    for launch in [None] + SWEEP:
+        kernel = compile_sm90(launch)
+        ptx = kernel.asm["ptx"]
+        registers, spills = ptxas_resources(ptx)
+        wgmma = len(re.findall(r"wgmma\.mma_async[^\n]*e4m3", ptx))
+        what = "quantize_act" if launch is None else (
+            f"gemm {launch.block_m}x{launch.block_n} w{launch.num_warps} s{launch.num_stages}")
+        print(f"{what:28} registers {registers:4d}  spill {spills:5d} B  smem {kernel.metadata.shared:7d} B  "
+              f"e4m3 wgmma {wgmma}")
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'shape':18} {'M':>5} {'N':>6} {'K':>6} {'bf16':>7} {'fp8':>7} {'ratio':>6} {'gemm':>7} "
           f"{'gemm@def':>8} {'best launch':>16} {'_scaled_mm':>10} {'rel err':>8}  (TFLOP/s)")
@@ -101,7 +142,10 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, no sweep")
+    parser.add_argument("--sm90", action="store_true", help="no GPU: compile for sm_90a and print resources")
     args = parser.parse_args()
+    if args.sm90:
+        return print_sm90()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     if args.quick:
         cases = [("tiny", 16, 256, 384)]

@@ -86,3 +86,29 @@ def test_bad_scale_grid_is_refused():
     w_q, w_s = block_quantize(torch.randn(128, 256))
     with pytest.raises(AssertionError, match="one per 128x128 block"):
         triton_fp8_gemm(x, w_q, w_s[:, :1], launch=SMALL)
+
+
+SM90_CHILD = """
+from benchmarks.bench_fp8_gemm import compile_sm90
+from kernels.fp8_gemm.triton_fp8 import default_launch
+import re
+print("cvt.rn.satfinite.e4m3x2" in compile_sm90(None).asm["ptx"])
+for M in (256, 8192):  # e4m3 tensor-core products (wgmma) at the decode and prefill launches
+    print(bool(re.search(r"wgmma\\.mma_async[^\\n]*e4m3", compile_sm90(default_launch(M, 5120, 5120)).asm["ptx"])))
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs code the compiler refuses (e.g. a plain global read in a kernel):
+    compile both kernels for sm_90a offline, in a child without the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.sm90_compile import PTXAS
+    if not os.path.exists(PTXAS):
+        pytest.skip("Triton ships no ptxas here")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-c", SM90_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True"] * 3

@@ -14,6 +14,9 @@ import triton.language as tl
 
 from kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP
 
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
 
 @dataclass(frozen=True)
 class Fp8GemmLaunch:
@@ -57,10 +60,10 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [BLOCK_G, GROUP]
     mask = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)  # [BLOCK_G]
-    scale = tl.math.div_rn(amax, FP8_MAX)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)  # [BLOCK_G]
+    scale = tl.math.div_rn(amax, _FP8_MAX)
     q = tl.math.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
     tl.store(q_ptr + row * stride_qm + cols, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups < G)
 
