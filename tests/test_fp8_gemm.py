@@ -112,3 +112,11 @@ def test_kernels_compile_for_sm90():
     child = subprocess.run([sys.executable, "-c", SM90_CHILD], capture_output=True, text=True, env=env, timeout=300)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["True"] * 3
+
+
+@pytest.mark.parametrize("shape", [(3, 256, 384), (200, 300)])
+def test_triton_dequantize_is_bit_exact(shape):
+    from kernels.fp8_gemm.triton_fp8 import block_dequantize as triton_block_dequantize
+    w_q, w_s = block_quantize(torch.randn(shape) * 0.3)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(triton_block_dequantize(w_q, w_s, dtype), block_dequantize(w_q, w_s, dtype))

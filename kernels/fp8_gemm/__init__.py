@@ -4,7 +4,9 @@
 quantizes x per (token, 128-column group) on the fly (scale = amax / 448, e4m3) and
 multiplies with fp32 accumulation; output in x's dtype (or `out_dtype`). CUDA: the Triton
 kernels in `triton_fp8.py`; elsewhere (or `BATCHINFER_KERNELS=ref`) `fp8_gemm_reference`
-(dequantize, then an fp32 matmul). `block_quantize` / `block_dequantize` convert weights.
+(dequantize, then an fp32 matmul). `block_quantize` / `block_dequantize` convert weights;
+`dequantize_weight` is `block_dequantize` with a Triton kernel on CUDA (one pass: 1 byte read,
+2 written per bf16 element; the model dequantizes FP8 routed experts with it).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 from kernels.fp8_gemm.reference import (FP8_DTYPE, FP8_MAX, GROUP, block_dequantize, block_quantize,
                                         fp8_gemm_reference, quantize_act_reference)
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "GROUP", "block_dequantize", "block_quantize", "fp8_gemm",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "GROUP", "block_dequantize", "block_quantize", "dequantize_weight", "fp8_gemm",
            "fp8_gemm_reference", "quantize_act", "quantize_act_reference"]
 
 
@@ -37,3 +39,11 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         from kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
         return triton_fp8_gemm(x, weight, scale_inv, out_dtype)
     return fp8_gemm_reference(x, weight, scale_inv, out_dtype)
+
+
+def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 [..., N, K] · its 128 × 128 block scales → dtype (bit-identical to `block_dequantize`)."""
+    if _use_triton(q) and q.is_contiguous() and scale_inv.is_contiguous():
+        from kernels.fp8_gemm.triton_fp8 import block_dequantize as triton_block_dequantize
+        return triton_block_dequantize(q, scale_inv, dtype)
+    return block_dequantize(q, scale_inv, dtype)

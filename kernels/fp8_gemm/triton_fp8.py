@@ -153,3 +153,36 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     """x [M, K] · dequant(weight, scale_inv)ᵀ with x quantized per token group on the fly."""
     xq, xs = quantize_act(x)
     return fp8_block_matmul(xq, xs, weight, scale_inv, out_dtype or x.dtype, launch)
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, Gn, Gk, BLOCK: tl.constexpr, TO_BF16: tl.constexpr):
+    """One 128 × 128 block of one [N, K] matrix of a stack per program: fp8 · scale in fp32,
+    rounded once to the output dtype (as the reference's `(q.float() · s).to(dtype)`)."""
+    block_k, block_n, matrix = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = block_n * BLOCK + tl.arange(0, BLOCK)
+    cols = block_k * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    offsets = matrix.to(tl.int64) * N * K + rows[:, None] * K + cols[None, :]
+    scale = tl.load(s_ptr + (matrix * Gn + block_n) * Gk + block_k)
+    q = tl.load(q_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    value = q * scale
+    if TO_BF16:  # round to nearest even on the bits: the interpreter's own cast truncates
+        bits = value.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+        value = bits.to(tl.float32, bitcast=True)  # exactly a bf16 value now
+    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Contiguous e4m3 [..., N, K] with fp32 block scales [..., ceil(N/128), ceil(K/128)] → dtype."""
+    assert q.is_contiguous() and scale_inv.is_contiguous()
+    N, K = q.shape[-2:]
+    Gn, Gk = triton.cdiv(N, GROUP), triton.cdiv(K, GROUP)
+    assert scale_inv.shape[-2:] == (Gn, Gk) and dtype in (torch.bfloat16, torch.float32)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    matrices = q.numel() // max(N * K, 1)
+    if q.numel():
+        _dequant_kernel[(Gk, Gn, matrices)](q, scale_inv, out, N, K, Gn, Gk, BLOCK=GROUP,
+                                            TO_BF16=dtype == torch.bfloat16, num_warps=4)
+    return out

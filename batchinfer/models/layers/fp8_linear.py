@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.models.layers.params import empty_param
-from kernels.fp8_gemm import FP8_DTYPE, GROUP, block_dequantize, block_quantize, fp8_gemm
+from kernels.fp8_gemm import FP8_DTYPE, GROUP, block_quantize, dequantize_weight, fp8_gemm
 
 
 _DEQUANT_CHUNK = 1 << 27  # elements of fp32 staging per dequantized chunk (512 MB)
@@ -38,15 +38,15 @@ class Fp8Weight(nn.Module):
         return self.weight.shape
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """[*lead, N, K] in dtype; stacked (expert) weights a few at a time, so the fp32
-        staging stays small beside the result."""
-        if self.weight.dim() == 2:
-            return block_dequantize(self.weight, self.scale_inv, dtype)
+        """[*lead, N, K] in dtype (on CUDA one Triton pass over the stack; elsewhere stacked
+        weights a few at a time, so the fp32 staging stays small beside the result)."""
+        if self.weight.dim() == 2 or self.weight.is_cuda:
+            return dequantize_weight(self.weight, self.scale_inv, dtype)
         out = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
         per_chunk = max(1, _DEQUANT_CHUNK // (self.weight.shape[-2] * self.weight.shape[-1]))
         for start in range(0, self.weight.shape[0], per_chunk):
             rows = slice(start, start + per_chunk)
-            out[rows] = block_dequantize(self.weight[rows], self.scale_inv[rows], dtype)
+            out[rows] = dequantize_weight(self.weight[rows], self.scale_inv[rows], dtype)
         return out
 
     @torch.no_grad()
