@@ -26,7 +26,9 @@ def quantize_act_reference(x: torch.Tensor, group: int = GROUP) -> tuple[torch.T
     G = _cdiv(K, group)
     xp = F.pad(x.float(), (0, G * group - K)).view(M, G, group)
     amax = xp.abs().amax(-1).clamp_min(AMAX_FLOOR)  # [M, G]
-    scale = amax / FP8_MAX
+    # A tensor divisor: CUDA torch turns division by a scalar into a product with its
+    # (rounded) reciprocal, which the kernel's correctly rounded division would not match.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(M, G * group)[:, :K].contiguous(), scale
 
@@ -38,7 +40,7 @@ def block_quantize(w: torch.Tensor, block: tuple[int, int] = (GROUP, GROUP)) -> 
     Gn, Gk = _cdiv(N, bn), _cdiv(K, bk)
     wp = F.pad(w.float(), (0, Gk * bk - K, 0, Gn * bn - N)).reshape(*lead, Gn, bn, Gk, bk)
     amax = wp.abs().amax(dim=(-3, -1)).clamp_min(AMAX_FLOOR)  # [..., Gn, Gk]
-    scale = amax / FP8_MAX
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (wp / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.reshape(*lead, Gn * bn, Gk * bk)[..., :N, :K].contiguous()
     return q, scale
