@@ -14,7 +14,7 @@ Layout variants, detected from the checkpoint's tensor names:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Collection, Optional
 
 import torch
@@ -193,3 +193,46 @@ def _moe_tensors(c: ModelConfig, layout: CheckpointLayout, hf: str, ours: str) -
             HfTensor(expert + "down_proj.weight", (H, I), (Target(ours + "experts_down", (e,)),)),
         ]
     return tensors
+
+
+# --- FP8 block-quantized checkpoints -------------------------------------------------------
+# A quantized `X.weight` (e4m3) comes with `X.weight_scale_inv` (fp32, one per 128 × 128 block).
+SCALE_SUFFIX = "_scale_inv"
+# Modules Qwen's FP8 releases keep unquantized (what our writer leaves in the model dtype):
+# embeddings and head, norms, the conv, GDN b / a, the router and the shared-expert gate.
+NOT_CONVERTED = ("embed_tokens", "lm_head", "norm", "conv1d", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
+                 "mlp.gate.", "shared_expert_gate")
+
+
+def scale_name(weight_name: str) -> str:
+    return weight_name + SCALE_SUFFIX
+
+
+def writer_quantizes(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether an FP8 checkpoint written here stores this tensor in FP8 (Qwen's convention)."""
+    return len(shape) == 2 and name.endswith(".weight") and not any(part in name for part in NOT_CONVERTED)
+
+
+def quantized_model_tensors(config: ModelConfig, layout: CheckpointLayout) -> list[HfTensor]:
+    """`checkpoint_tensors` for a model built for an FP8 checkpoint: the GDN b|a rows go to
+    the separate `mixer.in_proj_ba` (see GatedDeltaNet), the rest as for any model."""
+    boundary = config.conv_dim + config.gdn_value_dim  # first b row of the fused in_proj
+    return [replace(t, targets=tuple(_to_in_proj_ba(target, boundary) for target in t.targets))
+            for t in checkpoint_tensors(config, layout)]
+
+
+def _to_in_proj_ba(target: Target, boundary: int) -> Target:
+    if not target.param.endswith("mixer.in_proj") or target.index[0].start < boundary:
+        return target
+    rows = target.index[0]
+    return Target(target.param + "_ba", (slice(rows.start - boundary, rows.stop - boundary),))
+
+
+def fp8_param_names(tensors: list[HfTensor], is_quantized: Callable[[str], bool]) -> frozenset[str]:
+    """Our parameters all of whose checkpoint sources are quantized `.weight` tensors."""
+    sources: dict[str, list[str]] = {}
+    for t in tensors:
+        for target in t.targets:
+            sources.setdefault(target.param, []).append(t.name)
+    return frozenset(param for param, names in sources.items()
+                     if all(n.endswith(".weight") and is_quantized(n) for n in names))

@@ -18,6 +18,7 @@ import torch
 from batchinfer.models.config import ModelConfig, ModelConfigError, model_config_from_dict
 from batchinfer.models.loader import load_model
 from batchinfer.models.qwen3_hybrid import HybridModel
+from batchinfer.models.quantization import parse_quantization
 from batchinfer.models.random_init import init_random_, make_generator
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -65,6 +66,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# FP8 twins (Qwen's block-quantized format): random weights quantized on the device. ~28 GB
+# (27B) and ~80 GB (80B-A3B, fits one H200). On the CPU their weights are dequantized.
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128], "modules_to_not_convert": []}
+PRESETS["qwen3.5-27b-fp8"] = {**PRESETS["qwen3.5-27b"], "quantization_config": FP8_QUANTIZATION}
+PRESETS["qwen3-next-80b-a3b-fp8"] = {**PRESETS["qwen3-next-80b-a3b"], "quantization_config": FP8_QUANTIZATION}
+
+
 def preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ModelConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
@@ -84,5 +93,15 @@ def build_model(preset_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str = "cpu", seed: int = 0) -> HybridModel:
     """A preset name (random weights) or a checkpoint directory (loaded weights)."""
     if str(preset_or_path) in PRESETS:
+        if parse_quantization(PRESETS[str(preset_or_path)]) is not None:
+            return random_preset_fp8(preset_config(str(preset_or_path)), dtype, device, seed)
         return random_model(preset_config(str(preset_or_path)), dtype, device, seed)
     return load_model(preset_or_path, dtype, device)
+
+
+def random_preset_fp8(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> HybridModel:
+    """An FP8 preset: FP8 projections on CUDA; elsewhere the same weights dequantized (as the loader does)."""
+    from batchinfer.models.fp8_model import dequantized_model, random_fp8_model  # imports the loader's model
+
+    model = random_fp8_model(config, dtype, device, seed)
+    return model if torch.device(device).type == "cuda" else dequantized_model(model, dtype)

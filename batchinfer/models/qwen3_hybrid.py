@@ -26,20 +26,24 @@ from kernels import ops
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
+                 fp8_params: frozenset[str] | None = None):
         super().__init__()
+        quantized = fp8_params is not None
+        mixer_fp8, mlp_fp8 = (_local(fp8_params or frozenset(), f"layers.{layer_id}.{part}.") for part in ("mixer", "mlp"))
         self.eps = config.rms_norm_eps
         self.is_gdn = config.layer_types[layer_id] == LINEAR_ATTENTION
         self.input_norm = empty_param(config.hidden_size, dtype=dtype, device=device)
         self.post_norm = empty_param(config.hidden_size, dtype=dtype, device=device)
         if self.is_gdn:
-            self.mixer = GatedDeltaNet(config, config.gdn_layer_ids.index(layer_id), dtype, device)
+            self.mixer = GatedDeltaNet(config, config.gdn_layer_ids.index(layer_id), dtype, device,
+                                       mixer_fp8 if quantized else None)
         else:
-            self.mixer = GatedAttention(config, config.attn_layer_ids.index(layer_id), dtype, device)
+            self.mixer = GatedAttention(config, config.attn_layer_ids.index(layer_id), dtype, device, mixer_fp8)
         if config.is_moe_layer(layer_id):
-            self.mlp = SparseMoE(config, dtype, device)
+            self.mlp = SparseMoE(config, dtype, device, mlp_fp8)
         else:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype, device)
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype, device, mlp_fp8)
 
     def forward(self, x: torch.Tensor, pending_mlp_out: torch.Tensor | None, batch: ForwardBatch,
                 caches: ModelCaches, rotary: RotaryEmbedding, cos: torch.Tensor,
@@ -58,15 +62,24 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h)  # [T, hidden] each
 
 
+def _local(names: frozenset[str], prefix: str) -> frozenset[str]:
+    return frozenset(n.removeprefix(prefix) for n in names if n.startswith(prefix))
+
+
 class HybridModel(nn.Module):
+    """`fp8_params`: None for an unquantized model; for an FP8 checkpoint's model the names of
+    the projections (ours, e.g. `layers.3.mixer.qkv_proj`) stored as FP8 with block scales —
+    the GDN b|a rows are then `mixer.in_proj_ba`, apart from in_proj (q|k|v|z)."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", fp8_params: frozenset[str] | None = None):
         super().__init__()
         self.config = config
+        self.fp8_params = fp8_params
         self.dtype = dtype
         self.device = torch.device(device)
         self.embed = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, fp8_params) for i in range(config.num_layers))
         self.final_norm = empty_param(config.hidden_size, dtype=dtype, device=device)
         # Tied checkpoints reuse the embedding matrix; it is then not a separate parameter.
         self.lm_head = None if config.tie_word_embeddings else empty_param(

@@ -12,13 +12,15 @@ from torch import nn
 
 from batchinfer.models.config import ModelConfig
 from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
+from batchinfer.models.layers.fp8_linear import block_aligned, linear, projection
 from batchinfer.models.layers.params import empty_param
 from batchinfer.models.layers.rotary import RotaryEmbedding
 from kernels import ops
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig, cache_index: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, cache_index: int, dtype: torch.dtype, device: torch.device | str,
+                 fp8: frozenset[str] = frozenset()):
         super().__init__()
         self.cache_index = cache_index  # which kv_k / kv_v pool of ModelCaches this layer owns
         self.num_heads = config.num_attention_heads
@@ -28,15 +30,17 @@ class GatedAttention(nn.Module):
         self.scale = d ** -0.5
         # Rows: [q_h | gate_h] per head h (2·H·d), then k (H_kv·d), then v (H_kv·d).
         qkv_rows = 2 * self.num_heads * d + 2 * self.num_kv_heads * d
-        self.qkv_proj = empty_param(qkv_rows, config.hidden_size, dtype=dtype, device=device)
+        # fp8: the names of this module's projections stored FP8 (the checkpoint has their scales).
+        qkv_fp8 = "qkv_proj" in fp8 and block_aligned(2 * self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
+        self.qkv_proj = projection(qkv_rows, config.hidden_size, dtype=dtype, device=device, fp8=qkv_fp8)
         self.q_norm = empty_param(d, dtype=dtype, device=device)
         self.k_norm = empty_param(d, dtype=dtype, device=device)
-        self.o_proj = empty_param(config.hidden_size, self.num_heads * d, dtype=dtype, device=device)
+        self.o_proj = projection(config.hidden_size, self.num_heads * d, dtype=dtype, device=device, fp8="o_proj" in fp8)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches,
                 rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T, H, H_kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_proj)  # [T, 2Hd + 2H_kv·d]
+        qkv = linear(x, self.qkv_proj)  # [T, 2Hd + 2H_kv·d]
         q_and_gate, k, v = qkv.split([2 * H * d, H_kv * d, H_kv * d], dim=-1)
         q, gate = q_and_gate.view(T, H, 2 * d).split([d, d], dim=-1)  # [T, H, d] each
         rot = rotary.rotary_dim
@@ -54,4 +58,4 @@ class GatedAttention(nn.Module):
             o = ops.attention_prefill(q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr,
                                       batch.cu_seqlens, self.scale)  # [T, H, d]
         o = o * torch.sigmoid(gate)  # the gate is per head and channel
-        return F.linear(o.reshape(T, H * d), self.o_proj)  # [T, hidden]
+        return linear(o.reshape(T, H * d), self.o_proj)  # [T, hidden]

@@ -14,12 +14,14 @@ from torch import nn
 
 from batchinfer.models.config import ModelConfig
 from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
+from batchinfer.models.layers.fp8_linear import block_aligned, linear, projection
 from batchinfer.models.layers.params import empty_param
 from kernels import ops
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig, cache_index: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, cache_index: int, dtype: torch.dtype, device: torch.device | str,
+                 fp8: frozenset[str] | None = None):
         super().__init__()
         self.cache_index = cache_index  # which conv / ssm / ring tensors of ModelCaches are ours
         self.num_k_heads = config.linear_num_key_heads
@@ -31,13 +33,27 @@ class GatedDeltaNet(nn.Module):
         value_dim = config.gdn_value_dim
         # Rows: q | k | v (the conv channels), z, b, a.
         self.split_sizes = [self.conv_dim, value_dim, self.num_v_heads, self.num_v_heads]
-        self.in_proj = empty_param(sum(self.split_sizes), config.hidden_size, dtype=dtype, device=device)
+        # fp8 (a quantized checkpoint; the names of this module's FP8 projections): b|a, which
+        # checkpoints keep unquantized and whose 2·H_v rows are no whole block, is then a
+        # projection of its own, `in_proj_ba`, and in_proj holds q|k|v|z.
+        self.in_proj_ba = None
+        if fp8 is None:
+            self.in_proj = empty_param(sum(self.split_sizes), config.hidden_size, dtype=dtype, device=device)
+        else:
+            K_dim, ratio = config.gdn_key_dim, self.num_v_heads // self.num_k_heads
+            aligned = block_aligned(K_dim, K_dim, value_dim, value_dim) and (
+                not config.fused_gdn_projections  # Qwen3-Next's per-key-head groups must be block aligned too
+                or block_aligned(self.k_head_dim, self.k_head_dim, ratio * self.v_head_dim, ratio * self.v_head_dim, 0))
+            self.in_proj = projection(self.conv_dim + value_dim, config.hidden_size, dtype=dtype, device=device,
+                                      fp8="in_proj" in fp8 and aligned)
+            self.in_proj_ba = empty_param(2 * self.num_v_heads, config.hidden_size, dtype=dtype, device=device)
         self.conv_weight = empty_param(self.conv_dim, config.linear_conv_kernel_dim, dtype=dtype, device=device)
         # The decay parameters stay fp32: exp(A_log) is sensitive and they are tiny.
         self.A_log = empty_param(self.num_v_heads, dtype=torch.float32, device=device)
         self.dt_bias = empty_param(self.num_v_heads, dtype=torch.float32, device=device)
         self.norm_weight = empty_param(self.v_head_dim, dtype=dtype, device=device)  # plain weight, not 1+w
-        self.out_proj = empty_param(config.hidden_size, value_dim, dtype=dtype, device=device)
+        self.out_proj = projection(config.hidden_size, value_dim, dtype=dtype, device=device,
+                                   fp8=fp8 is not None and "out_proj" in fp8)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         T = x.shape[0]
@@ -45,7 +61,11 @@ class GatedDeltaNet(nn.Module):
         j = self.cache_index
         # Views, not copies: every kernel (and reference) takes row strides, so the split and
         # the head reshapes below cost nothing.
-        mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(self.split_sizes, dim=-1)  # [T, D_conv] view
+        if self.in_proj_ba is None:
+            mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(self.split_sizes, dim=-1)  # [T, D_conv] view
+        else:
+            mixed_qkv, z = linear(x, self.in_proj).split(self.split_sizes[:2], dim=-1)
+            b, a = F.linear(x, self.in_proj_ba).split(self.split_sizes[2:], dim=-1)  # [T, H_v] views
         slots = batch.state_slots
         if batch.is_decode:
             mixed_qkv = ops.causal_conv1d_decode(mixed_qkv, self.conv_weight, None, caches.conv[j], slots)
@@ -68,4 +88,4 @@ class GatedDeltaNet(nn.Module):
                                 chunk_tables=batch.chunk_tables)  # [T, H_v, d_v]
 
         o = ops.gated_rms_norm(o, z.reshape(T, H_v, d_v), self.norm_weight, self.eps)  # [T, H_v, d_v]
-        return F.linear(o.reshape(T, H_v * d_v), self.out_proj)  # [T, hidden]
+        return linear(o.reshape(T, H_v * d_v), self.out_proj)  # [T, hidden]

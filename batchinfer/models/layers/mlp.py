@@ -20,20 +20,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.models.config import ModelConfig
+from batchinfer.models.layers.fp8_linear import Fp8Weight, block_aligned, dense_weight, linear, projection
 from batchinfer.models.layers.params import empty_param
 from kernels import cuda_capability, ops
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) · up(x)) with gate|up stacked row-wise in `gate_up` [2I, hidden]."""
-    return F.linear(ops.silu_mul(F.linear(x, gate_up)), down)  # [T, 2I] -> [T, I] -> [T, hidden]
+def swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """down(silu(gate(x)) · up(x)) with gate|up stacked row-wise in `gate_up` [2I, hidden]
+    (plain or `Fp8Weight` projections)."""
+    return linear(ops.silu_mul(linear(x, gate_up)), down)  # [T, 2I] -> [T, I] -> [T, hidden]
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device | str,
+                 fp8: frozenset[str] = frozenset()):
         super().__init__()
-        self.gate_up = empty_param(2 * intermediate, hidden, dtype=dtype, device=device)  # rows: gate | up
-        self.down = empty_param(hidden, intermediate, dtype=dtype, device=device)
+        self.gate_up = projection(2 * intermediate, hidden, dtype=dtype, device=device,  # rows: gate | up
+                                  fp8="gate_up" in fp8 and block_aligned(intermediate, intermediate))
+        self.down = projection(hidden, intermediate, dtype=dtype, device=device, fp8="down" in fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.gate_up, self.down)  # [T, hidden]
@@ -50,15 +54,26 @@ def _grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 fp8: frozenset[str] = frozenset()):
         super().__init__()
         E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.dtype = dtype
         self.num_experts, self.top_k = E, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.router = empty_param(E, H, dtype=dtype, device=device)
-        self.experts_gate_up = empty_param(E, 2 * I, H, dtype=dtype, device=device)  # per expert: gate | up
-        self.experts_down = empty_param(E, H, I, dtype=dtype, device=device)
-        self.shared_expert = DenseMLP(H, config.shared_expert_intermediate_size, dtype, device)
+        # FP8 experts stay FP8 in memory (they are most of an MoE model's bytes) and are
+        # dequantized per layer call for the grouped GEMM (no grouped FP8 kernel here).
+        if "experts_gate_up" in fp8 and block_aligned(I, I):
+            self.experts_gate_up = Fp8Weight(E, 2 * I, H, device=device)
+        else:
+            self.experts_gate_up = empty_param(E, 2 * I, H, dtype=dtype, device=device)  # per expert: gate | up
+        if "experts_down" in fp8:
+            self.experts_down = Fp8Weight(E, H, I, device=device)
+        else:
+            self.experts_down = empty_param(E, H, I, dtype=dtype, device=device)
+        shared = {name.removeprefix("shared_expert.") for name in fp8 if name.startswith("shared_expert.")}
+        self.shared_expert = DenseMLP(H, config.shared_expert_intermediate_size, dtype, device, frozenset(shared))
         self.shared_expert_gate = empty_param(1, H, dtype=dtype, device=device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,18 +104,20 @@ class SparseMoE(nn.Module):
         # would break CUDA-graph capture of decode steps).
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))  # [E]
+        experts_gate_up = dense_weight(self.experts_gate_up, self.dtype)  # [E, 2I, hidden]
+        experts_down = dense_weight(self.experts_down, self.dtype)  # [E, hidden, I]
         if _grouped_mm_supported(x):
             offsets = counts.cumsum(0).to(torch.int32)  # end of each expert's group
-            gate_up = torch._grouped_mm(x_sorted, self.experts_gate_up.transpose(1, 2), offs=offsets)  # [T·k, 2I]
+            gate_up = torch._grouped_mm(x_sorted, experts_gate_up.transpose(1, 2), offs=offsets)  # [T·k, 2I]
             # silu_mul's output is contiguous, as the grouped GEMM wants its operand.
-            y = torch._grouped_mm(ops.silu_mul(gate_up), self.experts_down.transpose(1, 2), offs=offsets)
+            y = torch._grouped_mm(ops.silu_mul(gate_up), experts_down.transpose(1, 2), offs=offsets)
         else:
             y = torch.empty_like(x_sorted)
             start = 0
             for expert, count in enumerate(counts.tolist()):
                 if count:
                     rows = slice(start, start + count)
-                    y[rows] = swiglu(x_sorted[rows], self.experts_gate_up[expert], self.experts_down[expert])
+                    y[rows] = swiglu(x_sorted[rows], experts_gate_up[expert], experts_down[expert])
                     start += count
         # fp32 products and sum (a transient [T·k, hidden] fp32: one prefill chunk's worth).
         y = y.float() * weights.reshape(-1)[order, None]  # [T·k, hidden]

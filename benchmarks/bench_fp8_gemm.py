@@ -1,0 +1,165 @@
+"""The FP8 block-scaled GEMM (kernels/fp8_gemm) against bf16 cuBLAS at the qwen3.5-27b projection shapes:
+
+    python -m benchmarks.bench_fp8_gemm            # H200: M = 256 (decode) and 8192 (prefill)
+    python -m benchmarks.bench_fp8_gemm --quick    # CPU smoke run (interpreter, tiny shapes)
+    python -m benchmarks.bench_fp8_gemm --sm90     # no GPU: compile both kernels for sm_90a, resources
+
+Per shape: bf16 `torch.matmul` TFLOP/s, ours end to end (activation quant + GEMM) with the
+default launch and with the best of a small launch sweep, the GEMM alone, the ratio over bf16,
+`torch._scaled_mm` with block scales where this torch accepts them, and the max error of ours
+against the fp32 dequantize-then-matmul reference (relative to the reference's max). Table last.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kernels.fp8_gemm import block_quantize, fp8_gemm_reference
+from kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, default_launch, fp8_block_matmul, quantize_act
+
+HIDDEN = 5120
+# (name, N, K) of the 27B's projections as the model runs them (fused rows).
+SHAPES_27B = [
+    ("attn qkv_proj", 2 * 24 * 256 + 2 * 4 * 256, HIDDEN),
+    ("attn o_proj", HIDDEN, 24 * 256),
+    ("gdn in_proj qkvz", 2 * 16 * 128 + 2 * 48 * 128, HIDDEN),
+    ("gdn out_proj", HIDDEN, 48 * 128),
+    ("mlp gate_up", 2 * 17408, HIDDEN),
+    ("mlp down", HIDDEN, 17408),
+]
+SWEEP = [Fp8GemmLaunch(bm, bn, w, s) for bm, bn, w, s in [
+    (64, 128, 4, 3), (64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
+    (128, 256, 8, 3), (128, 64, 4, 4), (32, 128, 4, 4)]]
+
+
+def time_ms(fn, device: str) -> float:
+    if device == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=10, rep=50)
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def scaled_mm_blockwise(xq, xs, w_q, w_s):
+    """torch._scaled_mm with 1x128 activation / 128x128 weight scales, or the reason it refuses."""
+    try:
+        fn = lambda: torch._scaled_mm(xq, w_q.t(), scale_a=xs.t().contiguous().t(), scale_b=w_s.t(),
+                                      out_dtype=torch.bfloat16)
+        fn()
+        return fn, ""
+    except Exception as err:  # the op's constraints vary by torch version and device
+        return None, str(err).splitlines()[0][:60]
+
+
+def bench_shape(name: str, M: int, N: int, K: int, device: str, sweep: list[Fp8GemmLaunch]) -> dict:
+    g = torch.Generator(device=device).manual_seed(M + N + K)
+    x = torch.randn(M, K, device=device, generator=g).bfloat16()
+    w = torch.randn(N, K, device=device, generator=g) * K ** -0.5
+    w_bf16 = w.bfloat16()
+    w_q, w_s = block_quantize(w)
+    del w
+    flop = 2 * M * N * K
+    row = {"shape": name, "M": M, "N": N, "K": K}
+    row["bf16_tflops"] = flop / time_ms(lambda: torch.matmul(x, w_bf16.t()), device) / 1e9
+    xq, xs = quantize_act(x)
+    ref = fp8_gemm_reference(x, w_q, w_s, torch.float32)
+    out = fp8_block_matmul(xq, xs, w_q, w_s, torch.float32)
+    row["rel_err"] = ((out - ref).abs().max() / ref.abs().max()).item()
+    del ref, out
+    best_ms, best = float("inf"), None
+    for launch in [default_launch(M, N, K)] + sweep:
+        ms = time_ms(lambda: fp8_block_matmul(xq, xs, w_q, w_s, launch=launch), device)
+        if launch == default_launch(M, N, K):
+            row["gemm_default_tflops"] = flop / ms / 1e9
+        if ms < best_ms:
+            best_ms, best = ms, launch
+    row["gemm_best_tflops"] = flop / best_ms / 1e9
+    row["best_launch"] = f"{best.block_m}x{best.block_n} w{best.num_warps} s{best.num_stages}"
+    end_to_end = lambda: fp8_block_matmul(*quantize_act(x), w_q, w_s, launch=best)
+    row["fp8_tflops"] = flop / time_ms(end_to_end, device) / 1e9
+    row["ratio"] = row["fp8_tflops"] / row["bf16_tflops"]
+    fn, why = scaled_mm_blockwise(xq, xs, w_q, w_s) if device == "cuda" else (None, "cpu")
+    row["scaled_mm_tflops"] = flop / time_ms(fn, device) / 1e9 if fn else float("nan")
+    row["scaled_mm_note"] = why
+    return row
+
+
+def compile_sm90(launch: Fp8GemmLaunch | None, k_tiles: int = HIDDEN // 128):
+    """Offline sm_90a compile (Triton's own ptxas, no GPU): the GEMM at `launch`, or the
+    activation-quant kernel when None. Returns the compiled kernel (`.asm["ptx"]`, `.metadata`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.fp8_gemm import triton_fp8 as kernels
+    if launch is None:
+        fn, types = kernels._quant_act_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+        constexprs, options = dict(BLOCK_G=8, GROUP_SIZE=128), {"num_warps": 4}
+    else:
+        fn = kernels._fp8_gemm_kernel
+        types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
+        constexprs = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=128, GROUP_M=launch.group_m,
+                          SCALE_BLOCK_N=128, K_TILES=k_tiles)
+        options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    divisible = [i for i, n in enumerate(names) if n not in constexprs]  # contiguous, sizes multiples of 16
+    source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def print_sm90() -> None:
+    import re
+
+    from benchmarks.sm90_compile import ptxas_resources
+    for launch in [None] + SWEEP:
+        kernel = compile_sm90(launch)
+        ptx = kernel.asm["ptx"]
+        registers, spills = ptxas_resources(ptx)
+        wgmma = len(re.findall(r"wgmma\.mma_async[^\n]*e4m3", ptx))
+        what = "quantize_act" if launch is None else (
+            f"gemm {launch.block_m}x{launch.block_n} w{launch.num_warps} s{launch.num_stages}")
+        print(f"{what:28} registers {registers:4d}  spill {spills:5d} B  smem {kernel.metadata.shared:7d} B  "
+              f"e4m3 wgmma {wgmma}")
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'shape':18} {'M':>5} {'N':>6} {'K':>6} {'bf16':>7} {'fp8':>7} {'ratio':>6} {'gemm':>7} "
+          f"{'gemm@def':>8} {'best launch':>16} {'_scaled_mm':>10} {'rel err':>8}  (TFLOP/s)")
+    for r in rows:
+        print(f"{r['shape']:18} {r['M']:5d} {r['N']:6d} {r['K']:6d} {r['bf16_tflops']:7.1f} {r['fp8_tflops']:7.1f} "
+              f"{r['ratio']:6.2f} {r['gemm_best_tflops']:7.1f} {r['gemm_default_tflops']:8.1f} {r['best_launch']:>16} "
+              f"{r['scaled_mm_tflops']:10.1f} {r['rel_err']:8.1e}")
+    notes = {r["scaled_mm_note"] for r in rows if r["scaled_mm_note"]}
+    for note in notes:
+        print(f"torch._scaled_mm (block scales): {note}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, no sweep")
+    parser.add_argument("--sm90", action="store_true", help="no GPU: compile for sm_90a and print resources")
+    args = parser.parse_args()
+    if args.sm90:
+        return print_sm90()
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    if args.quick:
+        cases = [("tiny", 16, 256, 384)]
+        sweep = []
+    else:
+        cases = [(name, M, N, K) for M in (256, 8192) for name, N, K in SHAPES_27B]
+        sweep = SWEEP
+    rows = []
+    for name, M, N, K in cases:
+        rows.append(bench_shape(name, M, N, K, device, sweep))
+        torch.cuda.empty_cache() if device == "cuda" else None
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""FP8 block-scaled GEMM (Qwen / DeepSeek fine-grained FP8): the op and its torch reference.
+
+`fp8_gemm(x [M, K], weight e4m3 [N, K], scale_inv fp32 [ceil(N/128), ceil(K/128)]) -> [M, N]`
+quantizes x per (token, 128-column group) on the fly (scale = amax / 448, e4m3) and
+multiplies with fp32 accumulation; output in x's dtype (or `out_dtype`). CUDA: the Triton
+kernels in `triton_fp8.py`; elsewhere (or `BATCHINFER_KERNELS=ref`) `fp8_gemm_reference`
+(dequantize, then an fp32 matmul). `block_quantize` / `block_dequantize` convert weights;
+`dequantize_weight` is `block_dequantize` with a Triton kernel on CUDA (one pass: 1 byte read,
+2 written per bf16 element; the model dequantizes FP8 routed experts with it).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.fp8_gemm.reference import (FP8_DTYPE, FP8_MAX, GROUP, block_dequantize, block_quantize,
+                                        fp8_gemm_reference, quantize_act_reference)
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "GROUP", "block_dequantize", "block_quantize", "dequantize_weight", "fp8_gemm",
+           "fp8_gemm_reference", "quantize_act", "quantize_act_reference"]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and os.environ.get("BATCHINFER_KERNELS") != "ref"
+
+
+def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (e4m3 [M, K], fp32 scales [M, ceil(K/128)])."""
+    if _use_triton(x):
+        from kernels.fp8_gemm.triton_fp8 import quantize_act as triton_quantize_act
+        return triton_quantize_act(x)
+    return quantize_act_reference(x)
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if _use_triton(x):
+        from kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
+        return triton_fp8_gemm(x, weight, scale_inv, out_dtype)
+    return fp8_gemm_reference(x, weight, scale_inv, out_dtype)
+
+
+def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 [..., N, K] · its 128 × 128 block scales → dtype (bit-identical to `block_dequantize`)."""
+    if _use_triton(q) and q.is_contiguous() and scale_inv.is_contiguous():
+        from kernels.fp8_gemm.triton_fp8 import block_dequantize as triton_block_dequantize
+        return triton_block_dequantize(q, scale_inv, dtype)
+    return block_dequantize(q, scale_inv, dtype)

@@ -1,0 +1,126 @@
+"""The FP8 block-scaled GEMM: activation quantization bit-exact against its reference, the
+Triton GEMM against the fp32 dequantize-then-matmul reference (interpreter on the CPU)."""
+import pytest
+import torch
+
+from kernels.fp8_gemm import (FP8_DTYPE, block_dequantize, block_quantize, fp8_gemm, fp8_gemm_reference,
+                              quantize_act_reference)
+from kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, fp8_block_matmul, quantize_act
+from kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
+
+SMALL = Fp8GemmLaunch(block_m=16, block_n=64, num_warps=4, num_stages=1, group_m=2)
+# The kernels run where the tests run: the interpreter on the CPU, the GPU when there is one.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Same quantized operands on both sides, only the summation order differs; Hopper's FP8
+# tensor cores accumulate each 128-deep step at reduced precision, hence the looser GPU bound.
+TOL = dict(rtol=1e-5, atol=1e-5) if DEVICE == "cpu" else dict(rtol=3e-3, atol=3e-3)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("M,K", [(7, 256), (5, 300), (1, 128)])
+def test_quantize_act_is_bit_exact(M, K):
+    g = torch.Generator().manual_seed(M * K)
+    x = (torch.randn(M, K, generator=g) * 3).bfloat16().to(DEVICE)
+    x[0, :7] = 0  # part of a group zero
+    if K >= 256:
+        x[-1, 128:256] = 0  # a whole group zero: the amax floor, not 0/0
+    # Values whose rounding carries into the next binade (e.g. 124 → 128 after scaling).
+    x[0, 10] = x[0].float().abs().max() * (124 / 448)
+    q, s = quantize_act(x)
+    q_ref, s_ref = quantize_act_reference(x)
+    assert q.dtype == FP8_DTYPE and s.shape == (M, -(-K // 128))
+    assert torch.equal(s, s_ref)
+    assert torch.equal(_bits(q), _bits(q_ref))
+
+
+def test_quantize_act_reads_row_strides():
+    x = torch.randn(6, 512).bfloat16().to(DEVICE)
+    view = x[:, 128:384]  # a column slice: row stride 512
+    q, s = quantize_act(view)
+    q_ref, s_ref = quantize_act_reference(view.contiguous())
+    assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(s, s_ref)
+
+
+def test_block_quantize_round_trip_within_e4m3_precision():
+    w = torch.randn(3, 200, 300) * 0.02
+    q, s = block_quantize(w)
+    assert q.shape == w.shape and s.shape == (3, 2, 3)
+    err = (block_dequantize(q, s) - w).abs()
+    # e4m3 keeps 3 mantissa bits: half an ulp is at most 2^-4 of the value's binade top.
+    assert (err <= w.abs() * 2 ** -4 + s.max() * 2 ** -9).all()
+
+
+@pytest.mark.parametrize("M,N,K", [(33, 200, 300), (1, 128, 256), (64, 96, 128)])
+def test_fp8_gemm_matches_the_fp32_reference(M, N, K):
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g).bfloat16().to(DEVICE)
+    w_q, w_s = block_quantize(torch.randn(N, K, generator=g).to(DEVICE) * K ** -0.5)
+    ref = fp8_gemm_reference(x, w_q, w_s, torch.float32)
+    out = triton_fp8_gemm(x, w_q, w_s, torch.float32, launch=SMALL)
+    torch.testing.assert_close(out, ref, **TOL)
+    # And the FP8 result is near the unquantized product (e4m3: ~2^-4 relative per operand).
+    exact = x.float() @ block_dequantize(w_q, w_s).t()
+    assert (ref - exact).abs().max() <= 0.1 * exact.abs().max()
+
+
+def test_fp8_gemm_writes_every_output():
+    M, N, K = 20, 136, 256  # ragged last row and column tiles
+    x = torch.randn(M, K).bfloat16().to(DEVICE)
+    w_q, w_s = block_quantize(torch.randn(N, K).to(DEVICE) * 0.1)
+    xq, xs = quantize_act(x)
+    out = torch.full((M, N), float("nan"), dtype=torch.float32, device=DEVICE)
+    fp8_block_matmul(xq, xs, w_q, w_s, launch=SMALL, out=out)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, fp8_gemm_reference(x, w_q, w_s, torch.float32), **TOL)
+
+
+def test_fp8_gemm_on_cpu_is_the_reference():
+    x = torch.randn(4, 256).bfloat16()
+    w_q, w_s = block_quantize(torch.randn(128, 256) * 0.1)
+    out = fp8_gemm(x, w_q, w_s)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, fp8_gemm_reference(x, w_q, w_s))
+
+
+def test_bad_scale_grid_is_refused():
+    x = torch.randn(4, 256).bfloat16().to(DEVICE)
+    w_q, w_s = block_quantize(torch.randn(128, 256).to(DEVICE))
+    with pytest.raises(AssertionError, match="one per 128x128 block"):
+        triton_fp8_gemm(x, w_q, w_s[:, :1], launch=SMALL)
+
+
+SM90_CHILD = """
+from benchmarks.bench_fp8_gemm import compile_sm90
+from kernels.fp8_gemm.triton_fp8 import default_launch
+import re
+print("cvt.rn.satfinite.e4m3x2" in compile_sm90(None).asm["ptx"])
+for M in (256, 8192):  # e4m3 tensor-core products (wgmma) at the decode and prefill launches
+    print(bool(re.search(r"wgmma\\.mma_async[^\\n]*e4m3", compile_sm90(default_launch(M, 5120, 5120)).asm["ptx"])))
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs code the compiler refuses (e.g. a plain global read in a kernel):
+    compile both kernels for sm_90a offline, in a child without the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.sm90_compile import PTXAS
+    if not os.path.exists(PTXAS):
+        pytest.skip("Triton ships no ptxas here")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-c", SM90_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["True"] * 3
+
+
+@pytest.mark.parametrize("shape", [(3, 256, 384), (200, 300)])
+def test_triton_dequantize_is_bit_exact(shape):
+    from kernels.fp8_gemm.triton_fp8 import block_dequantize as triton_block_dequantize
+    w_q, w_s = block_quantize(torch.randn(shape).to(DEVICE) * 0.3)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(triton_block_dequantize(w_q, w_s, dtype), block_dequantize(w_q, w_s, dtype))
