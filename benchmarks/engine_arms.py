@@ -16,7 +16,9 @@ Decode columns: ms per decode step (wall, as the engine runs: steps overlapped; 
 all decode steps), its byte roofline (weights — of an MoE stack only the experts the batch is
 expected to route to, E·(1 − (1 − k/E)^B) — + every sequence's KV + GDN state, at copy bandwidth), the same with KV that neighbouring rows share counted once ("once": what the
 shared-prefix attention reads), and the FLOP floor; then the median decode-only step at the
-full batch and the mean SM clock while the arm ran (nvidia-smi; the step time follows it).
+full batch and the mean SM clock while the arm ran (nvidia-smi; the step time follows it);
+with `--floor` (default on CUDA) that step's measured floor (benchmarks/decode_floor.py: its GEMMs
+timed alone + every other kernel's bytes at measured copy bandwidth) and the step over it.
 
 Arms: `recurrent+extra_buffer` (ReplaySSM off), `replay+no_buffer`, `replay+extra_buffer`;
 `--hf` adds transformers' generate (same shapes, its own random weights; batches of
@@ -39,6 +41,7 @@ from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
 from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.presets import PRESETS, random_model
+from benchmarks.decode_floor import floor_columns, print_floor, record_decode_rows, shared_meter
 from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.host_overhead import PhaseTimer
 
@@ -166,6 +169,7 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
     for _ in engine.generate(warm):
         pass
     requests = [Request(i, tuple(p), params, seed_key=i) for i, p in enumerate(prompts)]
+    rows_log = record_decode_rows(engine.runner) if getattr(args, "floor", False) else None
     before = engine.stats
     _sync(args.device)
     if args.device == "cuda":
@@ -209,6 +213,9 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
     # the requests fit, and it runs out of memory).
     del engine, timer
     _free(args.device)
+    if rows_log is not None:  # measured with the pools freed: the lm_head GEMM's operands alone are GBs
+        result.update(floor_columns(shared_meter(args.device), model, rows_log, result.get("full_batch_median_ms"),
+                                    replay=replay, ring_len=config.ring_len, ckpt_dtype=config.resolved_ckpt_dtype()))
     return result
 
 
@@ -268,7 +275,7 @@ def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch
 def print_table(rows: list[dict]) -> None:
     header = (f"{'workload':<9} {'arm':<24} {'hit%':>6} {'ideal%':>7} {'prompt tok/s':>13} {'out tok/s':>10} "
               f"{'wall s':>8} {'peak GiB':>9} {'running':>8} {'preempt':>8} {'dec ms/step':>11} {'roofline ms':>11} "
-              f"{'once ms':>8} {'flop ms':>8} {'dec batch':>9} {'full-batch med ms':>17} {'(x roofline)':>12} {'SM MHz':>7}")
+              f"{'once ms':>8} {'flop ms':>8} {'dec batch':>9} {'full-batch med ms':>17} {'(x roofline)':>12} {'SM MHz':>7} {'floor ms':>8} {'(x floor)':>9}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -279,7 +286,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('flop_floor_ms', float('nan')):8.2f} "
               f"{r.get('decode_batch', float('nan')):9.1f} "
               f"{r.get('full_batch_median_ms', float('nan')):17.2f} {r.get('full_batch_x_roofline', float('nan')):11.2f}x "
-              f"{r.get('sm_mhz', float('nan')):7.0f}")
+              f"{r.get('sm_mhz', float('nan')):7.0f} {r.get('floor_ms', float('nan')):8.2f} "
+              f"{r.get('step_x_floor', float('nan')):8.2f}x")
 
 
 def main() -> None:
@@ -300,7 +308,10 @@ def main() -> None:
     parser.add_argument("--preset", default=DEFAULT_PRESET, help="e.g. tiny, for a CPU smoke run")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--budget-bytes", type=int, default=None, help="pool budget (default: free memory)")
+    parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
+                        help="the full-batch step's measured floor (benchmarks/decode_floor.py); default: on CUDA")
     args = parser.parse_args()
+    args.floor = args.device == "cuda" if args.floor is None else args.floor
     layers = args.layers or (8 if args.quick else None)
     output_tokens = args.output_tokens or (32 if args.quick else 64)
 
@@ -313,6 +324,8 @@ def main() -> None:
         for arm in args.arms.split(","):
             rows.append({"workload": workload.name, **run_arm(model, arm, prompts, output_tokens, args)})
             print_table(rows[-1:])
+            if "floor" in rows[-1]:
+                print_floor(rows[-1]["floor"])
     del model
     _free(args.device)
     if args.hf:
