@@ -12,6 +12,9 @@ import pytest  # noqa: E402
 
 NEEDS_CUDA = "needs CUDA"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
+# A test that runs a Triton kernel on CPU tensors needs the interpreter, which is off where CUDA is.
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
+                                      reason="runs Triton on CPU tensors (the interpreter); gpu tests cover CUDA")
 
 
 def pytest_collection_modifyitems(items):

@@ -14,7 +14,7 @@ from kernels.attention import prefill_backends as apb
 from kernels.attention.prefill_backends import PrefillPolicy, Segment, attention_prefill_with, plan_segments
 from kernels.attention.prefill_fa import FaLaunch, attention_prefill_fa
 from kernels.ref import attention as ref_attention
-from tests.conftest import requires_cuda
+from tests.conftest import interpreter_only, requires_cuda
 from tests.test_kernels_attention import make_batch
 
 # Sequences: (context, new). Long runs (≥ MIN_RUN new) among short ones, with and without a
@@ -80,6 +80,7 @@ def test_policy_rejects_unknown_names():
 
 # ---------------------------------------------------------------- a split batch against the reference
 
+@interpreter_only
 def test_sequence_backend_split_batch_matches_reference():
     batch = make_batch(CONTEXTS, NEW, seed=3)
     calls = []
@@ -91,6 +92,7 @@ def test_sequence_backend_split_batch_matches_reference():
     torch.testing.assert_close(out, reference(batch), **FP32_TOL)
 
 
+@interpreter_only
 def test_packed_backend_matches_reference():
     batch = make_batch(CONTEXTS, NEW, seed=4)
     calls = []
@@ -101,6 +103,7 @@ def test_packed_backend_matches_reference():
     torch.testing.assert_close(out, reference(batch), **FP32_TOL)
 
 
+@interpreter_only
 @pytest.mark.parametrize("policy", [PrefillPolicy("sdpa-flash", min_run=MIN_RUN),
                                     PrefillPolicy("sdpa-flash", min_run=MIN_RUN, repeat_kv=True),
                                     PrefillPolicy("sdpa-flash", min_run=MIN_RUN, prefix_mask="dense")])
@@ -112,6 +115,7 @@ def test_run_sdpa_on_cpu_matches_reference(policy):
     torch.testing.assert_close(out, reference(batch), **FP32_TOL)
 
 
+@interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_public_op_off_cuda_runs_triton_whatever_the_policy(dtype):
     batch = make_batch(CONTEXTS, NEW, seed=6, dtype=dtype)
@@ -138,6 +142,7 @@ def test_host_lengths_cached_per_tensor_and_refreshed_on_rewrite():
 FA_CASES = [([65, 7, 64, 20], [3, 7, 64, 1]), ([63, 1, 33], [63, 1, 17]), (CONTEXTS, NEW)]
 
 
+@interpreter_only
 @pytest.mark.parametrize("launch", [FaLaunch(16, 16, 4, 1), FaLaunch(32, 16, 4, 1), FaLaunch(16, 32, 4, 1)], ids=str)
 @pytest.mark.parametrize("case", range(len(FA_CASES)))
 def test_fa_kernel_matches_reference(case, launch):
@@ -149,6 +154,7 @@ def test_fa_kernel_matches_reference(case, launch):
     torch.testing.assert_close(out, reference(batch), **FP32_TOL)
 
 
+@interpreter_only
 def test_fa_kernel_bf16_and_head_dim_not_a_power_of_two():
     batch = make_batch(CONTEXTS, NEW, seed=20, d=24, dtype=torch.bfloat16)
     out = attention_prefill_fa(batch.q, batch.k_cache, batch.v_cache, batch.kv_indices, batch.kv_indptr,
@@ -156,6 +162,7 @@ def test_fa_kernel_bf16_and_head_dim_not_a_power_of_two():
     torch.testing.assert_close(out.float(), reference(batch).float(), rtol=2e-2, atol=2e-2)
 
 
+@interpreter_only
 def test_fa_policy_runs_the_whole_batch_in_the_fa_kernel():
     batch = make_batch(CONTEXTS, NEW, seed=21)
     short_calls = []
