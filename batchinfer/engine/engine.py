@@ -333,13 +333,11 @@ class Engine:
         their cache). A row whose sequence already finished (it was fed once more while its
         stop token was in flight) is dropped."""
         done = []
-        stop_rules, max_len, cache = self.stop_rules, self.max_model_len, self.cache
+        stop_rules, max_len = self.stop_rules, self.max_model_len
         for seq, token in zip(seqs, tokens):
             if seq.finished:
                 continue
             seq.append_token(token)
-            if len(seq.tokens) <= seq.handle.num_tokens:  # already fed, its KV slot taken before it was known
-                cache.resolve_token(seq.handle, len(seq.tokens) - 1, token)
             p = seq.request.sampling
             outputs = len(seq.tokens) - seq.prompt_len
             # The common case decided here: a plain token, no stop strings, far from any limit.
