@@ -31,6 +31,9 @@ class SeqHandle:
     - `filled_tracks`: extra_buffer snapshots not yet donated: (position, slot) pairs, oldest
       first. Usually empty: a snapshot's slot is allocated by `track` and handed to the tree by
       the next `donate`; a running sequence otherwise holds its working slot only.
+    - `ring_cursor`: ReplaySSM only, the host mirror of the working slot's cursor (pending ring
+      entries): 0 at admission (the working state was copied folded, or zeroed), moved by
+      `StateCache.ring_steps` after each decode step, so folds are counted without a device read.
     """
 
     def __init__(self, key: Hashable, tokens: Sequence[int], kv_indices: torch.Tensor, working_slot: int,
@@ -45,6 +48,7 @@ class SeqHandle:
         self._kv[:self._num_kv] = kv_indices
         self.working_slot = working_slot
         self.filled_tracks: list[tuple[int, int]] = []
+        self.ring_cursor = 0
         self.locked_node = locked_node
         self.tree_len = resume_len
         self.resume_len = resume_len

@@ -52,6 +52,14 @@ class StateCache:
     tree's states after admission) except the one an admission is copying.
     Ownership: every KV slot and state slot is owned by exactly one of: a request, the tree, the
     free list; `audit()` checks it.
+    ReplaySSM cursor (pending ring entries of a slot; part of its state): on the device (the
+    pool's `cursor`, which the kernels read) the cache sets it to 0 wherever it copies or hands
+    over a state (admission, `track`, donation, no_buffer `finish`: `GdnStatePool.copy` /
+    `flush` / `reset_cursor`), and the model advances a decode step's slots after all layers
+    (`n ← n % L + 1`, a full ring folded first; it also folds pending entries before a prefill,
+    which the engine never leaves: a sequence prefills only before it decodes). On the host,
+    `SeqHandle.ring_cursor` mirrors the working slot's: 0 at admission, moved by `ring_steps`
+    once per decode step.
     """
 
     def __init__(self, kv_pool: KVPool, state_pool: GdnStatePool, config: CacheConfig = CacheConfig()) -> None:
@@ -171,6 +179,19 @@ class StateCache:
             seq._append_one(slot)
         self._note_peaks()
         return True
+
+    def ring_steps(self, seqs: Sequence[SeqHandle]) -> int:
+        """One ReplaySSM decode step ran on these sequences' working slots (the model advanced
+        their device cursors): advance the host mirrors the same way; returns how many found a
+        full ring (cursor == L), which the step folded into the checkpoint. 0 without ReplaySSM."""
+        ring_len = self.state_pool.shape.ring_len
+        if not ring_len:
+            return 0
+        folds = 0
+        for seq in seqs:
+            folds += seq.ring_cursor == ring_len
+            seq.ring_cursor = seq.ring_cursor % ring_len + 1
+        return folds
 
     def track(self, seq: SeqHandle, position: int) -> bool:
         """Snapshot the working state, which must be at exactly `position` tokens, into a state

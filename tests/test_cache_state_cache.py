@@ -189,6 +189,15 @@ def test_a_token_fed_before_its_id_is_known_is_cached_once_it_is():
     cache.audit()
 
 
+def test_ring_steps_mirror_the_cursor_and_count_full_rings():
+    cache = _cache()                                   # its pool's cursors start at 2 (garbage)
+    a = cache.admit("a", [1, 2, 3])
+    assert a.ring_cursor == 0 == int(cache.state_pool.cursor[a.working_slot])
+    folds = [cache.ring_steps([a]) for _ in range(2 * RING + 1)]
+    assert folds == [0] * RING + [1] + [0] * (RING - 1) + [1] and a.ring_cursor == 1
+    cache.finish(a)
+
+
 def test_admission_evicts_lru_but_never_a_running_prefix():
     cache = _cache(kv_slots=12, state_slots=7)
     old = cache.admit("old", [5, 5, 5, 5])

@@ -301,13 +301,11 @@ class Engine:
         return self.config.overlap_decode and not any(s.request.sampling.repetition_penalty != 1.0 for s in seqs)
 
     def _count_decode(self, seqs: list[Sequence], rows: DecodeRows) -> None:
-        """A decode step's counters, ReplaySSM ring folds included (each step moves every
+        """A decode step's counters, ReplaySSM ring folds included (the cache mirrors every
         row's ring cursor; a full ring is folded into the checkpoint by the step's kernel)."""
         self.tally.add(decode_steps=1, decode_seq_steps=len(seqs), decode_context_tokens=sum(rows.positions) + len(seqs),
-                       decode_shared_kv_tokens=sum(rows.shared_with_prev))
-        if self.config.replayssm:
-            ring_len = self.config.ring_len
-            self.tally.add(replayssm_flushes=sum(seq.ring_step(ring_len) for seq in seqs))
+                       decode_shared_kv_tokens=sum(rows.shared_with_prev),
+                       replayssm_flushes=self.cache.ring_steps([seq.handle for seq in seqs]))
 
     # ---- postprocess: logits → tokens → progress -------------------------------------------
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
