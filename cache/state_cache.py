@@ -201,10 +201,10 @@ class StateCache:
         untouched — its ring stays consistent with its own checkpoint, so its cursor must not be
         reset. If the sequence already holds two undonated snapshots, the older one is donated
         first (its tokens must be in the sequence's list by then, as for `donate`). Returns False
-        (nothing done) under no_buffer / without prefix caching, when
-        `position` is not past the part of the sequence already in the tree, or when no state
-        slot can be had even after eviction (counted as `tracks_skipped`: the state is simply not
-        cached, and later sequences that would have resumed there recompute).
+        (nothing done) under no_buffer / without prefix caching, when `position` is not past the
+        part of the sequence already in the tree, or when no state slot can be had even after
+        eviction (counted as `tracks_skipped`: the state is simply not cached, and later
+        sequences that would have resumed there recompute).
         """
         self._check_live(seq)
         if not self.config.tracks or not seq.tree_len < position <= seq.num_tokens:
@@ -264,9 +264,9 @@ class StateCache:
 
         `computed_len` (default: every token with a KV slot) is how many tokens the model has
         consumed, all of them in the sequence's list; KV slots of tokens past it are freed, not
-        cached. extra_buffer: tracked states are donated, then
-        the KV of all computed tokens is inserted (no state at the end). no_buffer: the working
-        state is flushed (cursor 0) and inserted at depth computed_len with that KV.
+        cached. extra_buffer: tracked states are donated, then the KV of all computed tokens is
+        inserted (no state at the end). no_buffer: the working state is flushed (cursor 0) and
+        inserted at depth computed_len with that KV.
         """
         self._check_live(seq)
         n = seq.num_tokens if computed_len is None else computed_len
@@ -353,7 +353,7 @@ class StateCache:
         """The tree keys cached KV by token id: inserting tokens[:length] needs each id known."""
         if length > len(seq.tokens):
             raise ValueError(f"sequence {seq.key!r}: {length} tokens to cache, but only "
-                             f"{len(seq.tokens)} are known (one is still on the device)")
+                             f"{len(seq.tokens)} are known (the rest are still on the device)")
 
     def _check_live(self, seq: SeqHandle) -> None:
         if id(seq) not in self._live:
