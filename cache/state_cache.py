@@ -11,7 +11,7 @@ from .audit import audit_state_cache
 from .cache_config import CacheConfig, CacheStats
 from .kv_pool import KVPool
 from .radix_tree import MatchResult, RadixNode, RadixTree
-from .seq_handle import AWAITED_TOKEN, SeqHandle
+from .seq_handle import SeqHandle
 from .state_pool import GdnStatePool
 
 _MAX_UNDONATED = 2  # tracked snapshots a sequence may hold before the oldest is donated for it
@@ -28,12 +28,17 @@ class StateCache:
     """Owns the radix tree and hands out pool slots to requests; the engine's only cache API.
 
     Lifecycle of a request (call everything between model steps, never during one):
-    1. `admit(key, prompt)` → `SeqHandle` or None (no room even after evicting). The handle's
-       working slot holds the state after `resume_len` prompt tokens (copied from the cache, or
-       zero); KV slots exist for the whole prompt; compute prompt[resume_len:].
-    2. Before each step that feeds new tokens beyond the prompt (decode), `append(seq, ids)`
-       allocates their KV slots (returned; None when there is no room — preempt someone).
-       Only append tokens that will be fed to the model.
+    1. `admit(key, tokens)` → `SeqHandle` or None (no room even after evicting). `tokens` is
+       the sequence's own token list: the handle keeps a reference to it, the caller alone
+       appends to it. The handle's working slot holds the state after `resume_len` tokens
+       (copied from the cache, or zero); KV slots exist for every token in the list now;
+       compute tokens[resume_len:].
+    2. Before each step that feeds new tokens beyond those (decode), `append(seq, n)` allocates
+       the KV slots of the next `n` tokens (returned; None when there is no room — preempt
+       someone). Only append tokens that will be fed to the model. Their ids are not needed
+       yet (a token may be fed while still on the device); the cache reads token ids from the
+       list only where it inserts into the tree, so every token below a position it inserts —
+       a donated snapshot's, `finish`'s `computed_len` — must be in the list by then.
     3. extra_buffer: after a step that leaves the working state at exactly `position` tokens,
        `track(seq, position)` snapshots it into a slot taken from the pool right then (evicting
        a cached state if needed; skipped if none can be had); `donate(seq)` hands the tracked
@@ -47,6 +52,14 @@ class StateCache:
     tree's states after admission) except the one an admission is copying.
     Ownership: every KV slot and state slot is owned by exactly one of: a request, the tree, the
     free list; `audit()` checks it.
+    ReplaySSM cursor (pending ring entries of a slot; part of its state): on the device (the
+    pool's `cursor`, which the kernels read) the cache sets it to 0 wherever it copies or hands
+    over a state (admission, `track`, donation, no_buffer `finish`: `GdnStatePool.copy` /
+    `flush` / `reset_cursor`), and the model advances a decode step's slots after all layers
+    (`n ← n % L + 1`, a full ring folded first; it also folds pending entries before a prefill,
+    which the engine never leaves: a sequence prefills only before it decodes). On the host,
+    `SeqHandle.ring_cursor` mirrors the working slot's: 0 at admission, moved by `ring_steps`
+    once per decode step.
     """
 
     def __init__(self, kv_pool: KVPool, state_pool: GdnStatePool, config: CacheConfig = CacheConfig()) -> None:
@@ -142,37 +155,43 @@ class StateCache:
         self._note_peaks()
         return seq
 
-    def append(self, seq: SeqHandle, token_ids: Sequence[int]) -> Optional[torch.Tensor]:
-        """KV slots for tokens about to be fed (int64 CPU, one per token), or None if no room."""
-        if not self.ensure_free(len(token_ids)):
+    def append(self, seq: SeqHandle, num_tokens: int) -> Optional[torch.Tensor]:
+        """KV slots for the next `num_tokens` tokens about to be fed (int64 CPU, one per token),
+        or None if no room."""
+        if not self.ensure_free(num_tokens):
             return None
-        kv = self.kv_pool.alloc(len(token_ids))
-        seq._extend(token_ids, kv)
+        kv = self.kv_pool.alloc(num_tokens)
+        seq._extend(kv)
         self._note_peaks()
         return kv
 
-    def append_many(self, seqs: Sequence[SeqHandle], token_ids: Sequence[int]) -> bool:
-        """One new token for each sequence (`token_ids[i]` for `seqs[i]`, a decode step): their KV
-        slots in one allocation, evicting once if needed. All or nothing: False (nothing taken)
-        when there is no room for every token even after eviction — fall back to `append` per
-        sequence to decide whom to preempt. Same slots, in the same order, as `append` one by one."""
-        if len(seqs) != len(token_ids):
-            raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} token ids")
+    def append_many(self, seqs: Sequence[SeqHandle]) -> bool:
+        """The KV slot of one more token for each sequence (a decode step), in one allocation,
+        evicting once if needed. All or nothing: False (nothing taken) when there is no room for
+        every token even after eviction — fall back to `append` per sequence to decide whom to
+        preempt. Same slots, in the same order, as `append(seq, 1)` one by one."""
         if not seqs:
             return True
         if not self.ensure_free(len(seqs)):
             return False
         kv = self.kv_pool.alloc(len(seqs)).tolist()  # one free-list pop for the whole batch
-        for seq, slot, token in zip(seqs, kv, token_ids):
-            seq._append_one(int(token), slot)
+        for seq, slot in zip(seqs, kv):
+            seq._append_one(slot)
         self._note_peaks()
         return True
 
-    def resolve_token(self, seq: SeqHandle, index: int, token_id: int) -> None:
-        """The real id of a token appended as `AWAITED_TOKEN` (fed while still on the device)."""
-        if seq.tokens[index] != AWAITED_TOKEN:
-            raise ValueError(f"token {index} is {seq.tokens[index]}, not awaited")
-        seq.tokens[index] = int(token_id)
+    def ring_steps(self, seqs: Sequence[SeqHandle]) -> int:
+        """One ReplaySSM decode step ran on these sequences' working slots (the model advanced
+        their device cursors): advance the host mirrors the same way; returns how many found a
+        full ring (cursor == L), which the step folded into the checkpoint. 0 without ReplaySSM."""
+        ring_len = self.state_pool.shape.ring_len
+        if not ring_len:
+            return 0
+        folds = 0
+        for seq in seqs:
+            folds += seq.ring_cursor == ring_len
+            seq.ring_cursor = seq.ring_cursor % ring_len + 1
+        return folds
 
     def track(self, seq: SeqHandle, position: int) -> bool:
         """Snapshot the working state, which must be at exactly `position` tokens, into a state
@@ -181,15 +200,17 @@ class StateCache:
         The snapshot is folded with cursor 0 (`GdnStatePool.copy`); the working slot is
         untouched — its ring stays consistent with its own checkpoint, so its cursor must not be
         reset. If the sequence already holds two undonated snapshots, the older one is donated
-        first. Returns False (nothing done) under no_buffer / without prefix caching, when
-        `position` is not past the part of the sequence already in the tree, or when no state
-        slot can be had even after eviction (counted as `tracks_skipped`: the state is simply not
-        cached, and later sequences that would have resumed there recompute).
+        first (its tokens must be in the sequence's list by then, as for `donate`). Returns False
+        (nothing done) under no_buffer / without prefix caching, when `position` is not past the
+        part of the sequence already in the tree, or when no state slot can be had even after
+        eviction (counted as `tracks_skipped`: the state is simply not cached, and later
+        sequences that would have resumed there recompute).
         """
         self._check_live(seq)
         if not self.config.tracks or not seq.tree_len < position <= seq.num_tokens:
             return False
         if len(seq.filled_tracks) >= _MAX_UNDONATED:
+            self._check_known(seq, seq.filled_tracks[0][0])
             self._donate_one(seq, *seq.filled_tracks.pop(0))
         slot = self._alloc_state(spare_expected=True)
         if slot is None:
@@ -203,11 +224,14 @@ class StateCache:
     def donate(self, seq: SeqHandle) -> int:
         """Give every tracked state to the tree node ending at its position; returns how many.
 
-        The tree takes the KV of tokens[:position] too; the sequence's kv_indices switch to the
-        tree's slots there (duplicates are freed) and its lock moves down to that node. A
-        snapshot the tree does not take (the node already has a state) goes back to the pool.
+        The tree takes the KV of tokens[:position] too (keyed by those ids: they must be in the
+        sequence's list); the sequence's kv_indices switch to the tree's slots there (duplicates
+        are freed) and its lock moves down to that node. A snapshot the tree does not take (the
+        node already has a state) goes back to the pool.
         """
         self._check_live(seq)
+        if seq.filled_tracks:
+            self._check_known(seq, max(p for p, _ in seq.filled_tracks))
         donated = 0
         while seq.filled_tracks:
             donated += self._donate_one(seq, *seq.filled_tracks.pop(0))
@@ -238,17 +262,17 @@ class StateCache:
     def finish(self, seq: SeqHandle, computed_len: Optional[int] = None) -> None:
         """The sequence is done: cache what the strategy keeps, free the rest, forget the handle.
 
-        `computed_len` (default: all tokens) is how many tokens the model has consumed; KV slots
-        of tokens past it are freed, not cached. extra_buffer: tracked states are donated, then
-        the KV of all computed tokens is inserted (no state at the end). no_buffer: the working
-        state is flushed (cursor 0) and inserted at depth computed_len with that KV.
+        `computed_len` (default: every token with a KV slot) is how many tokens the model has
+        consumed, all of them in the sequence's list; KV slots of tokens past it are freed, not
+        cached. extra_buffer: tracked states are donated, then the KV of all computed tokens is
+        inserted (no state at the end). no_buffer: the working state is flushed (cursor 0) and
+        inserted at depth computed_len with that KV.
         """
         self._check_live(seq)
         n = seq.num_tokens if computed_len is None else computed_len
         if not 0 <= n <= seq.num_tokens:
             raise ValueError(f"computed_len {n} outside 0..{seq.num_tokens}")
-        if AWAITED_TOKEN in seq.tokens[:n]:  # the tree would key cached KV by a made-up id
-            raise ValueError("finish before every awaited token was resolved")
+        self._check_known(seq, n)
         self.kv_pool.free(seq._truncate(max(n, seq.tree_len)))
         if not self.config.prefix_cache:
             self.abort(seq)
@@ -323,6 +347,13 @@ class StateCache:
             self.tree.unlock(seq.locked_node)
         seq.locked_node, seq.filled_tracks = None, []
         del self._live[id(seq)]
+
+    @staticmethod
+    def _check_known(seq: SeqHandle, length: int) -> None:
+        """The tree keys cached KV by token id: inserting tokens[:length] needs each id known."""
+        if length > len(seq.tokens):
+            raise ValueError(f"sequence {seq.key!r}: {length} tokens to cache, but only "
+                             f"{len(seq.tokens)} are known (the rest are still on the device)")
 
     def _check_live(self, seq: SeqHandle) -> None:
         if id(seq) not in self._live:

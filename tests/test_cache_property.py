@@ -58,7 +58,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = StateCache(kv, GdnStatePool(state_slots, shape), CacheConfig(mode=mode, prefix_cache=prefix_cache))
         self.external_locks = []  # (node, depth when locked, edge tokens when locked, edge KV when locked)
         for tokens, position in warmup:  # start from a populated tree: states for later matches to find
-            seq = self.cache.admit("warmup", tokens)
+            seq = self.cache.admit("warmup", list(tokens))
             self.cache.track(seq, min(position, len(tokens)))
             self.cache.finish(seq)
 
@@ -69,7 +69,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(tokens=TOKENS)
     def admit(self, tokens):
         expected = self.cache.match(tokens)
-        seq = self.cache.admit(len(self.cache.running), tokens)
+        seq = self.cache.admit(len(self.cache.running), list(tokens))  # the sequence's own list
         if seq is not None:
             assert seq.resume_len == expected.resume_len  # the reused prefix was locked before evicting
             assert int(self.cache.state_pool.cursor[seq.working_slot]) == 0
@@ -79,8 +79,10 @@ class CacheMachine(RuleBasedStateMachine):
     def append(self, data, tokens):
         seq = self._pick(data)
         before = seq.num_tokens
-        kv = self.cache.append(seq, tokens)
+        kv = self.cache.append(seq, len(tokens))
         assert seq.num_tokens == before + (0 if kv is None else len(tokens))
+        if kv is not None:
+            seq.tokens.extend(tokens)  # the owner's list: fed tokens' ids are known (no decode in flight here)
 
     @precondition(lambda self: self.cache.running)
     @rule(data=st.data())
@@ -88,8 +90,11 @@ class CacheMachine(RuleBasedStateMachine):
         """A decode step's batched reservation: all sequences grow by one, or none does."""
         seqs = data.draw(st.lists(st.sampled_from(self.cache.running), min_size=1, unique_by=id))
         before = [s.num_tokens for s in seqs]
-        grew = self.cache.append_many(seqs, [data.draw(st.integers(0, 2)) for _ in seqs])
+        ids = [data.draw(st.integers(0, 2)) for _ in seqs]
+        grew = self.cache.append_many(seqs)
         assert [s.num_tokens for s in seqs] == [n + grew for n in before]
+        for seq, token in zip(seqs, ids if grew else ()):
+            seq.tokens.append(token)
 
     @precondition(lambda self: self.cache.running)
     @rule(data=st.data())
@@ -110,7 +115,10 @@ class CacheMachine(RuleBasedStateMachine):
     def step_track_donate(self, data, tokens):
         """The engine's usual rhythm: feed tokens, snapshot the state where they end, donate it."""
         seq = self._pick(data)
-        if self.cache.append(seq, tokens) is not None and self.cache.track(seq, seq.num_tokens):
+        fed = self.cache.append(seq, len(tokens)) is not None
+        if fed:
+            seq.tokens.extend(tokens)
+        if fed and self.cache.track(seq, seq.num_tokens):
             assert self.cache.donate(seq) == 1 or self.cache.tree.match(seq.tokens + [0]).resume_len \
                 == seq.num_tokens  # not taken only because the node already had a state
             assert seq.tree_len == seq.num_tokens

@@ -24,6 +24,12 @@ def _tree_kv(cache, tokens):
     return cache.tree.match(tokens).kv_indices
 
 
+def _feed(cache, seq, ids):
+    """The engine's order: the ids join the sequence's own token list, then get KV slots."""
+    seq.tokens.extend(ids)
+    return cache.append(seq, len(ids))
+
+
 def test_admit_fresh_zeroes_working_state_and_allocates():
     cache = _cache()
     seq = cache.admit("a", [3, 1, 4, 1, 5])
@@ -39,7 +45,7 @@ def test_admit_fresh_zeroes_working_state_and_allocates():
 def test_extra_buffer_track_donate_finish_then_resume():
     cache = _cache()
     prompt = [7, 7, 1, 2, 3, 4, 5, 6, 9]
-    a = cache.admit("a", prompt)
+    a = cache.admit("a", list(prompt))
     assert cache.track(a, 6) and a.filled_tracks[0][0] == 6
     tracked_slot = a.filled_tracks[0][1]
     assert cache.donate(a) == 1
@@ -47,7 +53,7 @@ def test_extra_buffer_track_donate_finish_then_resume():
     assert a.state_slots() == [a.working_slot] and cache.state_pool.num_used == 2  # working + the tree's
     assert torch.equal(a.kv_indices[:6], _tree_kv(cache, prompt[:6]))
     cache.audit()
-    assert cache.append(a, [11]).numel() == 1
+    assert _feed(cache, a, [11]).numel() == 1
     cache.finish(a)
     cache.audit()
     assert cache.tree.num_kv_tokens == 10 and cache.tree.num_states == 1  # KV of prompt+output, one state
@@ -66,11 +72,11 @@ def test_extra_buffer_track_donate_finish_then_resume():
 def test_no_buffer_inserts_final_state_only():
     cache = _cache(mode="no_buffer")
     prompt = [1, 2, 3, 4, 5]
-    a = cache.admit("a", prompt)
+    a = cache.admit("a", list(prompt))
     assert not cache.track(a, 3) and cache.donate(a) == 0
     cache.state_pool.cursor[a.working_slot] = 3  # pending ring entries at finish
-    cache.append(a, [6])
-    cache.append(a, [7])
+    _feed(cache, a, [6])
+    _feed(cache, a, [7])
     cache.finish(a)
     node = cache.tree.match(prompt + [6, 7, 8]).state_node
     assert node.depth == 7 and int(cache.state_pool.cursor[node.state_slot]) == 0  # flushed
@@ -111,7 +117,7 @@ def test_abort_frees_everything_and_leaves_tree():
     cache.finish(a)
     tree_before = (cache.tree.num_kv_tokens, cache.tree.num_states)
     b = cache.admit("b", [1, 2, 3, 4, 9, 9, 9])
-    cache.append(b, [5])
+    _feed(cache, b, [5])
     cache.track(b, 6)
     cache.abort(b)
     assert (cache.tree.num_kv_tokens, cache.tree.num_states) == tree_before
@@ -153,11 +159,43 @@ def test_third_track_donates_the_oldest_first():
 def test_finish_with_uncomputed_tail_frees_it():
     cache = _cache()
     seq = cache.admit("a", [1, 2, 3])
-    cache.append(seq, [4])
+    _feed(cache, seq, [4])
     cache.track(seq, 4)
     cache.finish(seq, computed_len=3)
     assert cache.tree.num_kv_tokens == 3 and cache.tree.num_states == 0 and cache.kv_pool.num_used == 3
     cache.audit()
+
+
+def test_a_token_fed_before_its_id_is_known_is_cached_once_it_is():
+    """Decode overlap: a token's KV slot is taken while its id is still on the device. The handle
+    reads ids from the sequence's own list, so the tree takes that token only once it is there."""
+    cache = _cache()
+    tokens = [1, 2, 3]
+    seq = cache.admit("a", tokens)
+    assert seq.tokens is tokens                        # one list: the sequence's, by reference
+    cache.append(seq, 1)                               # the 4th token is fed; its id is not known
+    assert seq.num_tokens == 4 and len(tokens) == 3
+    with pytest.raises(ValueError, match="known"):
+        cache.finish(seq)
+    assert cache.track(seq, 4)
+    with pytest.raises(ValueError, match="known"):
+        cache.donate(seq)
+    cache.audit()                                      # neither took nor freed anything
+    assert seq.num_tokens == 4 and len(seq.filled_tracks) == 1
+    tokens.append(7)                                   # the id reaches the host
+    assert cache.donate(seq) == 1
+    cache.finish(seq)
+    assert cache.tree.match([1, 2, 3, 7, 0]).resume_len == 4 and cache.tree.num_kv_tokens == 4
+    cache.audit()
+
+
+def test_ring_steps_mirror_the_cursor_and_count_full_rings():
+    cache = _cache()                                   # its pool's cursors start at 2 (garbage)
+    a = cache.admit("a", [1, 2, 3])
+    assert a.ring_cursor == 0 == int(cache.state_pool.cursor[a.working_slot])
+    folds = [cache.ring_steps([a]) for _ in range(2 * RING + 1)]
+    assert folds == [0] * RING + [1] + [0] * (RING - 1) + [1] and a.ring_cursor == 1
+    cache.finish(a)
 
 
 def test_admission_evicts_lru_but_never_a_running_prefix():
@@ -249,7 +287,7 @@ def test_n_working_slots_and_two_cached_states_run_n_requests(n):
 def test_locked_node_state_evicted_under_pressure_but_not_its_kv():
     cache = _cache(kv_slots=64, state_slots=3)
     prompt = [1, 2, 3, 4, 5, 6, 7]
-    a = cache.admit("a", prompt)
+    a = cache.admit("a", list(prompt))
     assert _run_to(cache, a, [4]) == [True]            # a holds the node at 4 locked
     node = a.locked_node
     assert node.lock_ref == 1 and node.state_slot is not None
@@ -260,7 +298,7 @@ def test_locked_node_state_evicted_under_pressure_but_not_its_kv():
     assert node.lock_ref == 1 and torch.equal(a.kv_indices[:4], _tree_kv(cache, prompt[:4]))
     assert cache.match(prompt).kv_len == 4 and cache.match(prompt).resume_len == 0
     cache.audit()
-    cache.append(a, [8])
+    _feed(cache, a, [8])
     cache.finish(a)                                    # a is unaffected: it never reads the tree's state
     assert cache.match(prompt + [8, 0]).kv_len == 8
     cache.audit()
@@ -320,15 +358,15 @@ def test_append_many_takes_the_same_slots_as_one_append_per_sequence():
     fleet_a, fleet_b = _decode_fleet(batched), _decode_fleet(single)
     for step in range(40):  # past every handle's first buffer (2 × its prompt, at least 16)
         ids = [100 + 3 * step + i for i in range(3)]
-        assert batched.append_many(fleet_a, ids)
+        for seq, token in zip(fleet_a, ids):
+            seq.tokens.append(token)
+        assert batched.append_many(fleet_a)
         for seq, token in zip(fleet_b, ids):
-            single.append(seq, [token])
+            _feed(single, seq, [token])
         for a, b in zip(fleet_a, fleet_b):
-            assert a.tokens == b.tokens and torch.equal(a.kv_indices, b.kv_indices)
+            assert a.num_tokens == b.num_tokens and torch.equal(a.kv_indices, b.kv_indices)
     batched.audit()
-    assert batched.append_many([], [])
-    with pytest.raises(ValueError):
-        batched.append_many(fleet_a, [1])
+    assert batched.append_many([])
 
 
 def test_append_many_is_all_or_nothing_and_evicts_for_room():
@@ -336,12 +374,12 @@ def test_append_many_is_all_or_nothing_and_evicts_for_room():
     done = cache.admit("done", [9, 8, 7, 6, 5, 4])
     cache.finish(done)  # 6 evictable KV slots in the tree
     seqs = [cache.admit("a", [1] * 7), cache.admit("b", [2] * 9)]  # 24 - 6 - 16 = 2 free
-    assert cache.append_many(seqs, [3, 4]) and cache.kv_pool.num_free == 0
-    assert cache.append_many(seqs, [5, 6]) and cache.stats().kv_evicted_tokens >= 2  # evicted the tree's
+    assert cache.append_many(seqs) and cache.kv_pool.num_free == 0
+    assert cache.append_many(seqs) and cache.stats().kv_evicted_tokens >= 2  # evicted the tree's
     before = [s.kv_indices.clone() for s in seqs]
     cache.evict(100)  # nothing left to evict; then leave one free slot: room for one token, not two
     held = cache.kv_pool.alloc(cache.kv_pool.num_free - 1)
-    assert not cache.append_many(seqs, [7, 8])
+    assert not cache.append_many(seqs)
     assert cache.kv_pool.num_free == 1 and [s.num_tokens for s in seqs] == [9, 11]
     assert all(torch.equal(a, s.kv_indices) for a, s in zip(before, seqs))
     cache.kv_pool.free(held)
@@ -354,7 +392,7 @@ def test_pack_kv_concatenates_every_context():
     cache = _cache(kv_slots=200)
     seqs = _decode_fleet(cache, seed=1)
     for step in range(25):
-        cache.append_many(seqs, [step, step + 1, step + 2])
+        cache.append_many(seqs)
         order = [seqs[2], seqs[0], seqs[1]]
         assert torch.equal(pack_kv(order), torch.cat([s.kv_indices for s in order]))
     assert pack_kv([]).numel() == 0

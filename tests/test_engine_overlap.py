@@ -8,8 +8,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from batchinfer.engine import overlap as overlap_module
+from batchinfer.models.config import model_config_from_dict
+from batchinfer.models.presets import PRESETS, random_model
 from batchinfer.engine.types import Request, SamplingParams
 from tests.engine_utils import make_engine, requests_for, run, shared_prefix_prompts, tiny_model, tokens_of
 
@@ -142,3 +145,40 @@ def test_decode_rows_share_prefix_kv_as_promised(model):
     engine.runner.decode = checking_decode
     run(engine, requests_for(prompts, SamplingParams(max_tokens=5, ignore_eos=True)))
     assert max(seen) >= 70 and min(seen) == 0
+
+
+def _checking_ring_mirrors(engine):
+    """Wrap the decode launch: before each step, every row's host cursor (`SeqHandle.ring_cursor`)
+    equals its slot's device cursor; returns the list of rows checked."""
+    checked, decode = [], engine.runner.decode
+
+    def checking_decode(rows):
+        by_slot = {h.working_slot: h for h in engine.cache.running}
+        device = engine.cache.state_pool.cursor
+        for slot in rows.state_slots:
+            assert by_slot[slot].ring_cursor == int(device[slot]), slot
+            checked.append(by_slot[slot].ring_cursor)
+        return decode(rows)
+
+    engine.runner.decode = checking_decode
+    return checked
+
+
+@pytest.mark.parametrize("state_cache", ["extra_buffer", "no_buffer"])
+def test_host_ring_cursors_mirror_the_device(model, prompts, state_cache):
+    """The folds counted on the host (`replayssm_flushes`) are the device's: each running
+    sequence's host cursor follows its working slot's through admission and every step."""
+    engine = make_engine(model, state_cache=state_cache, ring_len=3, max_running=4)
+    checked = _checking_ring_mirrors(engine)
+    run(engine, requests_for(prompts, SamplingParams(max_tokens=9, ignore_eos=True)))
+    assert set(checked) == {0, 1, 2, 3} and engine.stats.replayssm_flushes > 0
+
+
+def test_host_ring_cursors_mirror_the_device_through_preemption():
+    """A preempted sequence is re-admitted on a fresh working slot: both cursors start at 0."""
+    config = model_config_from_dict({**PRESETS["tiny"], "full_attention_interval": 2})
+    model = random_model(config, torch.float32, "cpu", seed=3)
+    engine = make_engine(model, memory_budget_bytes=540_000, max_running=64, ring_len=3)
+    checked = _checking_ring_mirrors(engine)
+    run(engine, requests_for(shared_prefix_prompts(seed=5), SamplingParams(max_tokens=40, ignore_eos=True)))
+    assert engine.stats.preemptions > 0 and set(checked) == {0, 1, 2, 3}

@@ -326,13 +326,11 @@ class Engine:
         return self.config.overlap_decode and not any(s.request.sampling.repetition_penalty != 1.0 for s in seqs)
 
     def _count_decode(self, seqs: list[Sequence], rows: DecodeRows) -> None:
-        """A decode step's counters, ReplaySSM ring folds included (each step moves every
+        """A decode step's counters, ReplaySSM ring folds included (the cache mirrors every
         row's ring cursor; a full ring is folded into the checkpoint by the step's kernel)."""
         self.tally.add(decode_steps=1, decode_seq_steps=len(seqs), decode_context_tokens=sum(rows.positions) + len(seqs),
-                       decode_shared_kv_tokens=sum(rows.shared_with_prev))
-        if self.config.replayssm:
-            ring_len = self.config.ring_len
-            self.tally.add(replayssm_flushes=sum(seq.ring_step(ring_len) for seq in seqs))
+                       decode_shared_kv_tokens=sum(rows.shared_with_prev),
+                       replayssm_flushes=self.cache.ring_steps([seq.handle for seq in seqs]))
 
     # ---- postprocess: logits → tokens → progress -------------------------------------------
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
@@ -358,13 +356,11 @@ class Engine:
         their cache). A row whose sequence already finished (it was fed once more while its
         stop token was in flight) is dropped."""
         done = []
-        stop_rules, max_len, cache = self.stop_rules, self.max_model_len, self.cache
+        stop_rules, max_len = self.stop_rules, self.max_model_len
         for seq, token in zip(seqs, tokens):
             if seq.finished:
                 continue
             seq.append_token(token)
-            if len(seq.tokens) <= seq.handle.num_tokens:  # already fed, its KV slot taken before it was known
-                cache.resolve_token(seq.handle, len(seq.tokens) - 1, token)
             p = seq.request.sampling
             outputs = len(seq.tokens) - seq.prompt_len
             # The common case decided here: a plain token, no stop strings, far from any limit.

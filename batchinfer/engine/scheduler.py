@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.stats import StatsTally
 from batchinfer.engine.wait_queue import WaitQueue
-from cache.seq_handle import AWAITED_TOKEN
 
 _ADMISSION_SCAN_FACTOR = 4  # waiting entries inspected per free running place, per step
 
@@ -266,12 +265,10 @@ class Scheduler:
         False (`plan.needs_host_tokens`) when some are still in flight."""
         decoding = [seq for seq in self.running if seq.handle is not None and seq.pending == 1
                     and not seq.awaits_last_token(self.max_model_len)]
-        # The token fed now sits at index `computed`; the handle lacks its KV slot unless it is a
-        # prompt token (allocated at admission). A token still on the device goes in as
-        # AWAITED_TOKEN until the engine resolves it (StateCache.resolve_token).
-        needing = [seq for seq in decoding if seq.handle.num_tokens == seq.computed]
-        ids = [seq.tokens[seq.computed] if seq.computed < len(seq.tokens) else AWAITED_TOKEN for seq in needing]
-        if self.cache.append_many([seq.handle for seq in needing], ids):
+        # The token fed now sits at index `computed` (on the host, or still on the device); the
+        # handle lacks its KV slot unless it is a token the sequence was admitted with.
+        needing = [seq.handle for seq in decoding if seq.handle.num_tokens == seq.computed]
+        if self.cache.append_many(needing):
             plan.decode.extend(decoding)
             return True
         if any(seq.awaiting for seq in self.running):
@@ -284,7 +281,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.pending != 1 or seq.handle is None:
                 continue
-            missing = seq.tokens[seq.handle.num_tokens:]  # the last sampled token, not yet fed
+            missing = len(seq.tokens) - seq.handle.num_tokens  # the last sampled token, not yet fed
             while missing and self.cache.append(seq.handle, missing) is None:
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1:

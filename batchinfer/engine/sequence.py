@@ -24,13 +24,14 @@ class Sequence:
     leader: Optional["Sequence"]         # produces the state at `planned_reuse` (None: no reuse)
     unit_index: int = 0                  # the generate call's unit (plan window) this sample belongs to
     followers: dict[int, list["Sequence"]] = field(default_factory=dict, repr=False)  # checkpoint → who resumes there
-    tokens: list[int] = field(default_factory=list)  # prompt, then sampled outputs
+    # Prompt, then sampled outputs: the sequence's one token list (its cache handle reads it by
+    # reference). Tokens drawn by a decode step still in flight are not in it yet (`awaiting`).
+    tokens: list[int] = field(default_factory=list)
     handle: object = None                # cache.SeqHandle while running, else None
     computed: int = 0                    # leading tokens whose KV and GDN state are in place
     high_water: int = 0                  # most tokens ever computed; survives preemption
     cached_tokens: Optional[int] = None  # prompt tokens reused at the first admission
-    ring_cursor: int = 0                 # host mirror of the slot's ReplaySSM cursor
-    # Tokens drawn on the device by decode steps still in flight, not yet in `tokens` (engine
+    # Tokens drawn on the device by decode steps still in flight, behind `tokens` (engine
     # overlap: the next step is launched before the host reads this one's tokens).
     awaiting: int = 0
     # Memo: (previous row's handle, this handle, their tree_lens, shared KV positions): the decode
@@ -70,7 +71,6 @@ class Sequence:
         """Running on `handle` (a cache.SeqHandle): its first resume_len tokens are computed."""
         self.handle = handle
         self.computed = handle.resume_len
-        self.ring_cursor = 0  # admission copies or zeroes the working state: cursor 0
         if self.cached_tokens is None:
             self.cached_tokens = handle.resume_len
         self.high_water = max(self.high_water, self.computed)
@@ -104,13 +104,6 @@ class Sequence:
     def token_landed(self) -> None:
         """The host read a token that was in flight (it is appended next)."""
         self.awaiting -= 1
-
-    def ring_step(self, ring_len: int) -> bool:
-        """One ReplaySSM decode step on this sequence's slot; True when it folds a full ring
-        into the checkpoint (cursor == L). The host mirror of the kernel's cursor."""
-        folds = self.ring_cursor == ring_len
-        self.ring_cursor = self.ring_cursor % ring_len + 1
-        return folds
 
     def awaits_last_token(self, max_model_len: int) -> bool:
         """A token in flight will end this sequence by length: there is nothing more to feed."""
