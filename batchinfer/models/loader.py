@@ -79,12 +79,14 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
-def load_weights(model: HybridModel, path: str | Path, streamed: Optional[bool] = None) -> None:
+def load_weights(model: HybridModel, path: str | Path, streamed: bool = False) -> None:
     """Fill every parameter of `model` from the checkpoint at `path` (in place).
 
-    `streamed` (default: when the model is on CUDA) reads each file in large sequential reads
-    into pinned buffers and copies to the device asynchronously, overlapping disk and copies;
-    otherwise tensors are read one at a time from the memory-mapped file."""
+    By default tensors are read one at a time from the memory-mapped file: on the H200 that is at
+    disk speed from a cold page cache and 2.5x faster than `streamed` from a warm one
+    (docs/BENCHMARKS.md, "Cold start and weight loading"). `streamed=True` reads each file in
+    large sequential reads into pinned buffers with asynchronous copies to the device (9% faster
+    cold, slower warm)."""
     files = tensor_files(path)
     layout = detect_layout(model.config, files.keys())
     quantized_model = model.fp8_params is not None
@@ -100,8 +102,7 @@ def load_weights(model: HybridModel, path: str | Path, streamed: Optional[bool] 
 
     params = dict(model.named_parameters())
     filled = dict.fromkeys(params, 0)  # elements written per parameter, to prove full coverage
-    # FP8 weights are read with their scale tensors, one at a time; the rest stream on CUDA.
-    streamed = (streamed if streamed is not None else next(model.parameters()).is_cuda) and not scaled
+    streamed = bool(streamed) and not scaled  # FP8 weights are read with their scales, one at a time
     for file, tensors in by_file.items():
         if not file.exists():
             raise CheckpointError(f"file {file.name} (holding {tensors[0].name!r}) is missing from {path}")
