@@ -20,11 +20,11 @@ import click
 from rich.console import Console
 
 from batchinfer import __version__
-from jobs.errors import JobError, JobRuntimeError
-from jobs.output_lock import OutputLock
-from jobs.prepare import PreparedJob, prepare_job
-from jobs.runner import lock_output, run_job
-from jobs.spec import load_job_file
+from batchinfer.jobs.errors import JobError, JobRuntimeError
+from batchinfer.jobs.output_lock import OutputLock
+from batchinfer.jobs.prepare import PreparedJob, prepare_job
+from batchinfer.jobs.runner import lock_output, run_job
+from batchinfer.jobs.spec import load_job_file
 
 EXIT_RUNTIME_FAILURE = 1
 EXIT_BAD_INPUT = 2
@@ -133,8 +133,8 @@ def _lock_all(prepared: list[PreparedJob], held: ExitStack) -> dict[Path, Output
 def plan(job_file: Path, job_name: Optional[str], workers: Optional[int], per_window: bool,
          unit_rows: Optional[int]) -> None:
     """Tokenise and plan the jobs of JOB_FILE globally without loading a model."""
-    from jobs.global_plan import UnitConfig
-    from jobs.planning import plan_job_globally, render_global_plan, unit_config_with
+    from batchinfer.jobs.global_plan import UnitConfig
+    from batchinfer.jobs.planning import plan_job_globally, render_global_plan, unit_config_with
 
     # Planning writes nothing into the output folder, so an existing one is no reason to refuse.
     prepared = _prepare_all(job_file, job_name, overwrite=True)
@@ -151,7 +151,7 @@ def plan(job_file: Path, job_name: Optional[str], workers: Optional[int], per_wi
 def warmup(job_file: Path, job_name: Optional[str]) -> None:
     """Compile the Triton kernels the jobs of JOB_FILE need into the compile cache (TRITON_CACHE_DIR),
     without reading weights or inputs, so their first run starts warm."""
-    from jobs.warmup import warm_up_job_file
+    from batchinfer.jobs.warmup import warm_up_job_file
 
     try:
         warm_up_job_file(job_file, job_name, echo=click.echo)

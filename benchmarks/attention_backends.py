@@ -163,7 +163,7 @@ def _gather(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def prepare_triton(case: Case, block_m: int, block_n: int, num_warps: int) -> Prepared:
-    from kernels.attention import attention_prefill
+    from batchinfer.kernels.attention import attention_prefill
     out = _nan_like(case.q)
 
     def run():
@@ -379,7 +379,7 @@ def backend_runs(case: Case, wanted: set[str], quick: bool, args):
     if "flex" in wanted:
         yield "flex", None  # handled in run_flex: tries kernel options until one compiles
     if "fa" in wanted:
-        from kernels.attention.prefill_fa import AUTOTUNE, FaLaunch
+        from batchinfer.kernels.attention.prefill_fa import AUTOTUNE, FaLaunch
         launches = [FaLaunch(16, 16, 4, 1)] if quick else AUTOTUNE
         for c in launches:
             yield (f"fa[{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}]",
@@ -392,7 +392,7 @@ def backend_runs(case: Case, wanted: set[str], quick: bool, args):
 
 
 def prepare_fa(case: Case, launch) -> Prepared:
-    from kernels.attention.prefill_fa import attention_prefill_fa
+    from batchinfer.kernels.attention.prefill_fa import attention_prefill_fa
     out = _nan_like(case.q)
 
     def run():
@@ -402,7 +402,7 @@ def prepare_fa(case: Case, launch) -> Prepared:
 
 
 def prepare_op(case: Case, policy) -> Prepared:
-    from kernels.attention import prefill_backends as apb
+    from batchinfer.kernels.attention import prefill_backends as apb
     out = _nan_like(case.q)
 
     def run():
@@ -413,7 +413,7 @@ def prepare_op(case: Case, policy) -> Prepared:
 
 
 def op_policies(args):
-    from kernels.attention.prefill_backends import BACKENDS, PrefillPolicy
+    from batchinfer.kernels.attention.prefill_backends import BACKENDS, PrefillPolicy
     policies = [PrefillPolicy(b, min_run=args.min_run) for b in BACKENDS]
     policies.append(PrefillPolicy("sdpa-cudnn", min_run=args.min_run, repeat_kv=True))
     policies.append(PrefillPolicy("sdpa-cudnn", min_run=args.min_run, prefix_mask="dense"))

@@ -19,7 +19,7 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
 from benchmarks.engine_arms import build_model
-from kernels.attention import prefill_backends as apb
+from batchinfer.kernels.attention import prefill_backends as apb
 
 STEP_TOKENS = 8192
 GEMM_SUFFIXES = ("in_proj", "out_proj", "qkv_proj", "o_proj", "gate_up", "down", "gate", "shared_gate_up",

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from kernels.fp8_gemm import block_quantize, fp8_gemm_reference
-from kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, default_launch, fp8_block_matmul, quantize_act
+from batchinfer.kernels.fp8_gemm import block_quantize, fp8_gemm_reference
+from batchinfer.kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, default_launch, fp8_block_matmul, quantize_act
 
 HIDDEN = 5120
 # (name, N, K) of the 27B's projections as the model runs them (fused rows).
@@ -94,7 +94,7 @@ def compile_sm90(launch: Fp8GemmLaunch | None, k_tiles: int = HIDDEN // 128):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.fp8_gemm import triton_fp8 as kernels
+    from batchinfer.kernels.fp8_gemm import triton_fp8 as kernels
     if launch is None:
         fn, types = kernels._quant_act_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
         constexprs, options = dict(BLOCK_G=8, GROUP_SIZE=128), {"num_warps": 4}

@@ -32,12 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_replay_attn import bench_graph
-from kernels import activation as tri_act
-from kernels import conv1d as tri_conv
-from kernels.rmsnorm import rmsnorm as tri_norm
-from kernels.ref import activation as ref_act
-from kernels.ref import conv1d as ref_conv
-from kernels.ref import norm as ref_norm
+from batchinfer.kernels import activation as tri_act
+from batchinfer.kernels import conv1d as tri_conv
+from batchinfer.kernels.rmsnorm import rmsnorm as tri_norm
+from batchinfer.kernels.ref import activation as ref_act
+from batchinfer.kernels.ref import conv1d as ref_conv
+from batchinfer.kernels.ref import norm as ref_norm
 
 PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
 EPS = 1e-6

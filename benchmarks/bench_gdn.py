@@ -117,7 +117,7 @@ def _gdn_inputs(T: int, gen: torch.Generator):
 def _fla_runner(fla_fn, x, state0, batch_shape, cu=None):
     """A closure running fla on our inputs reshaped to `batch_shape` ([1, T] packed prefill, or
     [B, 1] decode); value heads grouped natively if this fla supports it, else q/k expanded."""
-    from kernels.ref.gdn import gdn_gates
+    from batchinfer.kernels.ref.gdn import gdn_gates
 
     g, beta = gdn_gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
     shaped = lambda t: t.reshape(*batch_shape, *t.shape[1:])  # noqa: E731
@@ -165,8 +165,8 @@ def _prefill_sweeps(quick: bool, big: bool):
     program walks the whole chain of chunks (1–2 programs per SM), so the big shape keeps the
     narrow blocks.
     """
-    from kernels.gdn_prefill import KernelLaunch as L
-    from kernels.gdn_prefill import StatePassLaunch as S
+    from batchinfer.kernels.gdn_prefill import KernelLaunch as L
+    from batchinfer.kernels.gdn_prefill import StatePassLaunch as S
 
     wy = [L(64, 1, 1), L(64, 2, 1)]  # the WY kernel has no d_v block; 1 warp: 255 regs, 160 B spill
     state = [
@@ -187,9 +187,9 @@ def _prefill_sweeps(quick: bool, big: bool):
 
 def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
     """(row at the default launch, sweep closure returning the row with its tuned time)."""
-    from kernels import gdn_prefill as ours
-    from kernels import ChunkTables
-    from kernels.ref import gdn as ref
+    from batchinfer.kernels import gdn_prefill as ours
+    from batchinfer.kernels import ChunkTables
+    from batchinfer.kernels.ref import gdn as ref
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     T = num_seqs * seq_len
@@ -266,8 +266,8 @@ DECODE_SWEEP = [
 
 
 def bench_decode(batch: int, fla, quick: bool):
-    from kernels import gdn_decode as ours
-    from kernels.ref import gdn as ref
+    from batchinfer.kernels import gdn_decode as ours
+    from batchinfer.kernels.ref import gdn as ref
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = _gdn_inputs(batch, gen)
@@ -325,8 +325,8 @@ CONV_DECODE_SWEEP = [(1, 256, 4), (1, 512, 4), (1, 1024, 4), (1, 128, 2), (1, 10
 
 
 def bench_conv(num_tokens: int, decode: bool, quick: bool):
-    from kernels import conv1d as ours
-    from kernels.ref import conv1d as ref
+    from batchinfer.kernels import conv1d as ours
+    from batchinfer.kernels.ref import conv1d as ref
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(num_tokens, D_CONV, device="cuda", generator=gen).bfloat16()
@@ -359,7 +359,7 @@ def bench_conv(num_tokens: int, decode: bool, quick: bool):
     row = Row(name, shape, ms, None, None, check=check, **rates(ms))
 
     def sweep() -> Row:
-        from kernels.conv1d import ConvLaunch
+        from batchinfer.kernels.conv1d import ConvLaunch
 
         print(f"sweep {name} {shape} (ConvLaunch(block_t, block_d, num_warps))")
         configs = [ConvLaunch(*c) for c in (CONV_DECODE_SWEEP if decode else CONV_PREFILL_SWEEP)]

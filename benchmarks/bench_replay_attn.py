@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels import attention as triton_attention
-from kernels import replay_ssm as triton_replay
-from kernels.attention import SharedPrefixLaunch
-from kernels.ref import attention as ref_attention
-from kernels.ref import replay as ref_replay
+from batchinfer.kernels import attention as triton_attention
+from batchinfer.kernels import replay_ssm as triton_replay
+from batchinfer.kernels.attention import SharedPrefixLaunch
+from batchinfer.kernels.ref import attention as ref_attention
+from batchinfer.kernels.ref import replay as ref_replay
 
 PEAK_BYTES_PER_S = 4.28e12  # H200 copy bandwidth measured by the lead
 

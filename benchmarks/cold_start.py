@@ -137,8 +137,8 @@ def child_main(out_path: Path, cli_args: list[str]) -> int:
     import batchinfer.engine.engine as engine_module
     import batchinfer.models.loader as loader
     import batchinfer.models.presets as presets
-    import jobs.global_run as global_run
-    import jobs.runner as runner
+    import batchinfer.jobs.global_run as global_run
+    import batchinfer.jobs.runner as runner
     imports_end = time.time()
 
     triton.knobs.runtime.jit_cache_hook = timeline.before_compile

@@ -237,9 +237,9 @@ MAKESPAN_JOBS = {
 
 def plan_token_prompts(prompts: list[np.ndarray], n: int, max_tokens: int, folder: Path):
     """The global plan's sort and cut over ready token ids (no tokenizer): (units, summary)."""
-    from jobs.global_plan import SortBudget, cut_units
-    from jobs.global_plan.external_sort import RunWriter, merge_runs
-    from jobs.global_plan.sorted_rows import iter_profile, write_sorted_rows
+    from batchinfer.jobs.global_plan import SortBudget, cut_units
+    from batchinfer.jobs.global_plan.external_sort import RunWriter, merge_runs
+    from batchinfer.jobs.global_plan.sorted_rows import iter_profile, write_sorted_rows
 
     budget = SortBudget()
     writer = RunWriter(folder / "runs", budget)
@@ -253,8 +253,8 @@ def plan_token_prompts(prompts: list[np.ndarray], n: int, max_tokens: int, folde
 
 
 def bench_makespan(folder: Path, workers: tuple[int, ...] = (2, 4, 8)) -> dict:
-    from jobs.executors.balance import predict_balance
-    from jobs.global_plan.units import unit_size_quantiles
+    from batchinfer.jobs.executors.balance import predict_balance
+    from batchinfer.jobs.global_plan.units import unit_size_quantiles
 
     results = {}
     for name, (make, n, max_tokens) in MAKESPAN_JOBS.items():

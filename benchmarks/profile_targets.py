@@ -29,7 +29,7 @@ def _prefill_inputs(num_seqs: int, seq_len: int):
 
 
 def run_prefill(reps: int, num_seqs=8, seq_len=2048):
-    from kernels import gdn_prefill
+    from batchinfer.kernels import gdn_prefill
     x, cu, slots, state0 = _prefill_inputs(num_seqs, seq_len)
     for _ in range(reps):
         gdn_prefill.gdn_prefill(**x, state=state0.clone(), slots=slots, cu_seqlens=cu)
@@ -46,7 +46,7 @@ def run_fla_prefill(reps: int, num_seqs=8, seq_len=2048):
 
 
 def run_decode(reps: int, batch=128):
-    from kernels import gdn_decode
+    from batchinfer.kernels import gdn_decode
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = _gdn_inputs(batch, gen)
     state = torch.randn(batch, H_V, D_K, D_V, device="cuda", generator=gen) * 0.1
@@ -58,7 +58,7 @@ def run_decode(reps: int, batch=128):
 
 def run_replay(reps: int, batch=128):
     from benchmarks.bench_replay_attn import GdnShape, cursor_cycle, make_replay_state, replay_steps
-    from kernels import replay_ssm
+    from batchinfer.kernels import replay_ssm
     shape = GdnShape()
     pools, step, params, slots = make_replay_state(shape, batch)
     cursors = cursor_cycle(pools[4], shape.ring)

@@ -28,8 +28,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import gdn_prefill as K
-from kernels.gdn_prefill import CHUNK, SUB, WY_KEY_STEP
+from batchinfer.kernels import gdn_prefill as K
+from batchinfer.kernels.gdn_prefill import CHUNK, SUB, WY_KEY_STEP
 
 H_K, H_V, D_K, D_V = 16, 48, 128, 128
 T = 32768

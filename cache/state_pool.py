@@ -6,8 +6,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from kernels import ops
-from kernels.ref.conv1d import conv_state_zeros
+from batchinfer.kernels import ops
+from batchinfer.kernels.ref.conv1d import conv_state_zeros
 
 from .shapes import GdnStateShape
 from .slot_owner import SlotPool

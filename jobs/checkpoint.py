@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from batchinfer.models.config import ModelConfigError, load_model_config
 from batchinfer.models.quantization import check_tensor_names, parse_quantization
-from jobs.errors import JobError, display_path
-from jobs.spec import DEMO_MODEL, JobSpec
+from batchinfer.jobs.errors import JobError, display_path
+from batchinfer.jobs.spec import DEMO_MODEL, JobSpec
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 SMALL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",

@@ -9,9 +9,9 @@ import zlib
 from typing import Any, Optional
 
 from batchinfer.engine.types import Request, RequestOutput, SamplingParams
-from jobs.outputs import SampleResult
-from jobs.reasoning import ReasoningSplit, split_reasoning
-from jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.outputs import SampleResult
+from batchinfer.jobs.reasoning import ReasoningSplit, split_reasoning
+from batchinfer.jobs.tokenizer import CheckpointTokenizer
 
 
 def seed_key(row_index: int, row_id: Any) -> int:

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.task_spec import EvalSpec, NormalizeOptions, TaskSpec
+from batchinfer.jobs.task_spec import EvalSpec, NormalizeOptions, TaskSpec
 
 CORRECT_COLUMN = "correct"
 CONTINUATION_LOGPROBS_COLUMN = "continuation_logprobs"  # filled by the engine's scoring (task: score)

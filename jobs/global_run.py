@@ -18,12 +18,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 from rich.console import Console
 
-from jobs.global_plan import PlanningProgress, SortBudget, UnitConfig, WorkPlan, build_work_plan
-from jobs.prepare import PreparedJob
-from jobs.resume import ResumeState
-from jobs.unit_inputs import ROW_UNITS_NAME, UnitInputs, build_unit_inputs, inputs_dir_for
-from jobs.unit_parts import DoneIndex, retire_foreign_unit_parts, write_done_index
-from jobs.unit_runner import UnitEngine, UnitRunner
+from batchinfer.jobs.global_plan import PlanningProgress, SortBudget, UnitConfig, WorkPlan, build_work_plan
+from batchinfer.jobs.prepare import PreparedJob
+from batchinfer.jobs.resume import ResumeState
+from batchinfer.jobs.unit_inputs import ROW_UNITS_NAME, UnitInputs, build_unit_inputs, inputs_dir_for
+from batchinfer.jobs.unit_parts import DoneIndex, retire_foreign_unit_parts, write_done_index
+from batchinfer.jobs.unit_runner import UnitEngine, UnitRunner
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from typing import Iterator, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.atomic_files import sha256_file
-from jobs.errors import JobError, display_path
+from batchinfer.jobs.atomic_files import sha256_file
+from batchinfer.jobs.errors import JobError, display_path
 
 GLOB_CHARS = set("*?[")
 

@@ -38,13 +38,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchinfer.engine.types import SamplingParams
-from jobs.atomic_files import write_atomically
-from jobs.errors import JobError, display_path
-from jobs.inputs import InputFiles
-from jobs.part_store import scan_parts
-from jobs.spec import BATCH_ERROR_COLUMN, BATCH_SEED_KEY_COLUMN, BATCH_TOKEN_IDS_COLUMN, JobSpec
-from jobs.task_spec import ENGINE_FEATURES, MAX_LOGPROBS
-from jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.atomic_files import write_atomically
+from batchinfer.jobs.errors import JobError, display_path
+from batchinfer.jobs.inputs import InputFiles
+from batchinfer.jobs.part_store import scan_parts
+from batchinfer.jobs.spec import BATCH_ERROR_COLUMN, BATCH_SEED_KEY_COLUMN, BATCH_TOKEN_IDS_COLUMN, JobSpec
+from batchinfer.jobs.task_spec import ENGINE_FEATURES, MAX_LOGPROBS
+from batchinfer.jobs.tokenizer import CheckpointTokenizer
 
 OUTPUT_NAME = "_batch_output.jsonl"
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"

@@ -25,9 +25,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.atomic_files import fsync_dir, write_atomically
-from jobs.part_store import PART_PATTERN, commit_part, part_name, record_path
-from jobs.resume import COMPACT_NAME
+from batchinfer.jobs.atomic_files import fsync_dir, write_atomically
+from batchinfer.jobs.part_store import PART_PATTERN, commit_part, part_name, record_path
+from batchinfer.jobs.resume import COMPACT_NAME
 
 FAN_IN = 64          # sources merged at once
 BATCH_ROWS = 1024    # rows read from a source at a time

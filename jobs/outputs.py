@@ -14,8 +14,8 @@ from typing import Callable, Optional
 
 import pyarrow as pa
 
-from jobs.atomic_files import TEMP_SUFFIX, write_atomically  # noqa: F401  (re-exported)
-from jobs.part_store import PART_PATTERN, commit_part, part_name  # noqa: F401  (re-exported)
+from batchinfer.jobs.atomic_files import TEMP_SUFFIX, write_atomically  # noqa: F401  (re-exported)
+from batchinfer.jobs.part_store import PART_PATTERN, commit_part, part_name  # noqa: F401  (re-exported)
 
 ROW_INDEX_COLUMN = "row_index"
 RESULT_SCHEMA = pa.schema([

@@ -31,12 +31,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from jobs.executors import (ExecutionReport, LocalExecutor, ProgressSnapshot, RayExecutor, RetryPolicy, UnitSpec,
+from batchinfer.jobs.executors import (ExecutionReport, LocalExecutor, ProgressSnapshot, RayExecutor, RetryPolicy, UnitSpec,
                             available_cores, local_placements, resolve_workers, visible_gpus)
-from jobs.global_plan import WorkPlan, work_dir_for
-from jobs.prepare import PreparedJob
-from jobs.spec import JobSpec
-from jobs.unit_worker import WORK_DIR_KEY, job_recipe
+from batchinfer.jobs.global_plan import WorkPlan, work_dir_for
+from batchinfer.jobs.prepare import PreparedJob
+from batchinfer.jobs.spec import JobSpec
+from batchinfer.jobs.unit_worker import WORK_DIR_KEY, job_recipe
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from jobs import spec_checks as check
-from jobs.executors.ray_executor import EXECUTORS, executor_problem
+from batchinfer.jobs import spec_checks as check
+from batchinfer.jobs.executors.ray_executor import EXECUTORS, executor_problem
 
 
 def workers_count(value: Any) -> Union[str, int]:

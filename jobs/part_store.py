@@ -24,7 +24,7 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.atomic_files import fsync_dir, fsync_file, sha256_file, temp_path, write_atomically
+from batchinfer.jobs.atomic_files import fsync_dir, fsync_file, sha256_file, temp_path, write_atomically
 
 PART_PATTERN = re.compile(r"^part-(\d+)\.parquet$")
 PART_NUMBER = re.compile(r"part-(\d+)\.parquet")  # in any name derived from a part's (records, asides)

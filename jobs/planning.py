@@ -21,14 +21,14 @@ from rich.console import Console
 from rich.table import Table
 
 from batchinfer.engine.planner import plan_prompts
-from jobs.executors.balance import Balance, predict_balance
-from jobs.global_plan import (GlobalPlanSummary, PlanningProgress, SortBudget, UnitConfig, WorkUnit, build_work_plan,
+from batchinfer.jobs.executors.balance import Balance, predict_balance
+from batchinfer.jobs.global_plan import (GlobalPlanSummary, PlanningProgress, SortBudget, UnitConfig, WorkUnit, build_work_plan,
                               open_matching_plan, work_dir_for)
-from jobs.global_plan.units import unit_size_quantiles
-from jobs.inputs import iter_windows
-from jobs.prompts import build_prompts
-from jobs.prepare import PreparedJob
-from jobs.runner import WINDOW_ROWS
+from batchinfer.jobs.global_plan.units import unit_size_quantiles
+from batchinfer.jobs.inputs import iter_windows
+from batchinfer.jobs.prompts import build_prompts
+from batchinfer.jobs.prepare import PreparedJob
+from batchinfer.jobs.runner import WINDOW_ROWS
 
 
 @dataclass(frozen=True)

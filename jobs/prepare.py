@@ -16,19 +16,19 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
-from jobs.checkpoint import check_checkpoint, checkpoint_fingerprint, resolve_checkpoint
-from jobs.errors import JobError, display_path
-from jobs.inputs import InputFiles, input_fingerprint, open_inputs
-from jobs.outputs import RESULT_COLUMNS
-from jobs.prompts import is_text, parse_template, template_can_format, template_columns
-from jobs.reasoning import ReasoningSplit, reasoning_split
-from jobs.resume import check_resumable
-from jobs.sampling_defaults import ResolvedSampling, resolve_sampling
-from jobs.spec import JobSpec, did_you_mean, openai_batch_input
-from jobs.openai_batch import open_batch_input
-from jobs.task_checks import check_task
-from jobs.task_spec import TaskSpec
-from jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.checkpoint import check_checkpoint, checkpoint_fingerprint, resolve_checkpoint
+from batchinfer.jobs.errors import JobError, display_path
+from batchinfer.jobs.inputs import InputFiles, input_fingerprint, open_inputs
+from batchinfer.jobs.outputs import RESULT_COLUMNS
+from batchinfer.jobs.prompts import is_text, parse_template, template_can_format, template_columns
+from batchinfer.jobs.reasoning import ReasoningSplit, reasoning_split
+from batchinfer.jobs.resume import check_resumable
+from batchinfer.jobs.sampling_defaults import ResolvedSampling, resolve_sampling
+from batchinfer.jobs.spec import JobSpec, did_you_mean, openai_batch_input
+from batchinfer.jobs.openai_batch import open_batch_input
+from batchinfer.jobs.task_checks import check_task
+from batchinfer.jobs.task_spec import TaskSpec
+from batchinfer.jobs.tokenizer import CheckpointTokenizer
 
 
 @dataclass(frozen=True)

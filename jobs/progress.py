@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.status import Status
 
-from jobs.outputs import SampleResult
+from batchinfer.jobs.outputs import SampleResult
 
 ETA_AFTER_SECONDS = 5.0
 

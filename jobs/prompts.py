@@ -18,8 +18,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jobs.spec import PromptSpec
-from jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.spec import PromptSpec
+from batchinfer.jobs.tokenizer import CheckpointTokenizer
 
 
 _AS_BYTES = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.string_view(): pa.binary_view()}

@@ -17,8 +17,8 @@ from typing import Optional
 
 import jinja2
 
-from jobs.spec import JobSpec
-from jobs.tokenizer import THINK_CLOSE, THINK_OPEN, CheckpointTokenizer
+from batchinfer.jobs.spec import JobSpec
+from batchinfer.jobs.tokenizer import THINK_CLOSE, THINK_OPEN, CheckpointTokenizer
 
 
 @dataclass(frozen=True)

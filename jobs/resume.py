@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from jobs.atomic_files import is_temp_name, write_atomically
-from jobs.errors import JobError, display_path
-from jobs.part_store import (DAMAGED_SUFFIX, PART_PATTERN, PARTS_DIR, damaged_path, record_path, scan_parts)
+from batchinfer.jobs.atomic_files import is_temp_name, write_atomically
+from batchinfer.jobs.errors import JobError, display_path
+from batchinfer.jobs.part_store import (DAMAGED_SUFFIX, PART_PATTERN, PARTS_DIR, damaged_path, record_path, scan_parts)
 
 MANIFEST_NAME = "_job.json"
 COMPACT_NAME = "_compact.json"  # an interrupted rewrite in input order (jobs/ordered_output.py)

@@ -25,22 +25,22 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
 from rich.console import Console
 
 from batchinfer.engine.types import Request, RequestOutput
-from jobs.errors import JobError, JobRuntimeError, display_path
-from jobs.eval_metrics import eval_stats, with_correct_column
-from jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
-from jobs.global_run import PlannedUnits, UnitsInProcess, plan_stats, plan_units, prepare_units, summed_counters
-from jobs.openai_batch import OUTPUT_NAME as BATCH_OUTPUT_NAME, write_batch_output
-from jobs.ordered_output import compact_in_input_order, finish_interrupted_compaction
-from jobs.output_lock import OutputBusy, OutputLock
-from jobs.outputs import PartWriter
-from jobs.part_store import PARTS_DIR, PartRecord, damaged_path, record_path, scan_parts
-from jobs.prepare import PreparedJob
+from batchinfer.jobs.errors import JobError, JobRuntimeError, display_path
+from batchinfer.jobs.eval_metrics import eval_stats, with_correct_column
+from batchinfer.jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
+from batchinfer.jobs.global_run import PlannedUnits, UnitsInProcess, plan_stats, plan_units, prepare_units, summed_counters
+from batchinfer.jobs.openai_batch import OUTPUT_NAME as BATCH_OUTPUT_NAME, write_batch_output
+from batchinfer.jobs.ordered_output import compact_in_input_order, finish_interrupted_compaction
+from batchinfer.jobs.output_lock import OutputBusy, OutputLock
+from batchinfer.jobs.outputs import PartWriter
+from batchinfer.jobs.part_store import PARTS_DIR, PartRecord, damaged_path, record_path, scan_parts
+from batchinfer.jobs.prepare import PreparedJob
 from batchinfer.engine.startup import listening, phase
-from jobs.progress import ProgressReporter
-from jobs.resume import STATS_NAME, ResumeState, check_resumable, prepare_output_dir, read_resume_state
-from jobs.spec import JobSpec, engine_config_kwargs, engine_settings_dict
-from jobs.stats import JobCounters, build_stats, render_summary, write_stats
-from jobs.window_run import WindowRun
+from batchinfer.jobs.progress import ProgressReporter
+from batchinfer.jobs.resume import STATS_NAME, ResumeState, check_resumable, prepare_output_dir, read_resume_state
+from batchinfer.jobs.spec import JobSpec, engine_config_kwargs, engine_settings_dict
+from batchinfer.jobs.stats import JobCounters, build_stats, render_summary, write_stats
+from batchinfer.jobs.window_run import WindowRun
 
 WINDOW_ROWS = 4096  # rows tokenised, planned and held in memory at a time
 
@@ -137,7 +137,7 @@ def _parallel_executor(job: PreparedJob, executor: Optional[UnitExecutor]) -> Op
     parallel = job.spec.parallel
     if parallel.executor != "ray" and _resolved_workers(job) <= 1:
         return None
-    from jobs.parallel_run import run_units_in_workers
+    from batchinfer.jobs.parallel_run import run_units_in_workers
 
     return run_units_in_workers
 
@@ -149,7 +149,7 @@ def _resolved_workers(job: PreparedJob) -> int:
     device = job.spec.engine.device
     if device == "cpu" or device.startswith("cuda:"):
         return 1  # auto means one engine per visible GPU; a pinned device is one engine
-    from jobs.executors.placement import visible_gpus
+    from batchinfer.jobs.executors.placement import visible_gpus
 
     return max(len(visible_gpus()), 1)
 
@@ -157,7 +157,7 @@ def _resolved_workers(job: PreparedJob) -> int:
 def _raise_interruption(report: Any) -> None:
     """Stop as for the signal that interrupted the workers (the parallel run's own rule)."""
     try:
-        from jobs.parallel_run import raise_interruption
+        from batchinfer.jobs.parallel_run import raise_interruption
     except ImportError:
         raise KeyboardInterrupt() from None
     raise_interruption(report)

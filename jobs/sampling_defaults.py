@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.engine.types import SamplingParams
-from jobs.errors import JobError
-from jobs.spec import SAMPLING_KEYS, JobSpec
+from batchinfer.jobs.errors import JobError
+from batchinfer.jobs.spec import SAMPLING_KEYS, JobSpec
 
 GENERATION_CONFIG = "generation_config.json"
 # generation_config.json keys our sampler implements (the same names in a job's `sampling:`)

@@ -17,12 +17,12 @@ import yaml
 
 from batchinfer.engine.config import EngineConfig, StateCacheMode
 from batchinfer.engine.types import SamplingParams
-from jobs import spec_checks as check
-from jobs.errors import JobError
-from jobs.parallel_spec import PARALLEL_KEYS, ParallelSpec
-from jobs.spec_checks import Checker, did_you_mean
-from jobs.task_spec import TASK_JOB_KEYS, TaskSpec, parse_task, split_task_sampling
-from jobs.yaml_loader import DuplicateKeyError, load_yaml
+from batchinfer.jobs import spec_checks as check
+from batchinfer.jobs.errors import JobError
+from batchinfer.jobs.parallel_spec import PARALLEL_KEYS, ParallelSpec
+from batchinfer.jobs.spec_checks import Checker, did_you_mean
+from batchinfer.jobs.task_spec import TASK_JOB_KEYS, TaskSpec, parse_task, split_task_sampling
+from batchinfer.jobs.yaml_loader import DuplicateKeyError, load_yaml
 
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
 DEMO_MODEL = "demo"

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from jobs.errors import JobError
+from batchinfer.jobs.errors import JobError
 
 
 def boolean(value: Any) -> bool:

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from batchinfer.engine.stats import process_peak_rss_bytes
-from jobs.atomic_files import write_atomically
+from batchinfer.jobs.atomic_files import write_atomically
 
 ENGINE_COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "theoretical_max_cached_tokens",
                    "discarded_kv_tokens", "states_tracked", "states_donated", "states_evicted",

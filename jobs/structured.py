@@ -28,8 +28,8 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-from jobs.task_spec import GrammarSpec
-from jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.task_spec import GrammarSpec
+from batchinfer.jobs.tokenizer import CheckpointTokenizer
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 

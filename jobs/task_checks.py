@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from jobs.errors import JobError
-from jobs.eval_metrics import CORRECT_COLUMN
-from jobs.prompts import is_text
-from jobs.spec import JobSpec, did_you_mean
-from jobs.task_spec import ENGINE_FEATURES
-from jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.errors import JobError
+from batchinfer.jobs.eval_metrics import CORRECT_COLUMN
+from batchinfer.jobs.prompts import is_text
+from batchinfer.jobs.spec import JobSpec, did_you_mean
+from batchinfer.jobs.task_spec import ENGINE_FEATURES
+from batchinfer.jobs.tokenizer import CheckpointTokenizer
 
 ENGINE_FEATURE_OF = {"sampling.logprobs": "logprobs", "task": "score"}  # else a grammar key: "grammar"
 
@@ -53,7 +53,7 @@ def check_task(spec: JobSpec, schema: pa.Schema, tokenizer: CheckpointTokenizer,
         if not is_text(dtype):
             raise fail("sampling.json_schema_column", f"column {grammar.value!r} must be text (JSON), got {dtype}")
     elif grammar is not None:
-        from jobs.structured import GrammarError, compile_grammar  # llguidance loads only for grammar jobs
+        from batchinfer.jobs.structured import GrammarError, compile_grammar  # llguidance loads only for grammar jobs
 
         try:
             compile_grammar(grammar, tokenizer, vocab_size)

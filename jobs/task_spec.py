@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from jobs import spec_checks as check
-from jobs.spec_checks import Checker
+from batchinfer.jobs import spec_checks as check
+from batchinfer.jobs.spec_checks import Checker
 
 # What the engine can do of a task's needs: "logprobs", "score", "grammar". Until the engine wires one,
 # a job (or batch line) needing it fails validation with one line; the engine's helper adds it here.

@@ -28,11 +28,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.atomic_files import fsync_dir, write_atomically
-from jobs.global_plan.store import SORTED_NAME, WorkPlan
-from jobs.inputs import iter_windows
-from jobs.outputs import ROW_INDEX_COLUMN
-from jobs.prepare import PreparedJob
+from batchinfer.jobs.atomic_files import fsync_dir, write_atomically
+from batchinfer.jobs.global_plan.store import SORTED_NAME, WorkPlan
+from batchinfer.jobs.inputs import iter_windows
+from batchinfer.jobs.outputs import ROW_INDEX_COLUMN
+from batchinfer.jobs.prepare import PreparedJob
 
 RECORD_NAME = "inputs.json"
 ROW_UNITS_NAME = "row_units.npy"

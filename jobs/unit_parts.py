@@ -24,9 +24,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobs.atomic_files import fsync_dir, write_atomically
-from jobs.global_plan import WorkPlan
-from jobs.part_store import UNIT_PART_PATTERN, PartRecord, part_name, record_path, unit_part_name
+from batchinfer.jobs.atomic_files import fsync_dir, write_atomically
+from batchinfer.jobs.global_plan import WorkPlan
+from batchinfer.jobs.part_store import UNIT_PART_PATTERN, PartRecord, part_name, record_path, unit_part_name
 
 RESUME_NAME = "resume.parquet"
 _DONE_SCHEMA = pa.schema([("unit_id", pa.int32()), ("row_index", pa.int64()), ("sample_index", pa.int32())])

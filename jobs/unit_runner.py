@@ -22,17 +22,17 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 import pyarrow as pa
 
 from batchinfer.engine.types import Request, RequestOutput
-from jobs.engine_io import error_result, output_result, row_request
-from jobs.executors.contract import ProgressDelta, UnitResult
-from jobs.eval_metrics import with_correct_column
-from jobs.global_plan import WorkPlan
-from jobs.openai_batch import row_sampling
-from jobs.outputs import RESULT_COLUMNS, RESULT_SCHEMA, ROW_INDEX_COLUMN, SampleResult
-from jobs.part_store import commit_part, unit_part_name
-from jobs.prepare import PreparedJob
-from jobs.prompts import row_ids
-from jobs.unit_inputs import UnitInputs
-from jobs.unit_parts import DoneIndex, chunk_rows, unit_part_committed
+from batchinfer.jobs.engine_io import error_result, output_result, row_request
+from batchinfer.jobs.executors.contract import ProgressDelta, UnitResult
+from batchinfer.jobs.eval_metrics import with_correct_column
+from batchinfer.jobs.global_plan import WorkPlan
+from batchinfer.jobs.openai_batch import row_sampling
+from batchinfer.jobs.outputs import RESULT_COLUMNS, RESULT_SCHEMA, ROW_INDEX_COLUMN, SampleResult
+from batchinfer.jobs.part_store import commit_part, unit_part_name
+from batchinfer.jobs.prepare import PreparedJob
+from batchinfer.jobs.prompts import row_ids
+from batchinfer.jobs.unit_inputs import UnitInputs
+from batchinfer.jobs.unit_parts import DoneIndex, chunk_rows, unit_part_committed
 
 
 class UnitEngine(Protocol):

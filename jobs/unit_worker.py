@@ -18,15 +18,15 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
-from jobs.executors.contract import ProgressSink, UnitResult, WorkerRecipe
-from jobs.executors.worker_loop import StopRequested
-from jobs.global_plan import open_work_plan, work_dir_for
-from jobs.outputs import SampleResult
-from jobs.prepare import PreparedJob, prepare_job
-from jobs.spec import JobSpec, load_job_file
-from jobs.unit_runner import SinkProgress, UnitRunner
+from batchinfer.jobs.executors.contract import ProgressSink, UnitResult, WorkerRecipe
+from batchinfer.jobs.executors.worker_loop import StopRequested
+from batchinfer.jobs.global_plan import open_work_plan, work_dir_for
+from batchinfer.jobs.outputs import SampleResult
+from batchinfer.jobs.prepare import PreparedJob, prepare_job
+from batchinfer.jobs.spec import JobSpec, load_job_file
+from batchinfer.jobs.unit_runner import SinkProgress, UnitRunner
 
-FACTORY = "jobs.unit_worker:build_job_worker"
+FACTORY = "batchinfer.jobs.unit_worker:build_job_worker"
 DEVICE_KEY = "engine.device"
 WORK_DIR_KEY = "work_dir"          # not a job key: where the parent's work plan is, when not <output>/_work
 # Test hooks, "SAMPLES:MARKER": the first worker (over all processes) that has finished SAMPLES samples
@@ -83,7 +83,7 @@ class JobUnitWorker:
         self.job: Optional[PreparedJob] = None
 
     def open(self, worker_index: int, device: str, progress: ProgressSink) -> None:
-        from jobs.runner import open_engine  # the runner imports the parallel path: import it late
+        from batchinfer.jobs.runner import open_engine  # the runner imports the parallel path: import it late
 
         recipe = self.recipe
         if recipe.job_file is None or recipe.job_name is None:

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from jobs.checkpoint import check_checkpoint, resolve_checkpoint
-from jobs.spec import JobSpec, engine_config_kwargs
+from batchinfer.jobs.checkpoint import check_checkpoint, resolve_checkpoint
+from batchinfer.jobs.spec import JobSpec, engine_config_kwargs
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,6 @@ def warm_up(specs: Sequence[JobSpec], echo: Callable[[str], None] = print) -> li
 
 
 def warm_up_job_file(job_file, job_name: Optional[str], echo: Callable[[str], None] = print) -> list[WarmupResult]:
-    from jobs.spec import load_job_file
+    from batchinfer.jobs.spec import load_job_file
 
     return warm_up(load_job_file(job_file).select(job_name), echo)

@@ -11,13 +11,13 @@ import bisect
 from typing import Any, Iterator
 
 from batchinfer.engine.types import Request
-from jobs.engine_io import error_result, output_result, row_request
-from jobs.inputs import RowWindow, iter_windows
-from jobs.openai_batch import row_sampling
-from jobs.outputs import PartWriter, SampleResult
-from jobs.prepare import PreparedJob
-from jobs.progress import ProgressReporter
-from jobs.prompts import build_prompts, row_ids
+from batchinfer.jobs.engine_io import error_result, output_result, row_request
+from batchinfer.jobs.inputs import RowWindow, iter_windows
+from batchinfer.jobs.openai_batch import row_sampling
+from batchinfer.jobs.outputs import PartWriter, SampleResult
+from batchinfer.jobs.prepare import PreparedJob
+from batchinfer.jobs.progress import ProgressReporter
+from batchinfer.jobs.prompts import build_prompts, row_ids
 
 
 class _OpenWindows:

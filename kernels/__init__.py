@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {  # name -> (module, attribute)
-    "ChunkTables": ("kernels._common", "ChunkTables"),
-    "cuda_capability": ("kernels._common", "cuda_capability"),
-    "PREFILL_CHUNK": ("kernels.gdn_prefill", "CHUNK"),
+    "ChunkTables": ("batchinfer.kernels._common", "ChunkTables"),
+    "cuda_capability": ("batchinfer.kernels._common", "cuda_capability"),
+    "PREFILL_CHUNK": ("batchinfer.kernels.gdn_prefill", "CHUNK"),
 }
 __all__ = sorted(_EXPORTS)
 

@@ -18,20 +18,20 @@ import torch
 
 # op -> (Triton package, reference module)
 OPS: dict[str, tuple[str, str]] = {
-    "rms_norm": ("kernels.rmsnorm", "kernels.ref.norm"),
-    "gated_rms_norm": ("kernels.rmsnorm", "kernels.ref.norm"),
-    "add_rms_norm": ("kernels.rmsnorm", "kernels.ref.norm"),
-    "rms_norm_rope": ("kernels.rope", "kernels.ref.rope"),
-    "silu_mul": ("kernels.activation", "kernels.ref.activation"),
-    "causal_conv1d_prefill": ("kernels.conv1d", "kernels.ref.conv1d"),
-    "causal_conv1d_decode": ("kernels.conv1d", "kernels.ref.conv1d"),
-    "gdn_prefill": ("kernels.gdn_prefill", "kernels.ref.gdn"),
-    "gdn_decode": ("kernels.gdn_decode", "kernels.ref.gdn"),
-    "replay_decode": ("kernels.replay_ssm", "kernels.ref.replay"),
-    "replay_fold": ("kernels.replay_ssm", "kernels.ref.replay"),
-    "store_kv": ("kernels.attention", "kernels.ref.attention"),
-    "attention_prefill": ("kernels.attention.prefill_backends", "kernels.ref.attention"),
-    "attention_decode": ("kernels.attention", "kernels.ref.attention"),
+    "rms_norm": ("batchinfer.kernels.rmsnorm", "batchinfer.kernels.ref.norm"),
+    "gated_rms_norm": ("batchinfer.kernels.rmsnorm", "batchinfer.kernels.ref.norm"),
+    "add_rms_norm": ("batchinfer.kernels.rmsnorm", "batchinfer.kernels.ref.norm"),
+    "rms_norm_rope": ("batchinfer.kernels.rope", "batchinfer.kernels.ref.rope"),
+    "silu_mul": ("batchinfer.kernels.activation", "batchinfer.kernels.ref.activation"),
+    "causal_conv1d_prefill": ("batchinfer.kernels.conv1d", "batchinfer.kernels.ref.conv1d"),
+    "causal_conv1d_decode": ("batchinfer.kernels.conv1d", "batchinfer.kernels.ref.conv1d"),
+    "gdn_prefill": ("batchinfer.kernels.gdn_prefill", "batchinfer.kernels.ref.gdn"),
+    "gdn_decode": ("batchinfer.kernels.gdn_decode", "batchinfer.kernels.ref.gdn"),
+    "replay_decode": ("batchinfer.kernels.replay_ssm", "batchinfer.kernels.ref.replay"),
+    "replay_fold": ("batchinfer.kernels.replay_ssm", "batchinfer.kernels.ref.replay"),
+    "store_kv": ("batchinfer.kernels.attention", "batchinfer.kernels.ref.attention"),
+    "attention_prefill": ("batchinfer.kernels.attention.prefill_backends", "batchinfer.kernels.ref.attention"),
+    "attention_decode": ("batchinfer.kernels.attention", "batchinfer.kernels.ref.attention"),
 }
 
 
@@ -53,7 +53,7 @@ def implementation(name: str, triton: bool) -> Callable:
         return getattr(_import_module(triton_module), name)
     except (ImportError, AttributeError) as err:
         raise KernelLoadError(
-            f"kernels.ops.{name}: the Triton kernel {triton_module}.{name} cannot load for a CUDA input "
+            f"batchinfer.kernels.ops.{name}: the Triton kernel {triton_module}.{name} cannot load for a CUDA input "
             f"({type(err).__name__}: {err}); fix the install, or set BATCHINFER_KERNELS=ref to run the "
             f"torch references on purpose") from err
 

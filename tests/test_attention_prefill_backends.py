@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import prefill_backends as apb
-from kernels.attention.prefill_backends import PrefillPolicy, Segment, attention_prefill_with, plan_segments
-from kernels.attention.prefill_fa import FaLaunch, attention_prefill_fa
-from kernels.ref import attention as ref_attention
+from batchinfer.kernels.attention import prefill_backends as apb
+from batchinfer.kernels.attention.prefill_backends import PrefillPolicy, Segment, attention_prefill_with, plan_segments
+from batchinfer.kernels.attention.prefill_fa import FaLaunch, attention_prefill_fa
+from batchinfer.kernels.ref import attention as ref_attention
 from tests.conftest import interpreter_only, requires_cuda
 from tests.test_kernels_attention import make_batch
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache import GdnStateShape, KVShape, build_pools, memory_budget, plan_pools, shapes_from_model_config
+from batchinfer.cache import GdnStateShape, KVShape, build_pools, memory_budget, plan_pools, shapes_from_model_config
 from batchinfer.models.config import model_config_from_dict
 
 TINY_CONFIG = {
@@ -120,7 +120,7 @@ def test_memory_budget_on_cpu_needs_a_total():
 
 
 def test_pool_budget_leaves_the_step_activations_free():
-    from cache.budget import pool_budget
+    from batchinfer.cache.budget import pool_budget
 
     gib = 2 ** 30
     # A big device: 90% of the free memory leaves far more than the activations need.

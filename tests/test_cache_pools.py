@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from batchinfer.models.forward_batch import ModelCaches
-from cache import DoubleFreeError, FreeList, GdnStatePool, GdnStateShape, KVPool, KVShape
-from kernels.ref.replay import replay_state
+from batchinfer.cache import DoubleFreeError, FreeList, GdnStatePool, GdnStateShape, KVPool, KVShape
+from batchinfer.kernels.ref.replay import replay_state
 from tests.conftest import requires_cuda
 
 H_K, H_V, D_K, D_V, RING = 1, 2, 3, 5, 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache import RadixTree
+from batchinfer.cache import RadixTree
 
 
 def _kv(start: int, n: int) -> torch.Tensor:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache import CacheConfig, GdnStatePool, GdnStateShape, KVPool, KVShape, StateCache
-from kernels import ops
-from kernels.ref.gdn import gdn_decode as gdn_decode_ref
+from batchinfer.cache import CacheConfig, GdnStatePool, GdnStateShape, KVPool, KVShape, StateCache
+from batchinfer.kernels import ops
+from batchinfer.kernels.ref.gdn import gdn_decode as gdn_decode_ref
 
 H_K, H_V, D_K, D_V, K_CONV, RING = 1, 2, 4, 4, 4, 4
 CONV_DIM = 2 * H_K * D_K + H_V * D_V

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache import CacheConfig, GdnStatePool, GdnStateShape, KVPool, KVShape, StateCache
+from batchinfer.cache import CacheConfig, GdnStatePool, GdnStateShape, KVPool, KVShape, StateCache
 
 RING = 4
 
@@ -387,7 +387,7 @@ def test_append_many_is_all_or_nothing_and_evicts_for_room():
 
 
 def test_pack_kv_concatenates_every_context():
-    from cache.seq_handle import pack_kv
+    from batchinfer.cache.seq_handle import pack_kv
 
     cache = _cache(kv_slots=200)
     seqs = _decode_fleet(cache, seed=1)

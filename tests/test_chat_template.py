@@ -11,10 +11,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from jobs.errors import JobError
-from jobs.prompts import build_prompts
-from jobs.spec import PromptSpec, load_job_file
-from jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.errors import JobError
+from batchinfer.jobs.prompts import build_prompts
+from batchinfer.jobs.spec import PromptSpec, load_job_file
+from batchinfer.jobs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, write_job_file
 
 THINKING_TEMPLATE = """{%- if messages[0].role == 'system' %}

@@ -13,7 +13,7 @@ from batchinfer.engine.planner import make_plan
 from batchinfer.engine.types import SamplingParams
 from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.presets import PRESETS, random_model
-from cache.shapes import shapes_from_model_config
+from batchinfer.cache.shapes import shapes_from_model_config
 from tests.engine_utils import TINY_VOCAB, make_engine, requests_for, run, shared_prefix_prompts, tiny_model, tokens_of
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
     from batchinfer.engine import precompile as P
-    from kernels.rmsnorm import rmsnorm
+    from batchinfer.kernels.rmsnorm import rmsnorm
 
     fn = rmsnorm.add_rms_norm_kernel
     signature = {name: "*bf16" for name in ("x_ptr", "delta_ptr", "w_ptr", "sum_ptr", "out_ptr")}
@@ -39,8 +39,8 @@ SCRIPT = textwrap.dedent("""
     specs = P.trace_specialisations(launches)
     assert triton.knobs.runtime.jit_cache_hook is None  # restored
     assert [(s.module, s.name, s.key) for s in specs] == [
-        ("kernels.rmsnorm.rmsnorm", "add_rms_norm_kernel", "key1024"),
-        ("kernels.rmsnorm.rmsnorm", "add_rms_norm_kernel", "key2048")]
+        ("batchinfer.kernels.rmsnorm.rmsnorm", "add_rms_norm_kernel", "key1024"),
+        ("batchinfer.kernels.rmsnorm.rmsnorm", "add_rms_norm_kernel", "key2048")]
     target = ("cuda", 90, 32)
     assert not any(P.is_cached(s, target) for s in specs)
     compiled = P.compile_all(specs, workers=int(sys.argv[1]), target=target)

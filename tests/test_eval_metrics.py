@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from jobs.errors import JobError
-from jobs.eval_metrics import accuracy, choice_correct, correct_values, exact_match, normalize_answer
-from jobs.prepare import prepare_job
-from jobs.runner import run_job
-from jobs.spec import load_job_file, parse_job_file
-from jobs.task_spec import EvalSpec, NormalizeOptions, TaskSpec
-from jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.errors import JobError
+from batchinfer.jobs.eval_metrics import accuracy, choice_correct, correct_values, exact_match, normalize_answer
+from batchinfer.jobs.prepare import prepare_job
+from batchinfer.jobs.runner import run_job
+from batchinfer.jobs.spec import load_job_file, parse_job_file
+from batchinfer.jobs.task_spec import EvalSpec, NormalizeOptions, TaskSpec
+from batchinfer.jobs.tokenizer import CheckpointTokenizer
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, write_job_file, write_parquet
 

@@ -3,10 +3,10 @@ Triton GEMM against the fp32 dequantize-then-matmul reference (interpreter on th
 import pytest
 import torch
 
-from kernels.fp8_gemm import (FP8_DTYPE, block_dequantize, block_quantize, fp8_gemm, fp8_gemm_reference,
+from batchinfer.kernels.fp8_gemm import (FP8_DTYPE, block_dequantize, block_quantize, fp8_gemm, fp8_gemm_reference,
                               quantize_act_reference)
-from kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, fp8_block_matmul, quantize_act
-from kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
+from batchinfer.kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, fp8_block_matmul, quantize_act
+from batchinfer.kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
 
 SMALL = Fp8GemmLaunch(block_m=16, block_n=64, num_warps=4, num_stages=1, group_m=2)
 # The kernels run where the tests run: the interpreter on the CPU, the GPU when there is one.
@@ -94,7 +94,7 @@ def test_bad_scale_grid_is_refused():
 
 SM90_CHILD = """
 from benchmarks.bench_fp8_gemm import compile_sm90
-from kernels.fp8_gemm.triton_fp8 import default_launch
+from batchinfer.kernels.fp8_gemm.triton_fp8 import default_launch
 import re
 print("cvt.rn.satfinite.e4m3x2" in compile_sm90(None).asm["ptx"])
 for M in (256, 8192):  # e4m3 tensor-core products (wgmma) at the decode and prefill launches
@@ -120,7 +120,7 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.parametrize("shape", [(3, 256, 384), (200, 300)])
 def test_triton_dequantize_is_bit_exact(shape):
-    from kernels.fp8_gemm.triton_fp8 import block_dequantize as triton_block_dequantize
+    from batchinfer.kernels.fp8_gemm.triton_fp8 import block_dequantize as triton_block_dequantize
     w_q, w_s = block_quantize(torch.randn(shape).to(DEVICE) * 0.3)
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(triton_block_dequantize(w_q, w_s, dtype), block_dequantize(w_q, w_s, dtype))

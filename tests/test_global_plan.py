@@ -18,16 +18,16 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-import jobs.global_plan.sorted_rows as sorted_rows_module
-import jobs.global_plan.spill as spill_module
+import batchinfer.jobs.global_plan.sorted_rows as sorted_rows_module
+import batchinfer.jobs.global_plan.spill as spill_module
 from batchinfer.cli import main
 from batchinfer.engine.planner import make_plan
-from jobs.global_plan import (PlanNotFound, PlanningProgress, SortBudget, UnitConfig, build_work_plan,
+from batchinfer.jobs.global_plan import (PlanNotFound, PlanningProgress, SortBudget, UnitConfig, build_work_plan,
                               open_matching_plan, open_work_plan, remove_work_dir, work_dir_for)
-from jobs.planning import plan_job, plan_job_globally
-from jobs.prepare import prepare_job
-from jobs.prompts import build_prompts
-from jobs.spec import load_job_file
+from batchinfer.jobs.planning import plan_job, plan_job_globally
+from batchinfer.jobs.prepare import prepare_job
+from batchinfer.jobs.prompts import build_prompts
+from batchinfer.jobs.spec import load_job_file
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, write_job_file, write_parquet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +186,7 @@ def test_a_changed_input_prompt_or_model_rebuilds_the_spill(tmp_path, checkpoint
 def test_workers_read_units_from_another_process(tmp_path, checkpoint):
     job = prepared(make_job(tmp_path, checkpoint, rag_rows(20, 4)))
     plan = build(job, tmp_path / "work")
-    script = ("import json, sys; from jobs.global_plan import open_work_plan; "
+    script = ("import json, sys; from batchinfer.jobs.global_plan import open_work_plan; "
               "plan = open_work_plan(sys.argv[1]); "
               "print(json.dumps([[r.row_index, r.token_ids, r.error] for u in plan.units "
               "for r in plan.read_unit(u.unit_id)]))")
@@ -204,9 +204,9 @@ def test_workers_read_units_from_another_process(tmp_path, checkpoint):
 KILLED_BUILD = """
 import sys
 from pathlib import Path
-from jobs.global_plan import SortBudget, UnitConfig, build_work_plan
-from jobs.prepare import prepare_job
-from jobs.spec import load_job_file
+from batchinfer.jobs.global_plan import SortBudget, UnitConfig, build_work_plan
+from batchinfer.jobs.prepare import prepare_job
+from batchinfer.jobs.spec import load_job_file
 job = prepare_job(load_job_file(Path(sys.argv[1])).jobs[0], overwrite=True)
 build_work_plan(job, Path(sys.argv[2]), UnitConfig(max_rows=40, min_rows=1),
                 budget=SortBudget(run_bytes=2000, merge_bytes=2000, fan_in=2), window_rows=20)

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.global_plan.external_sort import RunWriter, SortBudget, merge_runs
-from jobs.global_plan.keys import common_prefix_tokens, decode_key, encode_key
-from jobs.global_plan.sorted_rows import SortedRowsReader, row_group_rows_for, write_sorted_rows
+from batchinfer.jobs.global_plan.external_sort import RunWriter, SortBudget, merge_runs
+from batchinfer.jobs.global_plan.keys import common_prefix_tokens, decode_key, encode_key
+from batchinfer.jobs.global_plan.sorted_rows import SortedRowsReader, row_group_rows_for, write_sorted_rows
 
 token_lists = st.lists(st.integers(0, (1 << 32) - 1) | st.integers(0, 3), max_size=12)
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from batchinfer.engine.planner import make_plan
-from jobs.executors.balance import predict_balance
-from jobs.global_plan.keys import common_prefix_tokens, encode_key
-from jobs.global_plan.sorted_rows import SpillTotals
-from jobs.global_plan.units import UnitConfig, _row_quantities, cut_units
+from batchinfer.jobs.executors.balance import predict_balance
+from batchinfer.jobs.global_plan.keys import common_prefix_tokens, encode_key
+from batchinfer.jobs.global_plan.sorted_rows import SpillTotals
+from batchinfer.jobs.global_plan.units import UnitConfig, _row_quantities, cut_units
 
 
 def profile_of(prompts: list):

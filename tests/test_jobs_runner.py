@@ -11,14 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from jobs.errors import JobError, JobRuntimeError
-from jobs.outputs import RESULT_COLUMNS
+from batchinfer.jobs.errors import JobError, JobRuntimeError
+from batchinfer.jobs.outputs import RESULT_COLUMNS
 from batchinfer.engine.planner import plan_prompts
-from jobs.planning import plan_job
-from jobs.prepare import prepare_job
-from jobs.engine_io import cut_at_stop as _cut_at_stop
-from jobs.runner import run_job
-from jobs.spec import load_job_file
+from batchinfer.jobs.planning import plan_job
+from batchinfer.jobs.prepare import prepare_job
+from batchinfer.jobs.engine_io import cut_at_stop as _cut_at_stop
+from batchinfer.jobs.runner import run_job
+from batchinfer.jobs.spec import load_job_file
 from tests.fake_engine import FakeEngine, fake_tokens
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 

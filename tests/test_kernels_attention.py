@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import attention as triton_attention
-from kernels.ref import attention as ref_attention
+from batchinfer.kernels import attention as triton_attention
+from batchinfer.kernels.ref import attention as ref_attention
 from tests.conftest import requires_cuda
 
 # Tiny-shape kernel tests run compiled on a GPU, else in the Triton interpreter on the CPU.

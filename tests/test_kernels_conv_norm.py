@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import conv1d as tri_conv
-from kernels.rmsnorm import rmsnorm as tri_norm
-from kernels.ref import conv1d as ref_conv
-from kernels.ref import norm as ref_norm
+from batchinfer.kernels import conv1d as tri_conv
+from batchinfer.kernels.rmsnorm import rmsnorm as tri_norm
+from batchinfer.kernels.ref import conv1d as ref_conv
+from batchinfer.kernels.ref import norm as ref_norm
 from tests.conftest import requires_cuda
 
 # One path: the real kernels on CUDA, the Triton interpreter on CPU (tests/conftest.py). CPU tensors
@@ -88,7 +88,7 @@ def test_triton_conv_prefill_matches_reference(with_bias, entry_major):
 
 
 def test_triton_conv_prefill_with_shared_chunk_tables_matches_its_own():
-    from kernels._common import ChunkTables
+    from batchinfer.kernels._common import ChunkTables
 
     x, weight, bias, state, slots, cu = _conv_case(D=40, device=DEVICE, entry_major=True)
     tables = ChunkTables(cu, x.shape[0])

@@ -1,4 +1,4 @@
-"""kernels.ops dispatch: one table, the Triton kernel on CUDA (raising when it cannot load), the
+"""batchinfer.kernels.ops dispatch: one table, the Triton kernel on CUDA (raising when it cannot load), the
 torch reference on the CPU or under BATCHINFER_KERNELS=ref."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from kernels import ops
+from batchinfer.kernels import ops
 from tests.conftest import requires_cuda
 
 
@@ -46,7 +46,7 @@ def test_a_triton_kernel_that_cannot_load_raises_for_a_cuda_input(fresh_dispatch
     _fail_triton_imports(fresh_dispatch)
     fresh_dispatch.setattr(ops, "uses_triton", lambda t: True)  # as if the input lived on CUDA
     fresh_dispatch.delenv("BATCHINFER_KERNELS", raising=False)
-    with pytest.raises(ops.KernelLoadError, match=r"kernels\.ops\.rms_norm: the Triton kernel kernels\.rmsnorm"
+    with pytest.raises(ops.KernelLoadError, match=r"batchinfer\.kernels\.ops\.rms_norm: the Triton kernel batchinfer\.kernels\.rmsnorm"
                                                   r"\.rms_norm cannot load .*BATCHINFER_KERNELS=ref"):
         ops.rms_norm(*_rms_norm_inputs(), 1e-6)
 
@@ -54,7 +54,7 @@ def test_a_triton_kernel_that_cannot_load_raises_for_a_cuda_input(fresh_dispatch
 def test_cpu_inputs_and_the_ref_switch_run_the_reference_without_loading_triton(fresh_dispatch):
     _fail_triton_imports(fresh_dispatch)
     x, w = _rms_norm_inputs()
-    expected = importlib.import_module("kernels.ref.norm").rms_norm(x, w, 1e-6)
+    expected = importlib.import_module("batchinfer.kernels.ref.norm").rms_norm(x, w, 1e-6)
     assert torch.equal(ops.rms_norm(x, w, 1e-6), expected)  # CPU input
     fresh_dispatch.setenv("BATCHINFER_KERNELS", "ref")
     assert not ops.uses_triton(torch.empty(0, device="meta"))

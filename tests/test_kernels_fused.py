@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import activation as tri_act
-from kernels import ops
-from kernels.rmsnorm import rmsnorm as tri_norm
-from kernels.ref import activation as ref_act
-from kernels.ref import norm as ref_norm
+from batchinfer.kernels import activation as tri_act
+from batchinfer.kernels import ops
+from batchinfer.kernels.rmsnorm import rmsnorm as tri_norm
+from batchinfer.kernels.ref import activation as ref_act
+from batchinfer.kernels.ref import norm as ref_norm
 from tests.conftest import requires_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,8 +189,8 @@ def _rope_case(T: int, heads: int, d: int, rot: int, dtype: torch.dtype, seed: i
 @pytest.mark.parametrize("T, heads, d, rot", [(5, 3, 24, 8), (65, 2, 40, 40), (3, 1, 17, 6)])
 def test_triton_rms_norm_rope_matches_reference(poisoned_empty, dtype, T, heads, d, rot):
     """Partial rotation (rot < d), a fully rotated head (rot = d), d not a power of two."""
-    from kernels import rope as tri_rope
-    from kernels.ref import rope as ref_rope
+    from batchinfer.kernels import rope as tri_rope
+    from batchinfer.kernels.ref import rope as ref_rope
 
     x, weight, cos, sin = _rope_case(T, heads, d, rot, dtype, seed=T + d)
     expect = ref_rope.rms_norm_rope(x, weight, cos, sin, EPS, rot)
@@ -203,7 +203,7 @@ def test_triton_rms_norm_rope_matches_reference(poisoned_empty, dtype, T, heads,
 def test_reference_rms_norm_rope_is_norm_then_rotation():
     """The reference equals its definition: rms_norm, then rotate-half on the first rot channels
     (checked against an explicit complex-number rotation of each pair)."""
-    from kernels.ref import rope as ref_rope
+    from batchinfer.kernels.ref import rope as ref_rope
 
     x, weight, cos, sin = _rope_case(4, 2, 12, 8, torch.float32, seed=3)
     got = ref_rope.rms_norm_rope(x, weight, cos, sin, EPS, 8)
@@ -217,8 +217,8 @@ def test_reference_rms_norm_rope_is_norm_then_rotation():
 @requires_cuda
 def test_triton_rms_norm_rope_27b_shape(poisoned_empty):
     """qwen3.5-27b attention: 24 query heads × 256, rotary 64 channels, batch 256, bf16."""
-    from kernels import rope as tri_rope
-    from kernels.ref import rope as ref_rope
+    from batchinfer.kernels import rope as tri_rope
+    from batchinfer.kernels.ref import rope as ref_rope
 
     x, weight, cos, sin = _rope_case(256, 24, 256, 64, torch.bfloat16, seed=11)
     expect = ref_rope.rms_norm_rope(x, weight, cos, sin, EPS, 64)

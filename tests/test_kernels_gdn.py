@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 
-from kernels import gdn_decode as tri_decode
-from kernels import gdn_prefill as tri_prefill
-from kernels._common import ChunkTables, KernelLaunch, chunk_table, chunk_table_for
-from kernels.ref import gdn as ref
+from batchinfer.kernels import gdn_decode as tri_decode
+from batchinfer.kernels import gdn_prefill as tri_prefill
+from batchinfer.kernels._common import ChunkTables, KernelLaunch, chunk_table, chunk_table_for
+from batchinfer.kernels.ref import gdn as ref
 from tests.conftest import requires_cuda
 
 # One path: the real kernels on CUDA, the Triton interpreter on CPU (tests/conftest.py). CPU tensors

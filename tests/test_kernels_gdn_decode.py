@@ -18,9 +18,9 @@ import pytest
 import torch
 import triton
 
-from kernels.gdn_decode import decode as tri
-from kernels._common import KernelLaunch, multiprocessor_count
-from kernels.ref import gdn as ref
+from batchinfer.kernels.gdn_decode import decode as tri
+from batchinfer.kernels._common import KernelLaunch, multiprocessor_count
+from batchinfer.kernels.ref import gdn as ref
 from tests.conftest import requires_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

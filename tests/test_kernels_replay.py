@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from kernels import replay_ssm as triton_replay
-from kernels.ref import replay as ref_replay
-from kernels.ref.gdn import gdn_recurrent_reference
+from batchinfer.kernels import replay_ssm as triton_replay
+from batchinfer.kernels.ref import replay as ref_replay
+from batchinfer.kernels.ref.gdn import gdn_recurrent_reference
 from tests.conftest import requires_cuda
 
 IMPLS = {"ref": ref_replay, "triton": triton_replay}

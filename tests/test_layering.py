@@ -4,7 +4,7 @@ A module may import its own layer and any layer below it (skipping layers is fin
 the engine and the cache may import each other; the cache and the model sit side by side under
 the engine (the cache owns the pools' tensors, the model reads them through `ModelCaches`, which
 the model side builds). Lazy imports inside functions count: ast sees every import statement.
-Outside `kernels/`, kernel helpers come through the package (`from kernels import ChunkTables`),
+Outside `kernels/`, kernel helpers come through the package (`from batchinfer.kernels import ChunkTables`),
 never through its private modules.
 """
 from __future__ import annotations
@@ -14,18 +14,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("batchinfer", "jobs", "cache", "kernels")
+# The top-level folders kernels/, cache/ and jobs/ are the packages batchinfer.kernels etc.
+INSTALLED_UNDER_BATCHINFER = ("jobs", "cache", "kernels")
 
 # Longest prefix wins: batchinfer.engine is the engine, batchinfer.cli the CLI.
 LAYER_OF_PREFIX = {
     "batchinfer": "cli",
-    "jobs": "jobs",
+    "batchinfer.jobs": "jobs",
     "batchinfer.engine": "engine",
-    "cache": "cache",
+    "batchinfer.cache": "cache",
     "batchinfer.models": "models",
     # The demo checkpoint builder: it writes a model folder from batchinfer.models and imports
     # nothing above it; jobs resolves `model: demo` through it.
     "batchinfer.demo": "models",
-    "kernels": "kernels",
+    "batchinfer.kernels": "kernels",
 }
 # Each layer and the layers it may import (besides itself).
 MAY_IMPORT = {
@@ -48,6 +50,8 @@ def layer_of(module: str) -> str | None:
 
 def module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[0] in INSTALLED_UNDER_BATCHINFER:
+        parts.insert(0, "batchinfer")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -89,7 +93,7 @@ def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
                 continue
             if dest != source and dest not in MAY_IMPORT[source]:
                 bad.append(f"{importer} -> {target} ({source} may not import {dest})")
-            elif not importer.startswith("kernels") and target.startswith("kernels.") and any(
+            elif not importer.startswith("batchinfer.kernels") and target.startswith("batchinfer.kernels.") and any(
                     part.startswith("_") for part in target.split(".")):
                 bad.append(f"{importer} -> {target} (private kernels module: import it from the package)")
     return sorted(set(bad))
@@ -97,6 +101,17 @@ def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_tree_follows_the_layers():
     assert forbidden_edges(import_graph(ROOT)) == []
+
+
+def top_level_layer_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of the bare names `kernels`, `cache`, `jobs`: PyPI has packages of those names
+    (Hugging Face's `kernels` sits beside transformers), so ours import as batchinfer.<name>."""
+    return sorted(f"{importer} -> {target}" for importer, targets in graph.items() for target in targets
+                  if target.split(".")[0] in INSTALLED_UNDER_BATCHINFER)
+
+
+def test_no_module_imports_a_layer_by_its_top_level_name():
+    assert top_level_layer_imports(import_graph(ROOT)) == []
 
 
 def test_every_scanned_module_has_a_layer():
@@ -111,9 +126,10 @@ def test_the_checker_reports_an_upward_edge(tmp_path):
         "kernels/ops.py": "from ..jobs import spec\nfrom . import _common\n",
         "batchinfer/__init__.py": "",
         "batchinfer/models/__init__.py": "",
-        "batchinfer/models/forward_batch.py": "from kernels._common import ChunkTables\nimport kernels.ops\n",
+        "batchinfer/models/forward_batch.py": ("from batchinfer.kernels._common import ChunkTables\n"
+                                               "import batchinfer.kernels.ops\n"),
         "batchinfer/engine/__init__.py": "",
-        "batchinfer/engine/engine.py": "from cache import pool\nfrom batchinfer.models import forward_batch\n",
+        "batchinfer/engine/engine.py": "from batchinfer.cache import pool\nfrom batchinfer.models import forward_batch\n",
         "jobs/__init__.py": "",
         "jobs/spec.py": "from . import runner\nfrom batchinfer.models import config\n",
     }
@@ -121,7 +137,11 @@ def test_the_checker_reports_an_upward_edge(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     assert forbidden_edges(import_graph(tmp_path)) == [
-        "batchinfer.models.forward_batch -> kernels._common (private kernels module: import it from the package)",
-        "cache.pool -> batchinfer.models.forward_batch (cache may not import models)",
-        "kernels.ops -> jobs (kernels may not import jobs)",
+        "batchinfer.cache.pool -> batchinfer.models.forward_batch (cache may not import models)",
+        "batchinfer.kernels.ops -> batchinfer.jobs (kernels may not import jobs)",
+        ("batchinfer.models.forward_batch -> batchinfer.kernels._common (private kernels module: "
+         "import it from the package)"),
     ]
+    (tmp_path / "jobs" / "old.py").write_text("import kernels.ops\nfrom cache import pool\n")
+    assert top_level_layer_imports(import_graph(tmp_path)) == ["batchinfer.jobs.old -> cache",
+                                                               "batchinfer.jobs.old -> kernels.ops"]

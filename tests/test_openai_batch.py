@@ -8,12 +8,12 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from jobs.tokenizer import CheckpointTokenizer
-from jobs.errors import JobError, JobRuntimeError
-from jobs.openai_batch import OUTPUT_NAME, LineError, parse_line
-from jobs.prepare import prepare_job
-from jobs.runner import run_job
-from jobs.spec import load_job_file, parse_job_file
+from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.errors import JobError, JobRuntimeError
+from batchinfer.jobs.openai_batch import OUTPUT_NAME, LineError, parse_line
+from batchinfer.jobs.prepare import prepare_job
+from batchinfer.jobs.runner import run_job
+from batchinfer.jobs.spec import load_job_file, parse_job_file
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import make_tokenizer_checkpoint, write_job_file
 

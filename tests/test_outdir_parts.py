@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from jobs.errors import JobError
-from jobs import part_store
-from jobs.part_store import PARTS_DIR, commit_part, record_path, scan_parts
-from jobs.prepare import prepare_job
-from jobs.runner import run_job
-from jobs.spec import load_job_file
+from batchinfer.jobs.errors import JobError
+from batchinfer.jobs import part_store
+from batchinfer.jobs.part_store import PARTS_DIR, commit_part, record_path, scan_parts
+from batchinfer.jobs.prepare import prepare_job
+from batchinfer.jobs.runner import run_job
+from batchinfer.jobs.spec import load_job_file
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 from tests.job_process import damage_column

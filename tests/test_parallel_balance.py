@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from jobs.executors.balance import predict_balance
-from jobs.executors.contract import UnitResult
-from jobs.executors.dispatch import Finished, Ready, Want, run_dispatch
-from jobs.executors.unit_queue import UnitQueue, UnitSpec
+from batchinfer.jobs.executors.balance import predict_balance
+from batchinfer.jobs.executors.contract import UnitResult
+from batchinfer.jobs.executors.dispatch import Finished, Ready, Want, run_dispatch
+from batchinfer.jobs.executors.unit_queue import UnitQueue, UnitSpec
 
 
 class SimulatedTransport:

@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from jobs.global_plan import UnitConfig
-from jobs.prepare import prepare_job
-from jobs.runner import run_job
-from jobs.spec import load_job_file
-from jobs.unit_worker import KILL_AFTER_ENV, STOP_PARENT_AFTER_ENV
+from batchinfer.jobs.global_plan import UnitConfig
+from batchinfer.jobs.prepare import prepare_job
+from batchinfer.jobs.runner import run_job
+from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.unit_worker import KILL_AFTER_ENV, STOP_PARENT_AFTER_ENV
 from tests.job_process import demo_cache, run_in_this_process, start_run, wait_for  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 

@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from jobs.structured import (GrammarError, allowed_tokens, compile_grammar, fill_masks, new_bitmask)
-from jobs.task_spec import GrammarSpec
-from jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.structured import (GrammarError, allowed_tokens, compile_grammar, fill_masks, new_bitmask)
+from batchinfer.jobs.task_spec import GrammarSpec
+from batchinfer.jobs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import make_tokenizer_checkpoint
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -116,9 +116,9 @@ from pathlib import Path  # noqa: E402
 
 import pyarrow as pa  # noqa: E402
 
-from jobs.errors import JobError  # noqa: E402
-from jobs.prepare import prepare_job  # noqa: E402
-from jobs.spec import load_job_file, parse_job_file  # noqa: E402
+from batchinfer.jobs.errors import JobError  # noqa: E402
+from batchinfer.jobs.prepare import prepare_job  # noqa: E402
+from batchinfer.jobs.spec import load_job_file, parse_job_file  # noqa: E402
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet  # noqa: E402
 
 

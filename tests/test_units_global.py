@@ -14,10 +14,10 @@ from rich.console import Console
 
 from batchinfer.engine import Engine, EngineConfig
 from batchinfer.models.presets import build_model
-from jobs.global_plan import UnitConfig
-from jobs.prepare import prepare_job
-from jobs.runner import run_job
-from jobs.spec import engine_config_kwargs, load_job_file
+from batchinfer.jobs.global_plan import UnitConfig
+from batchinfer.jobs.prepare import prepare_job
+from batchinfer.jobs.runner import run_job
+from batchinfer.jobs.spec import engine_config_kwargs, load_job_file
 from tests.job_process import demo_cache  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 
@@ -90,7 +90,7 @@ def by_prompt(out: pa.Table) -> dict:
 
 
 def prompt_ids(table: pa.Table, tokenizer_folder: Path) -> list[list[int]]:
-    from jobs.tokenizer import CheckpointTokenizer
+    from batchinfer.jobs.tokenizer import CheckpointTokenizer
 
     tokenizer = CheckpointTokenizer.from_checkpoint(tokenizer_folder)
     texts = [TEMPLATE.format(document=d, question=q) for d, q in zip(table["document"].to_pylist(),

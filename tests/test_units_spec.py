@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.errors import JobError
-from jobs.parallel_spec import ParallelSpec
-from jobs.spec import engine_config_kwargs, engine_settings_dict, parse_job_file
+from batchinfer.jobs.errors import JobError
+from batchinfer.jobs.parallel_spec import ParallelSpec
+from batchinfer.jobs.spec import engine_config_kwargs, engine_settings_dict, parse_job_file
 
 JOB_FILE = Path("/project/jobs/jobs.yaml")
 BASE = """

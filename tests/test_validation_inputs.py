@@ -10,10 +10,10 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from batchinfer.cli import main
-from jobs.errors import JobError
-from jobs.prepare import prepare_job
-from jobs.runner import run_job
-from jobs.spec import load_job_file
+from batchinfer.jobs.errors import JobError
+from batchinfer.jobs.prepare import prepare_job
+from batchinfer.jobs.runner import run_job
+from batchinfer.jobs.spec import load_job_file
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs.errors import JobError
-from jobs.spec import parse_job_file
-from jobs.yaml_loader import DuplicateKeyError, load_yaml
+from batchinfer.jobs.errors import JobError
+from batchinfer.jobs.spec import parse_job_file
+from batchinfer.jobs.yaml_loader import DuplicateKeyError, load_yaml
 
 JOB_FILE = Path("/project/jobs.yaml")
 

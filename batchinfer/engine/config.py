@@ -6,7 +6,7 @@ from typing import Optional, get_args
 
 import torch
 
-from cache.cache_config import StateCacheMode
+from batchinfer.cache.cache_config import StateCacheMode
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 

@@ -11,7 +11,7 @@ from typing import Optional
 from batchinfer.engine.model_runner import DecodeRows
 from batchinfer.engine.overlap import InFlightDecode
 from batchinfer.engine.sequence import Sequence
-from cache.seq_handle import pack_kv
+from batchinfer.cache.seq_handle import pack_kv
 
 
 def decode_rows(seqs: list[Sequence], prior: Optional[InFlightDecode]) -> DecodeRows:

@@ -30,9 +30,9 @@ from batchinfer.engine.startup import phase
 from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
 from batchinfer.engine.types import Request, RequestOutput
 from batchinfer.models.forward_batch import ModelCaches
-from cache.budget import build_pools, memory_budget, plan_pools
-from cache.shapes import shapes_from_model_config
-from cache.state_cache import CacheConfig, StateCache
+from batchinfer.cache.budget import build_pools, memory_budget, plan_pools
+from batchinfer.cache.shapes import shapes_from_model_config
+from batchinfer.cache.state_cache import CacheConfig, StateCache
 
 log = logging.getLogger(__name__)
 _CPU_DEFAULT_BUDGET_BYTES = 256 << 20  # no free-memory query on the CPU: a modest fixed pool

@@ -24,7 +24,7 @@ from batchinfer.models.checkpoint_layout import (SCALE_SUFFIX, checkpoint_tensor
                                                  writer_quantizes)
 from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.random_init import init_random_, make_generator
-from kernels.fp8_gemm import block_dequantize, block_quantize
+from batchinfer.kernels.fp8_gemm import block_dequantize, block_quantize
 
 
 def write_random_checkpoint(directory: str | Path, config_dict: Mapping[str, Any], seed: int = 0,

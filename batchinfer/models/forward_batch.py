@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 import torch
 
 from batchinfer.models.config import ModelConfig
-from kernels import ChunkTables
-from kernels.ref.conv1d import conv_state_zeros
+from batchinfer.kernels import ChunkTables
+from batchinfer.kernels.ref.conv1d import conv_state_zeros
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from batchinfer.models.config import ModelConfig
 from batchinfer.models.layers.fp8_linear import Fp8Weight
 from batchinfer.models.qwen3_hybrid import HybridModel
 from batchinfer.models.random_init import init_random_, make_generator
-from kernels.fp8_gemm import block_quantize
+from batchinfer.kernels.fp8_gemm import block_quantize
 
 _CHUNK_ELEMENTS = 1 << 27  # fp32 staging per quantized chunk: 512 MB
 

@@ -30,7 +30,7 @@ from batchinfer.models.checkpoint_layout import (IGNORED_PREFIXES, HfTensor, che
 from batchinfer.models.config import load_model_config
 from batchinfer.models.quantization import parse_quantization
 from batchinfer.models.qwen3_hybrid import HybridModel
-from kernels.fp8_gemm import FP8_DTYPE, GROUP, block_dequantize, block_quantize
+from batchinfer.kernels.fp8_gemm import FP8_DTYPE, GROUP, block_dequantize, block_quantize
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

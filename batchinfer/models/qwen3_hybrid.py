@@ -22,7 +22,7 @@ from batchinfer.models.layers.gdn import GatedDeltaNet
 from batchinfer.models.layers.mlp import DenseMLP, SparseMoE
 from batchinfer.models.layers.params import empty_param
 from batchinfer.models.layers.rotary import RotaryEmbedding
-from kernels import ops
+from batchinfer.kernels import ops
 
 
 class DecoderLayer(nn.Module):

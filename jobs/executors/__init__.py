@@ -6,15 +6,15 @@ Importing this package never imports Ray; `executor_problem("ray")` says in one 
     placements = local_placements(2, "cpu", cores=available_cores())
     report = LocalExecutor(recipe, placements).run([UnitSpec(0, cost=120.0, samples=40), ...])
 """
-from jobs.executors.balance import Balance, predict_balance
-from jobs.executors.contract import ProgressDelta, ProgressSink, RateLimitedSink, UnitResult, UnitWorker, WorkerRecipe
-from jobs.executors.dispatch import ExecutionReport, RetryPolicy
-from jobs.executors.local import LocalExecutor
-from jobs.executors.placement import Placement, available_cores, local_placements, resolve_workers, visible_gpus
-from jobs.executors.ray_executor import RAY_MISSING, RayExecutor, executor_problem, ray_available
-from jobs.executors.storage import PartStore
-from jobs.executors.tally import ProgressSnapshot
-from jobs.executors.unit_queue import UnitSpec
+from batchinfer.jobs.executors.balance import Balance, predict_balance
+from batchinfer.jobs.executors.contract import ProgressDelta, ProgressSink, RateLimitedSink, UnitResult, UnitWorker, WorkerRecipe
+from batchinfer.jobs.executors.dispatch import ExecutionReport, RetryPolicy
+from batchinfer.jobs.executors.local import LocalExecutor
+from batchinfer.jobs.executors.placement import Placement, available_cores, local_placements, resolve_workers, visible_gpus
+from batchinfer.jobs.executors.ray_executor import RAY_MISSING, RayExecutor, executor_problem, ray_available
+from batchinfer.jobs.executors.storage import PartStore
+from batchinfer.jobs.executors.tally import ProgressSnapshot
+from batchinfer.jobs.executors.unit_queue import UnitSpec
 
 __all__ = ["Balance", "ExecutionReport", "LocalExecutor", "PartStore", "Placement", "ProgressDelta", "ProgressSink",
            "ProgressSnapshot", "RAY_MISSING", "RateLimitedSink", "RayExecutor", "RetryPolicy", "UnitResult",

@@ -16,9 +16,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
-from jobs.executors.contract import ProgressDelta, UnitResult
-from jobs.executors.tally import ProgressSnapshot, Tally
-from jobs.executors.unit_queue import UnitQueue, UnitSpec
+from batchinfer.jobs.executors.contract import ProgressDelta, UnitResult
+from batchinfer.jobs.executors.tally import ProgressSnapshot, Tally
+from batchinfer.jobs.executors.unit_queue import UnitQueue, UnitSpec
 
 
 @dataclass(frozen=True)

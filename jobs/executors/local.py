@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Collection, Optional, Sequence
 
-from jobs.executors.contract import WorkerRecipe
-from jobs.executors.dispatch import (Died, Event, ExecutionReport, Finished, Progress, Ready, RetryPolicy,
+from batchinfer.jobs.executors.contract import WorkerRecipe
+from batchinfer.jobs.executors.dispatch import (Died, Event, ExecutionReport, Finished, Progress, Ready, RetryPolicy,
                                      StopFlag, Want, run_dispatch)
-from jobs.executors.placement import Placement
-from jobs.executors.tally import ProgressSnapshot
-from jobs.executors.unit_queue import UnitSpec
-from jobs.executors.worker_loop import exit_after_failure, raise_stop_requested, serve
+from batchinfer.jobs.executors.placement import Placement
+from batchinfer.jobs.executors.tally import ProgressSnapshot
+from batchinfer.jobs.executors.unit_queue import UnitSpec
+from batchinfer.jobs.executors.worker_loop import exit_after_failure, raise_stop_requested, serve
 
 CLOSE_SECONDS = 30.0      # a worker asked to close gets this long to release its device
 TERMINATE_SECONDS = 5.0   # then SIGTERM, then SIGKILL after this long

@@ -30,14 +30,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from jobs.executors.contract import WorkerRecipe
-from jobs.executors.dispatch import (Died, Event, ExecutionReport, Finished, Progress, Ready, RetryPolicy,
+from batchinfer.jobs.executors.contract import WorkerRecipe
+from batchinfer.jobs.executors.dispatch import (Died, Event, ExecutionReport, Finished, Progress, Ready, RetryPolicy,
                                      StopFlag, Want, run_dispatch)
-from jobs.executors.local import describe_units
-from jobs.executors.worker_loop import serve
-from jobs.executors.placement import MEMORY_FRACTION_KEY
-from jobs.executors.tally import ProgressSnapshot
-from jobs.executors.unit_queue import UnitSpec
+from batchinfer.jobs.executors.local import describe_units
+from batchinfer.jobs.executors.worker_loop import serve
+from batchinfer.jobs.executors.placement import MEMORY_FRACTION_KEY
+from batchinfer.jobs.executors.tally import ProgressSnapshot
+from batchinfer.jobs.executors.unit_queue import UnitSpec
 
 RAY_MISSING = "executor: ray needs Ray, which is not installed (pip install 'batchinfer[ray]')"
 EXECUTORS = ("local", "ray")

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from jobs.executors.contract import ProgressDelta, UnitResult
-from jobs.executors.unit_queue import UnitSpec
+from batchinfer.jobs.executors.contract import ProgressDelta, UnitResult
+from batchinfer.jobs.executors.unit_queue import UnitSpec
 
 
 @dataclass(frozen=True)

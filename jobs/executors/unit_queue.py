@@ -9,7 +9,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from jobs.executors.balance import dispatch_key
+from batchinfer.jobs.executors.balance import dispatch_key
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import signal
 import sys
 from typing import Any, Callable, Iterator, Optional
 
-from jobs.executors.contract import RateLimitedSink, UnitResult, UnitWorker, WorkerRecipe
+from batchinfer.jobs.executors.contract import RateLimitedSink, UnitResult, UnitWorker, WorkerRecipe
 
 Receive = Callable[[], Optional[tuple]]   # the next message; None when the parent is gone
 

@@ -10,12 +10,12 @@ each row's lcp), `units` (cutting them into units, costs), `store` (the work fol
 atomic commit and reuse, `WorkPlan`), `progress`. The balance of units over N workers is the
 executors' (`jobs.executors.balance`), so `plan --workers` predicts the order they dispatch in.
 """
-from jobs.global_plan.external_sort import SortBudget
-from jobs.global_plan.progress import NoProgress, PlanningProgress
-from jobs.global_plan.sorted_rows import SpillTotals, UnitRow
-from jobs.global_plan.store import (PlanNotFound, WorkPlan, build_work_plan, open_matching_plan, open_work_plan,
+from batchinfer.jobs.global_plan.external_sort import SortBudget
+from batchinfer.jobs.global_plan.progress import NoProgress, PlanningProgress
+from batchinfer.jobs.global_plan.sorted_rows import SpillTotals, UnitRow
+from batchinfer.jobs.global_plan.store import (PlanNotFound, WorkPlan, build_work_plan, open_matching_plan, open_work_plan,
                                     remove_work_dir, work_dir_for)
-from jobs.global_plan.units import DECODE_TOKEN_COST, GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
+from batchinfer.jobs.global_plan.units import DECODE_TOKEN_COST, GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
 
 __all__ = ["DECODE_TOKEN_COST", "GlobalPlanSummary", "NoProgress", "PlanNotFound", "PlanningProgress",
            "SortBudget", "SpillTotals", "UnitConfig", "UnitRow", "WorkPlan", "WorkUnit", "build_work_plan",

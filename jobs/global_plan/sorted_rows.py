@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.global_plan.external_sort import SortedRow
-from jobs.global_plan.keys import common_prefix_tokens, decode_key, key_tokens
+from batchinfer.jobs.global_plan.external_sort import SortedRow
+from batchinfer.jobs.global_plan.keys import common_prefix_tokens, decode_key, key_tokens
 
 SORTED_SCHEMA = pa.schema([
     ("row_index", pa.int64()),

@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-from jobs.global_plan.external_sort import RunWriter
-from jobs.global_plan.keys import encode_key
-from jobs.inputs import RowWindow, iter_windows
-from jobs.prepare import PreparedJob
-from jobs.prompts import PromptBatch, build_prompts
+from batchinfer.jobs.global_plan.external_sort import RunWriter
+from batchinfer.jobs.global_plan.keys import encode_key
+from batchinfer.jobs.inputs import RowWindow, iter_windows
+from batchinfer.jobs.prepare import PreparedJob
+from batchinfer.jobs.prompts import PromptBatch, build_prompts
 
 SPILL_WINDOW_ROWS = 4096  # rows tokenised per batch-encode call
 

@@ -26,15 +26,15 @@ from typing import Any, Iterator, Optional, Union
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.global_plan.external_sort import RunWriter, SortBudget, merge_runs
-from jobs.global_plan.progress import NoProgress, PlanningProgress
-from jobs.global_plan.sorted_rows import (SortedRowsReader, SpillTotals, UnitRow, iter_profile, row_group_rows_for,
+from batchinfer.jobs.global_plan.external_sort import RunWriter, SortBudget, merge_runs
+from batchinfer.jobs.global_plan.progress import NoProgress, PlanningProgress
+from batchinfer.jobs.global_plan.sorted_rows import (SortedRowsReader, SpillTotals, UnitRow, iter_profile, row_group_rows_for,
                                          write_sorted_rows)
-from jobs.global_plan.spill import SPILL_WINDOW_ROWS, spill_prompts
-from jobs.global_plan.units import GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
-from jobs.outputs import TEMP_SUFFIX, write_atomically
-from jobs.prepare import PreparedJob
-from jobs.resume import fingerprint_digest
+from batchinfer.jobs.global_plan.spill import SPILL_WINDOW_ROWS, spill_prompts
+from batchinfer.jobs.global_plan.units import GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
+from batchinfer.jobs.outputs import TEMP_SUFFIX, write_atomically
+from batchinfer.jobs.prepare import PreparedJob
+from batchinfer.jobs.resume import fingerprint_digest
 
 WORK_DIR_NAME = "_work"
 MANIFEST_NAME = "plan.json"

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from jobs.global_plan.sorted_rows import SpillTotals
+from batchinfer.jobs.global_plan.sorted_rows import SpillTotals
 
 DECODE_TOKEN_COST = 1.25
 

@@ -1,8 +1,8 @@
 """Paged attention over the KV pool: `store_kv`, causal `attention_prefill`, split-K
 `attention_decode` (Triton in `attention.py`) with its shared-prefix stage (`shared_prefix.py`);
 `reference` is the torch maths (kernels/ref/attention.py)."""
-from kernels.attention.attention import attention_decode, attention_prefill, store_kv
-from kernels.attention.shared_prefix import SharedPrefixLaunch
-from kernels.ref import attention as reference
+from batchinfer.kernels.attention.attention import attention_decode, attention_prefill, store_kv
+from batchinfer.kernels.attention.shared_prefix import SharedPrefixLaunch
+from batchinfer.kernels.ref import attention as reference
 
 __all__ = ["SharedPrefixLaunch", "attention_decode", "attention_prefill", "reference", "store_kv"]

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import LOOP_AS_WHILE
-from kernels.attention.shared_prefix import (SharedPrefixLaunch, attend_range, block_shared_len, num_shared_splits,
+from batchinfer.kernels._common import LOOP_AS_WHILE
+from batchinfer.kernels.attention.shared_prefix import (SharedPrefixLaunch, attend_range, block_shared_len, num_shared_splits,
                                       run_shared_prefix_stage, softmax_partial)
 
 

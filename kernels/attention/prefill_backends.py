@@ -30,8 +30,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from kernels.attention import attention as triton_attention
-from kernels.attention.prefill_fa import attention_prefill_fa
+from batchinfer.kernels.attention import attention as triton_attention
+from batchinfer.kernels.attention.prefill_fa import attention_prefill_fa
 
 PACKED_BACKENDS = ("varlen", "triton-fa")
 SDPA_BACKENDS = {"sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-flash": "FLASH_ATTENTION",

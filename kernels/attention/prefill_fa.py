@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import LOOP_AS_WHILE
+from batchinfer.kernels._common import LOOP_AS_WHILE
 
 LOG2E = 1.4426950408889634
 # Triton's interpreter (CPU tests) mis-computes tl.dot on bf16 operands: there they go to fp32

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import LOOP_AS_WHILE, multiprocessor_count
+from batchinfer.kernels._common import LOOP_AS_WHILE, multiprocessor_count
 
 _NO_LIMIT = tl.constexpr(2**31 - 1)
 # Triton 3.6's interpreter returns garbage from tl.dot on bf16 operands; there (CPU tests only)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import ChunkTables, chunk_table_for
+from batchinfer.kernels._common import ChunkTables, chunk_table_for
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from kernels.fp8_gemm.reference import (FP8_DTYPE, FP8_MAX, GROUP, block_dequantize, block_quantize,
+from batchinfer.kernels.fp8_gemm.reference import (FP8_DTYPE, FP8_MAX, GROUP, block_dequantize, block_quantize,
                                         fp8_gemm_reference, quantize_act_reference)
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "GROUP", "block_dequantize", "block_quantize", "dequantize_weight", "fp8_gemm",
@@ -28,7 +28,7 @@ def _use_triton(x: torch.Tensor) -> bool:
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] → (e4m3 [M, K], fp32 scales [M, ceil(K/128)])."""
     if _use_triton(x):
-        from kernels.fp8_gemm.triton_fp8 import quantize_act as triton_quantize_act
+        from batchinfer.kernels.fp8_gemm.triton_fp8 import quantize_act as triton_quantize_act
         return triton_quantize_act(x)
     return quantize_act_reference(x)
 
@@ -36,7 +36,7 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if _use_triton(x):
-        from kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
+        from batchinfer.kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
         return triton_fp8_gemm(x, weight, scale_inv, out_dtype)
     return fp8_gemm_reference(x, weight, scale_inv, out_dtype)
 
@@ -44,6 +44,6 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
 def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """e4m3 [..., N, K] · its 128 × 128 block scales → dtype (bit-identical to `block_dequantize`)."""
     if _use_triton(q) and q.is_contiguous() and scale_inv.is_contiguous():
-        from kernels.fp8_gemm.triton_fp8 import block_dequantize as triton_block_dequantize
+        from batchinfer.kernels.fp8_gemm.triton_fp8 import block_dequantize as triton_block_dequantize
         return triton_block_dequantize(q, scale_inv, dtype)
     return block_dequantize(q, scale_inv, dtype)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels._common import (
+from batchinfer.kernels._common import (
     LOOP_AS_WHILE, KernelLaunch, cuda_capability, gdn_gate_terms, l2_normalise_vector, multiprocessor_count,
     next_pow2_at_least_16,
 )

@@ -29,13 +29,13 @@ stores them, [T, H_k] fp32). One kernel per stage, in launch order:
 `reference` is the torch maths (kernels/ref/gdn.py: `gdn_prefill`, and `gdn_recurrent_reference`
 token by token).
 """
-from kernels._common import KernelLaunch
-from kernels.gdn_prefill.output import chunk_output_kernel, run_output
-from kernels.gdn_prefill.prefill import DEFAULT_LAUNCH, PrefillLaunch, gdn_prefill, piece_bounds, run_prefill
-from kernels.gdn_prefill.state_pass import StatePassLaunch, as_state_pass_launch, run_state_pass, state_pass_kernel
-from kernels.gdn_prefill.work import CHUNK, SUB, WY_KEY_STEP, PrefillWork, plan_prefill
-from kernels.gdn_prefill.wy import chunk_wy_kernel, run_wy
-from kernels.ref import gdn as reference
+from batchinfer.kernels._common import KernelLaunch
+from batchinfer.kernels.gdn_prefill.output import chunk_output_kernel, run_output
+from batchinfer.kernels.gdn_prefill.prefill import DEFAULT_LAUNCH, PrefillLaunch, gdn_prefill, piece_bounds, run_prefill
+from batchinfer.kernels.gdn_prefill.state_pass import StatePassLaunch, as_state_pass_launch, run_state_pass, state_pass_kernel
+from batchinfer.kernels.gdn_prefill.work import CHUNK, SUB, WY_KEY_STEP, PrefillWork, plan_prefill
+from batchinfer.kernels.gdn_prefill.wy import chunk_wy_kernel, run_wy
+from batchinfer.kernels.ref import gdn as reference
 
 __all__ = [
     "CHUNK", "DEFAULT_LAUNCH", "KernelLaunch", "PrefillLaunch", "PrefillWork", "StatePassLaunch", "SUB", "WY_KEY_STEP",

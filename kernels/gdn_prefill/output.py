@@ -6,8 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels._common import L2NORM_EPS, TRITON_DTYPES, KernelLaunch, next_pow2_at_least_16
-from kernels.gdn_prefill.work import CHUNK, PrefillWork, _chunk_rows, _mm, chunk_range
+from batchinfer.kernels._common import L2NORM_EPS, TRITON_DTYPES, KernelLaunch, next_pow2_at_least_16
+from batchinfer.kernels.gdn_prefill.work import CHUNK, PrefillWork, _chunk_rows, _mm, chunk_range
 
 
 @triton.jit(do_not_specialize=["chunk_lo"])

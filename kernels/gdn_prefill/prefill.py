@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from kernels._common import ChunkTables, KernelLaunch, multiprocessor_count
-from kernels.gdn_prefill.output import run_output
-from kernels.gdn_prefill.state_pass import StatePassLaunch, run_state_pass
-from kernels.gdn_prefill.work import PrefillWork, plan_prefill
-from kernels.gdn_prefill.wy import run_wy
+from batchinfer.kernels._common import ChunkTables, KernelLaunch, multiprocessor_count
+from batchinfer.kernels.gdn_prefill.output import run_output
+from batchinfer.kernels.gdn_prefill.state_pass import StatePassLaunch, run_state_pass
+from batchinfer.kernels.gdn_prefill.work import PrefillWork, plan_prefill
+from batchinfer.kernels.gdn_prefill.wy import run_wy
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from kernels._common import LOOP_AS_WHILE, TRITON_DTYPES, KernelLaunch, next_pow2_at_least_16
-from kernels.gdn_prefill.work import CHUNK, SUB, PrefillWork, _mm, chunk_range
+from batchinfer.kernels._common import LOOP_AS_WHILE, TRITON_DTYPES, KernelLaunch, next_pow2_at_least_16
+from batchinfer.kernels.gdn_prefill.work import CHUNK, SUB, PrefillWork, _mm, chunk_range
 
 
 @triton.jit

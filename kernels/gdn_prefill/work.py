@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import ChunkTable, ChunkTables, chunk_table_for
+from batchinfer.kernels._common import ChunkTable, ChunkTables, chunk_table_for
 
 CHUNK = 64
 SUB = 16  # rows of the WY kernel's sub-blocks (its triangular inverse works on SUB×SUB blocks)

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import L2NORM_EPS, KernelLaunch, gdn_gate_terms, next_pow2_at_least_16
-from kernels.gdn_prefill.work import CHUNK, SUB, WY_KEY_STEP, PrefillWork, _load_rows, chunk_range
+from batchinfer.kernels._common import L2NORM_EPS, KernelLaunch, gdn_gate_terms, next_pow2_at_least_16
+from batchinfer.kernels.gdn_prefill.work import CHUNK, SUB, WY_KEY_STEP, PrefillWork, _load_rows, chunk_range
 
 
 @triton.jit

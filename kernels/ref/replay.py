@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ref.gdn import gdn_gates, normalise_qk
+from batchinfer.kernels.ref.gdn import gdn_gates, normalise_qk
 
 
 def _valid_entries(n: torch.Tensor, L: int) -> torch.Tensor:

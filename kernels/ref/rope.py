@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ref.norm import rms_norm
+from batchinfer.kernels.ref.norm import rms_norm
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:

@@ -36,10 +36,10 @@ three launches:
    (it is masked out in registers), so any program order is correct.
 All launches are graph-capturable, without host sync.
 """
-from kernels.ref import replay as reference
-from kernels.replay_ssm.flush import flush_full_rings
-from kernels.replay_ssm.fold import replay_fold
-from kernels.replay_ssm.launch import DEFAULT_STEP_LAUNCH, StepLaunch
-from kernels.replay_ssm.step import replay_decode
+from batchinfer.kernels.ref import replay as reference
+from batchinfer.kernels.replay_ssm.flush import flush_full_rings
+from batchinfer.kernels.replay_ssm.fold import replay_fold
+from batchinfer.kernels.replay_ssm.launch import DEFAULT_STEP_LAUNCH, StepLaunch
+from batchinfer.kernels.replay_ssm.step import replay_decode
 
 __all__ = ["DEFAULT_STEP_LAUNCH", "StepLaunch", "flush_full_rings", "reference", "replay_decode", "replay_fold"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels._common import LOOP_AS_WHILE, multiprocessor_count
-from kernels.replay_ssm.fold import _fold_tile, _fold_tile_sizes, _launch_fold
-from kernels.replay_ssm.launch import DEFAULT_STEP_LAUNCH, StepLaunch, ring_block
+from batchinfer.kernels._common import LOOP_AS_WHILE, multiprocessor_count
+from batchinfer.kernels.replay_ssm.fold import _fold_tile, _fold_tile_sizes, _launch_fold
+from batchinfer.kernels.replay_ssm.launch import DEFAULT_STEP_LAUNCH, StepLaunch, ring_block
 
 
 @triton.jit

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.replay_ssm.dots import _mma_fp32_operand
-from kernels.replay_ssm.launch import check_pools, ring_block
+from batchinfer.kernels.replay_ssm.dots import _mma_fp32_operand
+from batchinfer.kernels.replay_ssm.launch import check_pools, ring_block
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.replay_ssm.fold import _write_key_dots
+from batchinfer.kernels.replay_ssm.fold import _write_key_dots
 
 
 @triton.jit

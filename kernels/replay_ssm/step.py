@@ -9,12 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import gdn_gate_terms
-from kernels.replay_ssm.dots import _mma, _mma_fp32_operand
-from kernels.replay_ssm.flush import flush_full_rings
-from kernels.replay_ssm.fold import _launch_fold
-from kernels.replay_ssm.key_dots import _launch_key_dots
-from kernels.replay_ssm.launch import DEFAULT_STEP_LAUNCH, StepLaunch, check_pools, ring_block, row_major
+from batchinfer.kernels._common import gdn_gate_terms
+from batchinfer.kernels.replay_ssm.dots import _mma, _mma_fp32_operand
+from batchinfer.kernels.replay_ssm.flush import flush_full_rings
+from batchinfer.kernels.replay_ssm.fold import _launch_fold
+from batchinfer.kernels.replay_ssm.key_dots import _launch_key_dots
+from batchinfer.kernels.replay_ssm.launch import DEFAULT_STEP_LAUNCH, StepLaunch, check_pools, ring_block, row_major
 
 
 @triton.jit

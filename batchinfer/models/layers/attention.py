@@ -15,7 +15,7 @@ from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
 from batchinfer.models.layers.fp8_linear import block_aligned, linear, projection
 from batchinfer.models.layers.params import empty_param
 from batchinfer.models.layers.rotary import RotaryEmbedding
-from kernels import ops
+from batchinfer.kernels import ops
 
 
 class GatedAttention(nn.Module):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.models.layers.params import empty_param
-from kernels.fp8_gemm import FP8_DTYPE, GROUP, block_quantize, dequantize_weight, fp8_gemm
+from batchinfer.kernels.fp8_gemm import FP8_DTYPE, GROUP, block_quantize, dequantize_weight, fp8_gemm
 
 
 _DEQUANT_CHUNK = 1 << 27  # elements of fp32 staging per dequantized chunk (512 MB)

@@ -16,7 +16,7 @@ from batchinfer.models.config import ModelConfig
 from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
 from batchinfer.models.layers.fp8_linear import block_aligned, linear, projection
 from batchinfer.models.layers.params import empty_param
-from kernels import ops
+from batchinfer.kernels import ops
 
 
 class GatedDeltaNet(nn.Module):
