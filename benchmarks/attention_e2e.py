@@ -7,7 +7,6 @@ prompt of the workload's length first (Triton compiles there, not in the timed r
 """
 from __future__ import annotations
 
-import gc
 import random
 import statistics
 import time
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
-from benchmarks.engine_arms import build_model
+from benchmarks.engine_arms import _free, _sync, build_model
 from batchinfer.kernels.attention import prefill_backends as apb
 
 STEP_TOKENS = 8192
@@ -26,15 +25,6 @@ GEMM_SUFFIXES = ("in_proj", "out_proj", "qkv_proj", "o_proj", "gate_up", "down",
                  "shared_down")
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _free(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def parse_workload(text: str) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.layers.mlp import SparseMoE
 from batchinfer.models.presets import PRESETS
 from batchinfer.models.random_init import init_random_, make_generator
+from benchmarks.bench_replay_attn import capture_graph
 from benchmarks.engine_arms import COPY_BANDWIDTH, MATMUL_RATE, expected_unique_experts
 
 
@@ -57,21 +58,7 @@ def time_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
 
 def graphed(fn: Callable[[], object], device: str) -> Optional[Callable[[], object]]:
     """`fn` captured in a CUDA graph (None: not capturable, e.g. it syncs with the host)."""
-    if device != "cuda":
-        return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception:
-        return None
-    return graph.replay
+    return capture_graph(fn)[0] if device == "cuda" else None
 
 
 def per_expert_loop(block: SparseMoE, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ import argparse
 import sys
 from dataclasses import dataclass, replace
 
+from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -122,10 +124,9 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def bench_graph(fn) -> float:
-    """Median milliseconds of fn() replayed from a CUDA graph: GPU time without Python launch
-    overhead, which the engine never pays either (its decode steps are graphs). Both sides of a
-    comparison go through here. Falls back to eager timing (printed) if capture fails."""
+def capture_graph(fn) -> tuple[Optional[Callable[[], object]], Optional[Exception]]:
+    """(`fn` captured in a CUDA graph: its replay, None) or (None, why it cannot be captured, e.g.
+    a host sync inside fn); fn runs twice first on a side stream (compile and warm)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -137,9 +138,19 @@ def bench_graph(fn) -> float:
         with torch.cuda.graph(graph):
             fn()
     except Exception as exc:  # noqa: BLE001 - e.g. a host sync inside fn
-        print(f"  (CUDA graph capture failed: {type(exc).__name__}; timed eagerly)")
+        return None, exc
+    return graph.replay, None
+
+
+def bench_graph(fn) -> float:
+    """Median milliseconds of fn() replayed from a CUDA graph: GPU time without Python launch
+    overhead, which the engine never pays either (its decode steps are graphs). Both sides of a
+    comparison go through here. Falls back to eager timing (printed) if capture fails."""
+    replay, failure = capture_graph(fn)
+    if replay is None:
+        print(f"  (CUDA graph capture failed: {type(failure).__name__}; timed eagerly)")
         return bench(fn)
-    return bench(graph.replay)
+    return bench(replay)
 
 
 # ---------------------------------------------------------------- ReplaySSM

@@ -186,6 +186,31 @@ def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, share
 
 
 @triton.jit
+def _prefill_sequence(cu_seqlens_ptr, kv_indptr_ptr, seq):
+    """Sequence `seq`'s (first new-token row, new tokens, first context index, context length)."""
+    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    n_new = (tl.load(cu_seqlens_ptr + seq + 1) - q_start).to(tl.int32)
+    ctx_start = tl.load(kv_indptr_ptr + seq).to(tl.int64)
+    ctx_len = (tl.load(kv_indptr_ptr + seq + 1) - ctx_start).to(tl.int32)
+    return q_start, n_new, ctx_start, ctx_len
+
+
+@triton.jit
+def _load_query_block(q_ptr, k_cache_ptr, stride_qt, stride_qh, head, q_start, n_new, ctx_len, q_block,
+                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Query rows q_block·BLOCK_M.. of a sequence's new tokens, in the KV pool's dtype (q [BM, BD]),
+    with their row offsets, row / channel masks and context positions (new tokens end the context)."""
+    offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < n_new
+    mask_d = offs_d < D
+    q_pos = ctx_len - n_new + offs_m  # [BM]
+    q = tl.load(q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)
+    return q, offs_m, offs_d, mask_m, mask_d, q_pos
+
+
+@triton.jit
 def _attn_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_indptr_ptr, cu_seqlens_ptr, o_ptr,
     stride_qt, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh, stride_ot, stride_oh,
@@ -198,20 +223,11 @@ def _attn_prefill_kernel(
     seq = tl.program_id(1)
     head = tl.program_id(2)
     kv_head = head // GROUP
-    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
-    n_new = (tl.load(cu_seqlens_ptr + seq + 1) - q_start).to(tl.int32)
+    q_start, n_new, ctx_start, ctx_len = _prefill_sequence(cu_seqlens_ptr, kv_indptr_ptr, seq)
     if q_block * BLOCK_M >= n_new:
         return
-    ctx_start = tl.load(kv_indptr_ptr + seq).to(tl.int64)
-    ctx_len = (tl.load(kv_indptr_ptr + seq + 1) - ctx_start).to(tl.int32)
-
-    offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < n_new
-    mask_d = offs_d < D
-    q_pos = ctx_len - n_new + offs_m  # context position of each query row
-    q = tl.load(q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [BM, BD]
+    q, offs_m, offs_d, mask_m, mask_d, q_pos = _load_query_block(
+        q_ptr, k_cache_ptr, stride_qt, stride_qh, head, q_start, n_new, ctx_len, q_block, D, BLOCK_M, BLOCK_D)
 
     # Keys beyond the block's last query position are masked for every row: stop there.
     kv_end = tl.minimum(ctx_len, ctx_len - n_new + (q_block + 1) * BLOCK_M)

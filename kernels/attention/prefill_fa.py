@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from batchinfer.kernels._common import LOOP_AS_WHILE
+from batchinfer.kernels.attention.attention import _load_query_block, _prefill_sequence
 
 LOG2E = 1.4426950408889634
 # Triton's interpreter (CPU tests) mis-computes tl.dot on bf16 operands: there they go to fp32
@@ -91,20 +92,11 @@ def _fa_prefill_kernel(
     q_block = tl.cdiv(max_seqlen, BLOCK_M) - 1 - tl.program_id(1)  # latest blocks (most keys) first
     seq = tl.program_id(2)
     kv_head = head // GROUP
-    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
-    n_new = (tl.load(cu_seqlens_ptr + seq + 1) - q_start).to(tl.int32)
+    q_start, n_new, ctx_start, ctx_len = _prefill_sequence(cu_seqlens_ptr, kv_indptr_ptr, seq)
     if q_block * BLOCK_M >= n_new:
         return
-    ctx_start = tl.load(kv_indptr_ptr + seq).to(tl.int64)
-    ctx_len = (tl.load(kv_indptr_ptr + seq + 1) - ctx_start).to(tl.int32)
-
-    offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < n_new
-    mask_d = offs_d < D
-    q_pos = ctx_len - n_new + offs_m  # context position of each query row
-    q = tl.load(q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [BM, BD]
+    q, offs_m, offs_d, mask_m, mask_d, q_pos = _load_query_block(
+        q_ptr, k_cache_ptr, stride_qt, stride_qh, head, q_start, n_new, ctx_len, q_block, D, BLOCK_M, BLOCK_D)
 
     first_pos = ctx_len - n_new + q_block * BLOCK_M  # the block's first row: it sees keys ..= first_pos
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles below it: every row sees every key
