@@ -52,4 +52,12 @@ def output_result(output: RequestOutput, tokenizer: CheckpointTokenizer, stops: 
         output_token_ids=tuple(output.token_ids), prompt_tokens=output.prompt_tokens,
         cached_tokens=output.cached_tokens, completion_tokens=output.completion_tokens,
         finish_reason=output.finish_reason, error=output.error,
-        reasoning_text=reasoning_text, reasoning_truncated=truncated)
+        reasoning_text=reasoning_text, reasoning_truncated=truncated, logprobs=logprob_rows(output))
+
+
+def logprob_rows(output: RequestOutput) -> Optional[list[dict]]:
+    """The output's token logprobs as `logprobs` column rows (top_ids / top_logprobs null with k = 0)."""
+    if output.logprobs is None:
+        return None
+    return [{"logprob": e.logprob, "top_ids": list(e.top_ids) or None, "top_logprobs": list(e.top_logprobs) or None}
+            for e in output.logprobs]

@@ -27,7 +27,7 @@ from jobs.executors.contract import ProgressDelta, UnitResult
 from jobs.eval_metrics import with_correct_column
 from jobs.global_plan import WorkPlan
 from jobs.openai_batch import row_sampling
-from jobs.outputs import RESULT_COLUMNS, RESULT_SCHEMA, ROW_INDEX_COLUMN, SampleResult
+from jobs.outputs import ROW_INDEX_COLUMN, SampleResult, append_results, job_result_fields
 from jobs.part_store import commit_part, unit_part_name
 from jobs.prepare import PreparedJob
 from jobs.prompts import row_ids
@@ -133,6 +133,7 @@ class UnitRunner:
         self.done = done if done is not None else DoneIndex(plan.work_dir)
         sampling = job.spec.sampling
         self.n, self.per_chunk = sampling.n, chunk_rows(job.spec.output.flush_rows, sampling.n)
+        self.fields = job_result_fields(job.spec)
         self._counters = _stats_numbers(getattr(engine, "stats", None))
         self.samples_committed = 0  # over every unit run, in committed parts (on disk)
         self.errors_committed = 0
@@ -193,9 +194,7 @@ class UnitRunner:
         results = sorted(unit.pending.pop(chunk), key=lambda r: (r.row_index, r.sample_index))
         offsets = pa.array([unit.position[r.row_index] for r in results], type=pa.int64())
         table = unit.inputs.take(offsets).drop_columns([ROW_INDEX_COLUMN])
-        for name in RESULT_COLUMNS:
-            table = table.append_column(RESULT_SCHEMA.field(name),
-                                        pa.array([getattr(r, name) for r in results], RESULT_SCHEMA.field(name).type))
+        table = append_results(table, results, self.fields)
         table = with_correct_column(self.job.spec.task, table)
         self.before_commit()
         commit_part(self.out_dir, unit_part_name(unit.unit_id, chunk), table)

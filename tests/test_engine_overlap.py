@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from batchinfer.engine import overlap as overlap_module
+from batchinfer.engine import draws as draws_module
 from batchinfer.engine.types import Request, SamplingParams
 from tests.engine_utils import make_engine, requests_for, run, shared_prefix_prompts, tiny_model, tokens_of
 
@@ -82,12 +82,12 @@ def test_steps_are_read_one_launch_late(model, prompts, monkeypatch):
     on host bookkeeping); with overlap off it reads each step before the next launch."""
     events = []
 
-    class RecordingDownload(overlap_module.Download):
+    class RecordingDownload(draws_module.Download):
         def tolist(self):
             events.append("read")
             return super().tolist()
 
-    monkeypatch.setattr(overlap_module, "Download", RecordingDownload)
+    monkeypatch.setattr(draws_module, "Download", RecordingDownload)
     requests = requests_for(prompts[:3], SamplingParams(max_tokens=6, ignore_eos=True))
     for overlap in (True, False):
         events.clear()

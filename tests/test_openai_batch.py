@@ -143,7 +143,6 @@ def test_after_a_failure_the_rerun_writes_each_line_exactly_once(tmp_path, check
     (completion("a", ""), "body.prompt: must be a non-empty string"),
     (completion("a", "p", n=0), "body.n: must be an integer in [1, 128]"),
     (completion("a", "p", temperature=3), "body.temperature"),
-    (completion("a", "p", logprobs=2), "body.logprobs: not supported yet"),
     (chat("a", "q", top_logprobs=2), "needs logprobs: true"),
     (chat("a", "q", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}),
      "not supported yet"),

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import logging
 import time
+from dataclasses import replace
 from typing import Iterable, Iterator, Optional, Sequence as Seq
 
 import torch
@@ -20,14 +21,16 @@ from batchinfer.engine.activations import decode_graph_bytes, step_activation_by
 from batchinfer.engine.config import EngineConfig, dtype_name
 from batchinfer.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from batchinfer.engine.decode_rows import decode_rows
+from batchinfer.engine.draws import Draw, read_now
+from batchinfer.engine.host_copy import upload
 from batchinfer.engine.model_runner import DecodeRows, ModelRunner, SequenceChunk
 from batchinfer.engine.overlap import DecodeOverlap
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
-from batchinfer.engine.sampler import SamplingTensors, identity_key, sample
+from batchinfer.engine.sampler import SamplingTensors, identity_key, sample, token_logprobs
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
 from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
-from batchinfer.engine.types import Request, RequestOutput
+from batchinfer.engine.types import Request, RequestOutput, TokenLogprob
 from batchinfer.models.forward_batch import ModelCaches
 from cache.budget import build_pools, memory_budget, plan_pools
 from cache.shapes import shapes_from_model_config
@@ -103,6 +106,7 @@ class Engine:
             max_model_len=self.max_model_len)
         self._windows = itertools.count()
         self.overlap = DecodeOverlap()  # the decode step whose tokens the host has not read yet
+        self.token_logprobs: dict[Sequence, list[TokenLogprob]] = {}  # sequences with sampling.logprobs set
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig(), seed: int = 0,
@@ -180,6 +184,7 @@ class Engine:
         finally:
             if not completed:  # closed early or failed: the next generate() must start clean
                 self.overlap.clear()
+                self.token_logprobs.clear()
                 self.scheduler.abandon()
             self.tally.add(wall_seconds=time.perf_counter() - started)
 
@@ -231,7 +236,11 @@ class Engine:
                            theoretical_max_cached_tokens=seq.planned_reuse, output_tokens=seq.num_outputs,
                            planned_reuse_lost_tokens=max(0, seq.planned_reuse - cached))
         left[seq.unit_index] -= 1
-        return seq.to_output(unit_done=left[seq.unit_index] == 0)
+        output = seq.to_output(unit_done=left[seq.unit_index] == 0)
+        logprobs = self.token_logprobs.pop(seq, ())
+        if seq.request.sampling.logprobs is not None and seq.finish_reason != "error":
+            output = replace(output, logprobs=tuple(logprobs))
+        return output
 
     # ---- one step: schedule, run, postprocess ----------------------------------------------
     def _step(self) -> list[Sequence]:
@@ -278,7 +287,7 @@ class Engine:
         sampled = [seq for (seq, _), c in zip(items, chunks) if c.wants_logits]
         if not sampled:
             return []
-        return self._postprocess(sampled, self._draw(sampled, logits).tolist())
+        return self._postprocess(sampled, *read_now(self._draw(sampled, logits)))
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         """Run one decode step and draw its tokens on the device. With overlap they stay in
@@ -289,11 +298,11 @@ class Engine:
         logits = self.runner.decode(rows)  # [B, V]
         self._count_decode(seqs, rows)
         self.scheduler.advance([(seq, 1) for seq in seqs])
-        tokens = self._draw(seqs, logits)  # [B] on the device
+        draw = self._draw(seqs, logits)  # tokens [B] on the device
         done = self._postprocess(*self.overlap.take())
         if not self._keeps_in_flight(seqs):
-            return done + self._postprocess(seqs, tokens.tolist())
-        self.overlap.launch(seqs, tokens)
+            return done + self._postprocess(seqs, *read_now(draw))
+        self.overlap.launch(seqs, draw)
         return done
 
     def _keeps_in_flight(self, seqs: list[Sequence]) -> bool:
@@ -310,9 +319,9 @@ class Engine:
             self.tally.add(replayssm_flushes=sum(seq.ring_step(ring_len) for seq in seqs))
 
     # ---- postprocess: logits → tokens → progress -------------------------------------------
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> Draw:
         """Each sequence's next token from its logits ([N, V]), drawn on the device: [N] int64
-        (no host sync)."""
+        (no host sync), with the logprobs of the rows that ask (nothing computed when none does)."""
         params = [seq.request.sampling for seq in seqs]
         for seq in seqs:
             if seq.sample_key is None:
@@ -326,18 +335,27 @@ class Engine:
             params, [seq.sample_key for seq in seqs], num_outputs,
             seen_token_ids=[seq.tokens if p.repetition_penalty != 1.0 else () for seq, p in zip(seqs, params)]
             if penalised else None, banned=banned, device=logits.device)
-        return sample(logits, tensors)
+        tokens = sample(logits, tensors)
+        asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not asking:
+            return Draw(tokens)
+        ks = tuple(params[i].logprobs for i in asking)
+        rows = upload(torch.tensor(asking, dtype=torch.int64), logits.device)  # [R]
+        return Draw(tokens, token_logprobs(logits, tokens, rows, max(ks)), tuple(asking), ks)
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
-        """Append each sequence's drawn token and finish those that stop (the scheduler releases
-        their cache). A row whose sequence already finished (it was fed once more while its
-        stop token was in flight) is dropped."""
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int],
+                     logprobs: Optional[list[Optional[TokenLogprob]]] = None) -> list[Sequence]:
+        """Append each sequence's drawn token (and its logprobs, where asked) and finish those
+        that stop (the scheduler releases their cache). A row whose sequence already finished
+        (it was fed once more while its stop token was in flight) is dropped."""
         done = []
         stop_rules, max_len, cache = self.stop_rules, self.max_model_len, self.cache
-        for seq, token in zip(seqs, tokens):
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.finished:
                 continue
             seq.append_token(token)
+            if logprobs is not None and logprobs[i] is not None:
+                self.token_logprobs.setdefault(seq, []).append(logprobs[i])
             if len(seq.tokens) <= seq.handle.num_tokens:  # already fed, its KV slot taken before it was known
                 cache.resolve_token(seq.handle, len(seq.tokens) - 1, token)
             p = seq.request.sampling

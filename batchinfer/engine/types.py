@@ -24,6 +24,9 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Per generated token: the chosen token's logprob and the `logprobs` most likely tokens'
+    # (0: the chosen one's only; None: off), from the model's raw distribution (see TokenLogprob).
+    logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
@@ -47,6 +50,8 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,16 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed_key: int = 0                  # e.g. the row index: same seed_key + seed + sample → same tokens
     skip_samples: tuple[int, ...] = () # sample indices already done (resume): not generated
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model's raw distribution: fp32
+    log_softmax of its logits before repetition penalty, banned tokens, temperature and
+    top-k / top-p / min-p (what the model says, not what the sampler drew from)."""
+    logprob: float                      # of the token generated
+    top_ids: tuple[int, ...] = ()       # the k most likely tokens, most likely first
+    top_logprobs: tuple[float, ...] = ()
 
 
 FinishReason = Literal["stop", "length", "error"]
@@ -74,3 +89,4 @@ class RequestOutput:
     theoretical_max_cached_tokens: int = 0  # the planner's ideal reuse for this sample
     unit_index: int = 0                # which unit (or plan window) of the generate call this sample belongs to
     unit_done: bool = False            # the last output of its unit: every sample of the unit is out
+    logprobs: Optional[tuple[TokenLogprob, ...]] = None  # one per token of token_ids when sampling.logprobs is set
