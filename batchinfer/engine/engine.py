@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import time
 from dataclasses import replace
 from typing import Iterable, Iterator, Optional, Sequence as Seq
@@ -22,7 +23,7 @@ from batchinfer.engine.config import EngineConfig, dtype_name
 from batchinfer.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from batchinfer.engine.decode_rows import decode_rows
 from batchinfer.engine.draws import Draw, read_now
-from batchinfer.engine.host_copy import upload
+from batchinfer.engine.host_copy import upload, upload_packed
 from batchinfer.engine.model_runner import DecodeRows, ModelRunner, SequenceChunk
 from batchinfer.engine.overlap import DecodeOverlap
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
@@ -30,7 +31,7 @@ from batchinfer.engine.sampler import SamplingTensors, identity_key, sample, tok
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
 from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
-from batchinfer.engine.types import Request, RequestOutput, TokenLogprob
+from batchinfer.engine.types import ContinuationScore, Request, RequestOutput, TokenLogprob
 from batchinfer.models.forward_batch import ModelCaches
 from cache.budget import build_pools, memory_budget, plan_pools
 from cache.shapes import shapes_from_model_config
@@ -107,6 +108,8 @@ class Engine:
         self._windows = itertools.count()
         self.overlap = DecodeOverlap()  # the decode step whose tokens the host has not read yet
         self.token_logprobs: dict[Sequence, list[TokenLogprob]] = {}  # sequences with sampling.logprobs set
+        # Scoring sequences: position → (logprob of the next token, whether it is the argmax).
+        self.scores: dict[Sequence, dict[int, tuple[float, bool]]] = {}
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig(), seed: int = 0,
@@ -185,6 +188,7 @@ class Engine:
             if not completed:  # closed early or failed: the next generate() must start clean
                 self.overlap.clear()
                 self.token_logprobs.clear()
+                self.scores.clear()
                 self.scheduler.abandon()
             self.tally.add(wall_seconds=time.perf_counter() - started)
 
@@ -195,7 +199,7 @@ class Engine:
         rejected, accepted, samples = [], [], []
         for request in requests:
             skipped = set(request.skip_samples)
-            wanted = [s for s in range(request.sampling.n) if s not in skipped]
+            wanted = [s for s in range(1 if request.score_tokens else request.sampling.n) if s not in skipped]
             reason = self._reject_reason(request)
             if reason is not None:
                 for s in wanted:
@@ -205,7 +209,9 @@ class Engine:
             elif wanted:
                 accepted.append(request)
                 samples.append(wanted)
-        plan = make_plan([r.prompt_token_ids for r in accepted], [len(s) for s in samples])
+        # A scoring request is planned as its prompt alone: the k continuations of one prompt are
+        # then k samples of it, sharing all but its last token (whose logits score their first).
+        plan = make_plan([r.scored_prompt for r in accepted], [len(s) for s in samples])
         seqs: list[Sequence] = []
         for order, row in enumerate(plan.rows):
             seqs.append(Sequence(
@@ -220,7 +226,12 @@ class Engine:
         n = len(request.prompt_token_ids)
         if n == 0:
             return "empty prompt"
-        if n >= self.max_model_len:
+        if request.score_tokens:
+            if not 0 < request.score_tokens < n:
+                return f"a continuation of {request.score_tokens} tokens needs a prompt before it ({n} tokens in all)"
+            if n > self.max_model_len:
+                return f"prompt and continuation have {n} tokens; max_model_len is {self.max_model_len}"
+        elif n >= self.max_model_len:
             return f"prompt has {n} tokens; max_model_len {self.max_model_len} leaves no room to generate"
         vocab = self.model.config.vocab_size
         if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
@@ -238,9 +249,20 @@ class Engine:
         left[seq.unit_index] -= 1
         output = seq.to_output(unit_done=left[seq.unit_index] == 0)
         logprobs = self.token_logprobs.pop(seq, ())
-        if seq.request.sampling.logprobs is not None and seq.finish_reason != "error":
+        points = self.scores.pop(seq, {})
+        if seq.finish_reason == "error":
+            return output
+        if seq.request.score_tokens:
+            return replace(output, score=self._continuation_score(seq, points))
+        if seq.request.sampling.logprobs is not None:
             output = replace(output, logprobs=tuple(logprobs))
         return output
+
+    @staticmethod
+    def _continuation_score(seq: Sequence, points: dict[int, tuple[float, bool]]) -> ContinuationScore:
+        end = seq.prompt_len - 1  # position q's logits score token q + 1
+        scored = [points[q] for q in range(end - seq.request.score_tokens, end)]
+        return ContinuationScore(math.fsum(lp for lp, _ in scored), len(scored), all(g for _, g in scored))
 
     # ---- one step: schedule, run, postprocess ----------------------------------------------
     def _step(self) -> list[Sequence]:
@@ -276,18 +298,63 @@ class Engine:
     # ---- run -------------------------------------------------------------------------------
     def _prefill(self, items: list[tuple[Sequence, int]]) -> list[Sequence]:
         """Run one prefill forward over (sequence, new tokens) chunks; sample where a chunk ends
-        its sequence's tokens."""
-        chunks = [SequenceChunk(token_ids=seq.tokens[seq.computed:seq.computed + n], start=seq.computed,
-                                state_slot=seq.handle.working_slot,
-                                context_kv=seq.handle.kv_indices[:seq.computed + n],
-                                wants_logits=seq.computed + n == len(seq.tokens))
-                  for seq, n in items]
-        logits = self.runner.prefill(chunks)  # [N, V] for the chunks that end their tokens
+        its sequence's tokens, score where a chunk holds a scoring sequence's continuation."""
+        chunks = [self._chunk(seq, n) for seq, n in items]
+        logits = self.runner.prefill(chunks)  # [N, V]: num_logits rows per chunk
         self.scheduler.advance(items)
-        sampled = [seq for (seq, _), c in zip(items, chunks) if c.wants_logits]
-        if not sampled:
-            return []
-        return self._postprocess(sampled, *read_now(self._draw(sampled, logits)))
+        sampled, sample_rows, scored, row = [], [], [], 0
+        for (seq, _), chunk in zip(items, chunks):
+            if chunk.wants_logits:
+                sampled.append(seq)
+                sample_rows.append(row)
+            elif chunk.score_logits:
+                scored.append((seq, chunk, row))
+            row += chunk.num_logits
+        done = self._score(scored, logits) if scored else []
+        if sampled:
+            if scored:
+                logits = logits[upload(torch.tensor(sample_rows, dtype=torch.int64), logits.device)]
+            done += self._postprocess(sampled, *read_now(self._draw(sampled, logits)))
+        return done
+
+    @staticmethod
+    def _chunk(seq: Sequence, n: int) -> SequenceChunk:
+        start, end = seq.computed, seq.computed + n
+        score_logits = 0
+        if seq.request.score_tokens:  # logits from the position before the continuation on
+            score_logits = max(0, end - max(start, len(seq.tokens) - seq.request.score_tokens - 1))
+        return SequenceChunk(token_ids=seq.tokens[start:end], start=start, state_slot=seq.handle.working_slot,
+                             context_kv=seq.handle.kv_indices[:end],
+                             wants_logits=end == len(seq.tokens) and not seq.request.score_tokens,
+                             score_logits=score_logits)
+
+    def _score(self, scored: list[tuple[Sequence, SequenceChunk, int]], logits: torch.Tensor) -> list[Sequence]:
+        """Record each scored position's next-token logprob and greedy match (raw fp32 log_softmax);
+        a scoring sequence whose tokens are all computed is finished (it generates nothing)."""
+        rows, targets, points = [], [], []
+        for seq, chunk, first_row in scored:
+            end = chunk.start + len(chunk.token_ids)
+            for j, q in enumerate(range(end - chunk.score_logits, end)):
+                if q + 1 < len(seq.tokens):  # the last position scores nothing
+                    rows.append(first_row + j)
+                    targets.append(seq.tokens[q + 1])
+                    points.append((seq, q))
+        if rows:
+            row_ids, target_ids = upload_packed([torch.tensor(rows, dtype=torch.int64),
+                                                 torch.tensor(targets, dtype=torch.int64)], logits.device)
+            picked = logits[row_ids].float()                                        # [P, V]
+            logprob = picked.log_softmax(dim=1).gather(1, target_ids[:, None])[:, 0]  # [P]
+            greedy = picked.argmax(dim=1) == target_ids                              # [P]
+            values = torch.stack([logprob, greedy.float()], dim=1).tolist()
+            for (seq, q), (lp, g) in zip(points, values):
+                self.scores.setdefault(seq, {})[q] = (lp, g > 0.5)  # a recompute overwrites: each once
+        done = []
+        for seq, _, _ in scored:
+            if seq.computed == len(seq.tokens) and not seq.finished:
+                seq.finish("stop")
+                self.scheduler.finish(seq)
+                done.append(seq)
+        return done
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         """Run one decode step and draw its tokens on the device. With overlap they stay in

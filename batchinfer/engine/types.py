@@ -61,6 +61,14 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed_key: int = 0                  # e.g. the row index: same seed_key + seed + sample → same tokens
     skip_samples: tuple[int, ...] = () # sample indices already done (resume): not generated
+    # > 0: a scoring request. The last `score_tokens` prompt tokens are a continuation to score
+    # (RequestOutput.score); nothing is generated and `sampling` is not used.
+    score_tokens: int = 0
+
+    @property
+    def scored_prompt(self) -> tuple[int, ...]:
+        """The prompt without the continuation scored: what such requests share (the prefix plan's key)."""
+        return self.prompt_token_ids[:len(self.prompt_token_ids) - self.score_tokens]
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,14 @@ class TokenLogprob:
     logprob: float                      # of the token generated
     top_ids: tuple[int, ...] = ()       # the k most likely tokens, most likely first
     top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class ContinuationScore:
+    """A scoring request's continuation under the model's raw distribution (fp32 log_softmax)."""
+    logprob: float                      # summed over its tokens
+    tokens: int                         # how many
+    greedy: bool                        # every token is the argmax given the ones before
 
 
 FinishReason = Literal["stop", "length", "error"]
@@ -90,3 +106,4 @@ class RequestOutput:
     unit_index: int = 0                # which unit (or plan window) of the generate call this sample belongs to
     unit_done: bool = False            # the last output of its unit: every sample of the unit is out
     logprobs: Optional[tuple[TokenLogprob, ...]] = None  # one per token of token_ids when sampling.logprobs is set
+    score: Optional[ContinuationScore] = None  # a scoring request's (Request.score_tokens > 0)
