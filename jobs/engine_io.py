@@ -11,6 +11,7 @@ from typing import Any, Optional
 from batchinfer.engine.types import Request, RequestOutput, SamplingParams
 from jobs.outputs import SampleResult
 from jobs.reasoning import ReasoningSplit, split_reasoning
+from jobs.scoring import ScoreRows
 from jobs.tokenizer import CheckpointTokenizer
 
 
@@ -41,7 +42,11 @@ def error_result(row_index: int, sample: int, error: str) -> SampleResult:
 
 
 def output_result(output: RequestOutput, tokenizer: CheckpointTokenizer, stops: tuple[str, ...],
-                  reasoning: ReasoningSplit = ReasoningSplit()) -> SampleResult:
+                  reasoning: ReasoningSplit = ReasoningSplit(), scores: Optional[ScoreRows] = None) -> Optional[SampleResult]:
+    """A generation output's result row; a scoring output goes to `scores`, which gives its row's
+    result with the row's last continuation (None before)."""
+    if output.score is not None or isinstance(output.request_id, tuple):
+        return scores.add(output)
     text = cut_at_stop(tokenizer.decode(output.token_ids), stops)
     reasoning_text, truncated = None, None
     if reasoning.enabled and output.finish_reason != "error":

@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 import pyarrow as pa
 
 from batchinfer.engine.types import Request, RequestOutput
-from jobs.engine_io import error_result, output_result, row_request
+from jobs.engine_io import error_result, output_result, row_request, seed_key
+from jobs.scoring import ScoreRows, row_score_requests
 from jobs.executors.contract import ProgressDelta, UnitResult
 from jobs.eval_metrics import with_correct_column
 from jobs.global_plan import WorkPlan
@@ -134,6 +135,7 @@ class UnitRunner:
         sampling = job.spec.sampling
         self.n, self.per_chunk = sampling.n, chunk_rows(job.spec.output.flush_rows, sampling.n)
         self.fields = job_result_fields(job.spec)
+        self.scores = ScoreRows()  # task score: a row's continuations until the last is back
         self._counters = _stats_numbers(getattr(engine, "stats", None))
         self.samples_committed = 0  # over every unit run, in committed parts (on disk)
         self.errors_committed = 0
@@ -150,6 +152,8 @@ class UnitRunner:
         position = {row: offset for offset, row in enumerate(indices)}
         ids = row_ids(inputs, spec.id_column) if spec.id_column else None
         per_row = row_sampling(spec, inputs)  # None: the job's sampling for every row
+        scoring = spec.task.task == "score"
+        cells = inputs[spec.task.continuations_column].to_pylist() if scoring else None
         done = self.done.for_unit(unit_id)
         unit = _OpenUnit(unit_id, inputs, position, {}, {})
         for chunk, first in enumerate(range(0, len(rows), self.per_chunk)):
@@ -177,6 +181,15 @@ class UnitRunner:
                 sampling = per_row[position[row.row_index]] if per_row is not None else spec.sampling
                 if per_row is not None:
                     unit.stops[row.row_index] = sampling.stop
+                if scoring:
+                    requests, error = row_score_requests(self.job.tokenizer, row.row_index, row.token_ids,
+                                                         cells[position[row.row_index]], seed_key(row.row_index, row_id))
+                    if error is not None:
+                        self._record(unit, error_result(row.row_index, 0, error))
+                        continue
+                    self.scores.expect(row.row_index, len(requests))
+                    unit.requests.extend(requests)
+                    continue
                 unit.requests.append(row_request(row.row_index, row.token_ids, sampling, row_id,
                                                  done.get(row.row_index)))
         unit.samples_skipped += sum(len(samples) for samples in done.values())
@@ -251,8 +264,10 @@ class UnitRunner:
             while complete:
                 yield self._result(complete.pop(0))
             unit = pulled[output.unit_index]
-            self._record(unit, output_result(output, self.job.tokenizer, unit.stops.get(output.request_id, stops),
-                                             self.job.reasoning))
+            result = output_result(output, self.job.tokenizer, unit.stops.get(output.request_id, stops),
+                                   self.job.reasoning, self.scores)
+            if result is not None:  # None: a scored row waiting for its other continuations
+                self._record(unit, result)
             if output.unit_done:
                 if not unit.complete:
                     raise RuntimeError(f"unit {unit.unit_id}: the engine ended it with samples missing")

@@ -109,3 +109,106 @@ def test_a_continuation_without_a_prompt_is_an_error_row(checkpoint):
     engine = Engine.from_pretrained(str(checkpoint), EngineConfig(**settings))
     out = next(iter(engine.generate([Request(0, (5, 6), SamplingParams(), score_tokens=2)])))
     assert out.finish_reason == "error" and "needs a prompt before it" in out.error
+
+
+# ---- jobs: task score, continuation columns, choice_accuracy --------------------------------
+def _demo_engine():
+    from batchinfer.demo import DEMO_CONFIG
+    from batchinfer.models.config import model_config_from_dict
+    from batchinfer.models.presets import random_model
+
+    model = random_model(model_config_from_dict(DEMO_CONFIG), torch.float32, "cpu", seed=2)
+    return Engine(model, EngineConfig(device="cpu", dtype="fp32", memory_budget_bytes=16 << 20, ring_len=4,
+                                      track_interval=16))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_checkpoint(tmp_path_factory):
+    from tests.jobs_fixtures import make_tokenizer_checkpoint
+
+    return make_tokenizer_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+CHOICES = [["Paris", "Lyon", "Nice"], ["red", "blue"], "yes", [], ["a", "b", "c", "d"], ["Paris", "Lyon", "Nice"]]
+
+
+@pytest.mark.parametrize("plan", ["global", "window"])
+def test_a_score_job_writes_continuation_columns_and_choice_accuracy(tmp_path, tokenizer_checkpoint, plan):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from rich.console import Console
+
+    from jobs.prepare import prepare_job
+    from jobs.runner import run_job
+    from jobs.scoring import continuation_token_ids
+    from jobs.spec import load_job_file
+    from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
+
+    rows = len(CHOICES)
+    table = pa.table({"question": [f"Question {r % 5}: pick one." for r in range(rows)],
+                      "choices": [[c] if isinstance(c, str) else c for c in CHOICES],
+                      "answer": [0, 1, 0, 0, 3, 2]})
+    write_parquet(table, tmp_path / "data" / "rag.parquet")
+    entry = job_entry(model=str(tokenizer_checkpoint), prompt={"template": "{question} Answer:"},
+                      task="score", score={"continuations_column": "choices"}, engine={"plan": plan},
+                      eval={"answer_column": "answer", "metric": "choice_accuracy"})
+    job = prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
+    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _demo_engine(), window_rows=4)
+    assert stats["status"] == "done"
+    out = pq.read_table(tmp_path / "out" / "rag").sort_by("row_index").to_pylist()
+    assert out[3]["finish_reason"] == "error" and "no continuations" in out[3]["error"]
+    engine = _demo_engine()
+    judged = []
+    for r, row in enumerate(out):
+        if r == 3:
+            continue
+        choices = CHOICES[r] if isinstance(CHOICES[r], list) else [CHOICES[r]]
+        assert len(row["continuation_logprobs"]) == len(row["continuation_tokens"]) == len(choices)
+        prompt = job.tokenizer.encode_batch([f"Question {r % 5}: pick one. Answer:"])[0]
+        ids = continuation_token_ids(job.tokenizer, prompt, choices)
+        assert row["continuation_tokens"] == [len(c) for c in ids]
+        direct = {o.request_id: o.score for o in engine.generate(
+            Request(j, tuple(prompt + c), SamplingParams(), score_tokens=len(c)) for j, c in enumerate(ids))}
+        for j in range(len(choices)):
+            assert abs(row["continuation_logprobs"][j] - direct[j].logprob) < 1e-4
+            assert row["continuation_greedy"][j] == direct[j].greedy
+        best = max(range(len(choices)), key=lambda j: (row["continuation_logprobs"][j], -j))
+        assert row["correct"] == (best == table["answer"][r].as_py())
+        judged.append(row["correct"])
+    assert stats["eval"]["judged"] == len(judged)
+    assert stats["eval"]["accuracy"] == pytest.approx(sum(judged) / len(judged))
+    # Rows 0 and 5 are the same question and choices: the same scores.
+    assert out[0]["continuation_logprobs"] == pytest.approx(out[5]["continuation_logprobs"], abs=1e-5)
+
+
+def test_continuation_tokens_follow_the_joint_tokenisation(tokenizer_checkpoint):
+    from jobs.scoring import continuation_token_ids
+    from jobs.tokenizer import CheckpointTokenizer
+
+    tokenizer = CheckpointTokenizer.from_checkpoint(tokenizer_checkpoint)
+    prompt = tokenizer.encode_batch(["The capital is"], add_special_tokens=False)[0]
+    [joint] = continuation_token_ids(tokenizer, prompt, [" Paris"])
+    full = tokenizer.encode_batch(["The capital is Paris"], add_special_tokens=False)[0]
+    assert prompt + joint == full
+    # A prompt whose last token would merge with the continuation: the continuation alone.
+    cut = tokenizer.encode_batch(["The capital is Par"], add_special_tokens=False)[0]
+    [alone] = continuation_token_ids(tokenizer, cut, ["is"])
+    if cut + tokenizer.encode_batch(["is"], add_special_tokens=False)[0] != \
+            tokenizer.encode_batch(["The capital is Paris"], add_special_tokens=False)[0]:
+        assert alone == tokenizer.encode_batch(["is"], add_special_tokens=False)[0]
+
+
+def test_a_score_job_needs_one_sample(tmp_path, tokenizer_checkpoint):
+    import pyarrow as pa
+
+    from jobs.errors import JobError
+    from jobs.prepare import prepare_job
+    from jobs.spec import load_job_file
+    from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
+
+    write_parquet(pa.table({"question": ["q"], "choices": [["a"]]}), tmp_path / "data" / "rag.parquet")
+    entry = job_entry(model=str(tokenizer_checkpoint), prompt={"template": "{question}"}, task="score",
+                      score={"continuations_column": "choices"}, sampling={"n": 2})
+    with pytest.raises(JobError) as caught:
+        prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
+    assert "sampling.n" in str(caught.value) and "must be 1" in str(caught.value)

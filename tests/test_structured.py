@@ -162,7 +162,6 @@ def tokenizer_checkpoint(tmp_path_factory) -> Path:
     ({"sampling": {"choice": ["yes", "no"]}}, "sampling.choice", "not supported yet by the engine"),
     ({"sampling": {"json_schema_column": "schema"}}, "sampling.json_schema_column", "not in the input"),
     ({"sampling": {"json_schema_column": "choices"}}, "sampling.json_schema_column", "must be text"),
-    ({"task": "score", "score": {"continuations_column": "choices"}}, "task", "not supported yet by the engine"),
     ({"task": "score", "score": {"continuations_column": "question"},
       "eval": {"answer_column": "choices", "metric": "choice_accuracy"}}, "eval.answer_column",
      "must be an integer index or text"),
