@@ -31,9 +31,10 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
 
 
 def row_request(row_index: int, token_ids: Any, sampling: SamplingParams, row_id: Any,
-                done_samples: Optional[frozenset[int]] = None) -> Request:
+                done_samples: Optional[frozenset[int]] = None, grammar: Any = None) -> Request:
     return Request(request_id=row_index, prompt_token_ids=tuple(token_ids), sampling=sampling,
-                   seed_key=seed_key(row_index, row_id), skip_samples=tuple(sorted(done_samples or ())))
+                   seed_key=seed_key(row_index, row_id), skip_samples=tuple(sorted(done_samples or ())),
+                   grammar=grammar)
 
 
 def error_result(row_index: int, sample: int, error: str) -> SampleResult:

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from batchinfer.engine.types import Request, RequestOutput
 from jobs.engine_io import error_result, output_result, row_request, seed_key
+from jobs.grammar_rows import RowGrammars
 from jobs.scoring import ScoreRows, row_score_requests
 from jobs.executors.contract import ProgressDelta, UnitResult
 from jobs.eval_metrics import with_correct_column
@@ -136,6 +137,7 @@ class UnitRunner:
         self.n, self.per_chunk = sampling.n, chunk_rows(job.spec.output.flush_rows, sampling.n)
         self.fields = job_result_fields(job.spec)
         self.scores = ScoreRows()  # task score: a row's continuations until the last is back
+        self.grammars = RowGrammars(job.spec, job.tokenizer, job.vocab_size)
         self._counters = _stats_numbers(getattr(engine, "stats", None))
         self.samples_committed = 0  # over every unit run, in committed parts (on disk)
         self.errors_committed = 0
@@ -154,6 +156,7 @@ class UnitRunner:
         per_row = row_sampling(spec, inputs)  # None: the job's sampling for every row
         scoring = spec.task.task == "score"
         cells = inputs[spec.task.continuations_column].to_pylist() if scoring else None
+        schemas = self.grammars.cells(inputs)
         done = self.done.for_unit(unit_id)
         unit = _OpenUnit(unit_id, inputs, position, {}, {})
         for chunk, first in enumerate(range(0, len(rows), self.per_chunk)):
@@ -190,8 +193,13 @@ class UnitRunner:
                     self.scores.expect(row.row_index, len(requests))
                     unit.requests.extend(requests)
                     continue
+                grammar, error = self.grammars.for_row(schemas[position[row.row_index]] if schemas else None)
+                if error is not None:
+                    for sample in todo[row.row_index]:
+                        self._record(unit, error_result(row.row_index, sample, error))
+                    continue
                 unit.requests.append(row_request(row.row_index, row.token_ids, sampling, row_id,
-                                                 done.get(row.row_index)))
+                                                 done.get(row.row_index), grammar))
         unit.samples_skipped += sum(len(samples) for samples in done.values())
         return unit
 

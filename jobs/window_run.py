@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 from batchinfer.engine.types import Request
 from jobs.engine_io import error_result, output_result, row_request, seed_key
+from jobs.grammar_rows import RowGrammars
 from jobs.scoring import ScoreRows, row_score_requests
 from jobs.inputs import RowWindow, iter_windows
 from jobs.openai_batch import row_sampling
@@ -59,6 +60,7 @@ class WindowRun:
         self.windows = _OpenWindows()
         self.stops: dict[int, tuple[str, ...]] = {}  # row → its own stop strings (batch input), until its output
         self.scores = ScoreRows()  # task score: a row's continuations until the last is back
+        self.grammars = RowGrammars(job.spec, job.tokenizer, job.vocab_size)
 
     def record(self, result: SampleResult) -> None:
         window = self.windows.take(result.row_index)
@@ -85,6 +87,7 @@ class WindowRun:
             per_row = row_sampling(spec, window.table)  # None: the job's sampling for every row
             scoring = spec.task.task == "score"
             cells = window.table[spec.task.continuations_column].to_pylist() if scoring else None
+            schemas = self.grammars.cells(window.table)
             for offset, row in enumerate(rows):
                 error = prompts.errors[offset]
                 if not todo[row]:
@@ -105,7 +108,12 @@ class WindowRun:
                     self.scores.expect(row, len(requests))
                     yield from requests
                     continue
-                yield row_request(row, prompts.token_ids[offset], sampling, ids[offset], self.done.get(row))
+                grammar, error = self.grammars.for_row(schemas[offset] if schemas else None)
+                if error is not None:
+                    for sample in todo[row]:
+                        self.record(error_result(row, sample, error))
+                    continue
+                yield row_request(row, prompts.token_ids[offset], sampling, ids[offset], self.done.get(row), grammar)
 
     def run(self) -> None:
         stops = self.job.spec.sampling.stop

@@ -144,8 +144,6 @@ def test_after_a_failure_the_rerun_writes_each_line_exactly_once(tmp_path, check
     (completion("a", "p", n=0), "body.n: must be an integer in [1, 128]"),
     (completion("a", "p", temperature=3), "body.temperature"),
     (chat("a", "q", top_logprobs=2), "needs logprobs: true"),
-    (chat("a", "q", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}),
-     "not supported yet"),
     (chat("a", "q", max_tokens=2, max_completion_tokens=3), "not both"),
     (json.dumps({"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user",
                  "content": [{"type": "image_url"}]}]}}), "only text parts"),

@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 from typing import Iterable, Iterator, Optional, Sequence as Seq
 
+import numpy as np
 import torch
 
 from batchinfer.engine.activations import decode_graph_bytes, step_activation_bytes
@@ -27,7 +28,7 @@ from batchinfer.engine.host_copy import upload, upload_packed
 from batchinfer.engine.model_runner import DecodeRows, ModelRunner, SequenceChunk
 from batchinfer.engine.overlap import DecodeOverlap
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
-from batchinfer.engine.sampler import SamplingTensors, identity_key, sample, token_logprobs
+from batchinfer.engine.sampler import SamplingTensors, apply_token_bitmask, identity_key, sample, token_logprobs
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
 from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
@@ -110,6 +111,7 @@ class Engine:
         self.token_logprobs: dict[Sequence, list[TokenLogprob]] = {}  # sequences with sampling.logprobs set
         # Scoring sequences: position → (logprob of the next token, whether it is the argmax).
         self.scores: dict[Sequence, dict[int, tuple[float, bool]]] = {}
+        self.matchers: dict[Sequence, object] = {}  # constrained sequences: their grammar matcher
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig(), seed: int = 0,
@@ -189,6 +191,7 @@ class Engine:
                 self.overlap.clear()
                 self.token_logprobs.clear()
                 self.scores.clear()
+                self.matchers.clear()
                 self.scheduler.abandon()
             self.tally.add(wall_seconds=time.perf_counter() - started)
 
@@ -250,6 +253,7 @@ class Engine:
         output = seq.to_output(unit_done=left[seq.unit_index] == 0)
         logprobs = self.token_logprobs.pop(seq, ())
         points = self.scores.pop(seq, {})
+        self.matchers.pop(seq, None)
         if seq.finish_reason == "error":
             return output
         if seq.request.score_tokens:
@@ -373,8 +377,11 @@ class Engine:
         return done
 
     def _keeps_in_flight(self, seqs: list[Sequence]) -> bool:
-        # Repetition penalties need every earlier token on the host: such steps are read at once.
-        return self.config.overlap_decode and not any(s.request.sampling.repetition_penalty != 1.0 for s in seqs)
+        # Repetition penalties and grammars need every earlier token on the host (the next mask
+        # follows the last token): such steps are read at once. Their masks are still computed
+        # while the forward pass runs (`_constrain` runs after the launch).
+        return self.config.overlap_decode and not any(
+            s.request.sampling.repetition_penalty != 1.0 or s.request.grammar is not None for s in seqs)
 
     def _count_decode(self, seqs: list[Sequence], rows: DecodeRows) -> None:
         """A decode step's counters, ReplaySSM ring folds included (each step moves every
@@ -402,13 +409,36 @@ class Engine:
             params, [seq.sample_key for seq in seqs], num_outputs,
             seen_token_ids=[seq.tokens if p.repetition_penalty != 1.0 else () for seq, p in zip(seqs, params)]
             if penalised else None, banned=banned, device=logits.device)
-        tokens = sample(logits, tensors)
         asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+        constrained = [i for i, seq in enumerate(seqs) if seq.request.grammar is not None]
+        raw = logits
+        if constrained:
+            logits = self._constrain([seqs[i] for i in constrained], constrained, logits, keep_raw=bool(asking))
+        tokens = sample(logits, tensors)
         if not asking:
             return Draw(tokens)
         ks = tuple(params[i].logprobs for i in asking)
         rows = upload(torch.tensor(asking, dtype=torch.int64), logits.device)  # [R]
-        return Draw(tokens, token_logprobs(logits, tokens, rows, max(ks)), tuple(asking), ks)
+        return Draw(tokens, token_logprobs(raw, tokens, rows, max(ks)), tuple(asking), ks)
+
+    def _constrain(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, keep_raw: bool) -> torch.Tensor:
+        """`logits` with each constrained row's disallowed tokens at -inf: the masks are filled on
+        the host (on CUDA while the forward pass still runs: nothing here waits for it), uploaded
+        as int32 bitmasks and unpacked on the device. A copy when the raw logits are still needed."""
+        matchers = []
+        for seq in seqs:
+            matcher = self.matchers.get(seq)
+            if matcher is None:
+                matcher = self.matchers[seq] = seq.request.grammar.matcher()
+            matchers.append(matcher)
+        bitmask = np.zeros((len(seqs), (logits.shape[1] + 31) // 32), dtype=np.int32)  # [R, W]
+        seqs[0].request.grammar.fill_masks(matchers, bitmask)
+        device = logits.device
+        with torch.inference_mode():  # the runner's logits are inference tensors: edited in place here
+            masked = logits.clone() if keep_raw else logits
+            apply_token_bitmask(masked, upload(torch.tensor(rows, dtype=torch.int64), device),
+                                upload(torch.from_numpy(bitmask), device))
+        return masked
 
     def _postprocess(self, seqs: list[Sequence], tokens: list[int],
                      logprobs: Optional[list[Optional[TokenLogprob]]] = None) -> list[Sequence]:
@@ -423,6 +453,13 @@ class Engine:
             seq.append_token(token)
             if logprobs is not None and logprobs[i] is not None:
                 self.token_logprobs.setdefault(seq, []).append(logprobs[i])
+            if seq.request.grammar is not None and not self.matchers[seq].accept(token):
+                # The mask allowed nothing (e.g. min_tokens banned the only allowed EOS).
+                seq.set_error(f"token {token} is not allowed by the grammar")
+                seq.finish("error")
+                self.scheduler.finish(seq)
+                done.append(seq)
+                continue
             if len(seq.tokens) <= seq.handle.num_tokens:  # already fed, its KV slot taken before it was known
                 cache.resolve_token(seq.handle, len(seq.tokens) - 1, token)
             p = seq.request.sampling

@@ -260,3 +260,12 @@ def unpack_logprobs(packed: torch.Tensor, ks: Sequence[int]) -> list[TokenLogpro
     values = packed[:, :1 + k].tolist()
     ids = packed[:, 1 + k:].contiguous().view(torch.int32).tolist()
     return [TokenLogprob(v[0], tuple(i[:kk]), tuple(v[1:1 + kk])) for v, i, kk in zip(values, ids, ks)]
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Disallowed tokens → -inf in place: logits [N, V] fp32, rows [R], bitmask [R, W] int32 on
+    the logits' device, bit t % 32 of word t // 32 set where token t is allowed (llguidance's layout)."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()  # [R, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

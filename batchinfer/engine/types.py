@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Literal, Optional
+from typing import Any, Hashable, Literal, Optional
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,11 @@ class Request:
     # > 0: a scoring request. The last `score_tokens` prompt tokens are a continuation to score
     # (RequestOutput.score); nothing is generated and `sampling` is not used.
     score_tokens: int = 0
+    # An output constraint (structured output): an object whose `matcher()` starts one sample's
+    # matcher, with `fill_mask(row)` (int32 bitmask [ceil(V / 32)] of the allowed next tokens),
+    # `accept(token) -> bool`, and `fill_masks(matchers, bitmask [B, W])` for a batch
+    # (jobs.structured.CompiledGrammar). Sampling draws among the allowed tokens only.
+    grammar: Optional[Any] = field(default=None, compare=False)
 
     @property
     def scored_prompt(self) -> tuple[int, ...]:
