@@ -436,7 +436,8 @@ class Engine:
         device = logits.device
         with torch.inference_mode():  # the runner's logits are inference tensors: edited in place here
             masked = logits.clone() if keep_raw else logits
-            apply_token_bitmask(masked, upload(torch.tensor(rows, dtype=torch.int64), device),
+            every_row = len(rows) == logits.shape[0]  # rows are distinct and sorted: then 0..N-1
+            apply_token_bitmask(masked, None if every_row else upload(torch.tensor(rows, dtype=torch.int64), device),
                                 upload(torch.from_numpy(bitmask), device))
         return masked
 

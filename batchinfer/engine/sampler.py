@@ -262,10 +262,17 @@ def unpack_logprobs(packed: torch.Tensor, ks: Sequence[int]) -> list[TokenLogpro
     return [TokenLogprob(v[0], tuple(i[:kk]), tuple(v[1:1 + kk])) for v, i, kk in zip(values, ids, ks)]
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Disallowed tokens → -inf in place: logits [N, V] fp32, rows [R], bitmask [R, W] int32 on
-    the logits' device, bit t % 32 of word t // 32 set where token t is allowed (llguidance's layout)."""
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> None:
+    """Disallowed tokens → -inf in place: logits [N, V] fp32, rows [R] (None: every row, R = N),
+    bitmask [R, W] int32 on the logits' device, bit t % 32 of word t // 32 set where token t is
+    allowed (llguidance's layout)."""
     vocab = logits.shape[1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()  # [R, V]
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    # Unpacked a byte at a time (little-endian words: byte j of word w holds tokens 32w + 8j ...),
+    # so the temporaries are one byte per token, not four.
+    packed = bitmask.contiguous().view(torch.uint8)                                  # [R, 4W]
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    disallowed = ((packed[:, :, None] >> shifts) & 1).view(packed.shape[0], -1)[:, :vocab] == 0  # [R, V]
+    if rows is None:  # a grammar job: every row, no gather / scatter
+        logits.masked_fill_(disallowed, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(disallowed, float("-inf"))
