@@ -8,9 +8,8 @@ Model: random weights (`benchmarks.engine_arms.build_model`), prompts of random 
 sampling at temperature 1 in every arm, so the arms differ only in what they add:
 
     none        plain decode (one-step overlap on, as the engine runs)
-    json        every row under a JSON schema (nested objects, enums, arrays): masks filled on the
-                host while the forward runs, applied on the device; no one-step overlap (the next
-                mask needs the token just drawn)
+    json        every row under a JSON schema (nested objects, enums, arrays): the previous step read
+                and the masks filled on the host while the forward runs, applied on the device
     logprobs5   every row asks logprobs k=5 (computed on the device, downloaded with the tokens)
 
 Each arm runs `--reps` times, interleaved (none, json, logprobs5, none, ...) to cancel drift; a

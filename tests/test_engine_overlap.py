@@ -102,7 +102,7 @@ def test_steps_are_read_one_launch_late(model, prompts, monkeypatch):
             assert "R" not in streak and "L" in streak, streak  # each step read at once, nothing in flight
 
 
-def test_repetition_penalty_steps_are_read_at_once(model, prompts):
+def test_repetition_penalty_steps_see_the_token_in_flight(model, prompts):
     params = SamplingParams(max_tokens=6, ignore_eos=True, repetition_penalty=1.3, temperature=0.8, seed=2)
     requests = requests_for(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     requests[1] = replace(requests[1], sampling=params)

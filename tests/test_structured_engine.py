@@ -194,3 +194,24 @@ def test_openai_batch_response_format_lines_return_valid_json(tmp_path, model):
         choice = line["response"]["body"]["choices"][0]
         assert choice["finish_reason"] == "stop"
         jsonschema.validate(json.loads(choice["message"]["content"]), small)
+
+
+def test_constrained_steps_stay_in_flight(model, tokenizer, grammars, monkeypatch):
+    """A constrained step's tokens stay on the device while the next step launches: the host
+    reads step k (and fills step k + 1's masks from it) only after step k + 1's forward is queued."""
+    from batchinfer.engine import draws
+
+    events = []
+
+    class RecordingDownload(draws.Download):
+        def tolist(self):
+            events.append("R")
+            return super().tolist()
+
+    monkeypatch.setattr(draws, "Download", RecordingDownload)
+    engine = _engine(model, tokenizer)
+    decode = engine.runner.decode
+    engine.runner.decode = lambda rows: events.append("L") or decode(rows)
+    outputs = list(engine.generate(_requests(grammars, ("json_schema",), rows=2, max_tokens=12)))
+    assert all(o.finish_reason in ("stop", "length") for o in outputs)
+    assert "LLRLR" in "".join(events)

@@ -369,19 +369,25 @@ class Engine:
         logits = self.runner.decode(rows)  # [B, V]
         self._count_decode(seqs, rows)
         self.scheduler.advance([(seq, 1) for seq in seqs])
-        draw = self._draw(seqs, logits)  # tokens [B] on the device
-        done = self._postprocess(*self.overlap.take())
-        if not self._keeps_in_flight(seqs):
+        if self._draws_from_host_tokens(seqs):
+            # Read the step in flight first (its tokens landed before this forward began), so the
+            # grammar matchers and penalties see every earlier token; the masks are then filled
+            # while this step's forward still runs, and its own tokens can stay in flight.
+            done = self._postprocess(*self.overlap.take())
+            draw = self._draw(seqs, logits)
+        else:
+            draw = self._draw(seqs, logits)  # tokens [B] on the device
+            done = self._postprocess(*self.overlap.take())
+        if not self.config.overlap_decode:
             return done + self._postprocess(seqs, *read_now(draw))
         self.overlap.launch(seqs, draw)
         return done
 
-    def _keeps_in_flight(self, seqs: list[Sequence]) -> bool:
-        # Repetition penalties and grammars need every earlier token on the host (the next mask
-        # follows the last token): such steps are read at once. Their masks are still computed
-        # while the forward pass runs (`_constrain` runs after the launch).
-        return self.config.overlap_decode and not any(
-            s.request.sampling.repetition_penalty != 1.0 or s.request.grammar is not None for s in seqs)
+    @staticmethod
+    def _draws_from_host_tokens(seqs: list[Sequence]) -> bool:
+        """Whether drawing this step needs each row's earlier tokens on the host: a grammar (its
+        next mask follows the last token) or a repetition penalty (the tokens seen)."""
+        return any(s.request.grammar is not None or s.request.sampling.repetition_penalty != 1.0 for s in seqs)
 
     def _count_decode(self, seqs: list[Sequence], rows: DecodeRows) -> None:
         """A decode step's counters, ReplaySSM ring folds included (each step moves every
@@ -425,14 +431,20 @@ class Engine:
         """`logits` with each constrained row's disallowed tokens at -inf: the masks are filled on
         the host (on CUDA while the forward pass still runs: nothing here waits for it), uploaded
         as int32 bitmasks and unpacked on the device. A copy when the raw logits are still needed."""
-        matchers = []
-        for seq in seqs:
+        live, matchers = [], []
+        for i, seq in enumerate(seqs):
+            if seq.finished:  # stopped while this step was launched: its row is dropped, its matcher done
+                continue
             matcher = self.matchers.get(seq)
             if matcher is None:
                 matcher = self.matchers[seq] = seq.request.grammar.matcher()
+            live.append(i)
             matchers.append(matcher)
-        bitmask = np.zeros((len(seqs), (logits.shape[1] + 31) // 32), dtype=np.int32)  # [R, W]
-        seqs[0].request.grammar.fill_masks(matchers, bitmask)
+        bitmask = np.full((len(seqs), (logits.shape[1] + 31) // 32), -1, dtype=np.int32)  # [R, W]; -1: all allowed
+        if matchers:
+            filled = np.zeros((len(matchers), bitmask.shape[1]), dtype=np.int32)
+            seqs[live[0]].request.grammar.fill_masks(matchers, filled)
+            bitmask[live] = filled
         device = logits.device
         with torch.inference_mode():  # the runner's logits are inference tensors: edited in place here
             masked = logits.clone() if keep_raw else logits
