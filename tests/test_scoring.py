@@ -212,3 +212,57 @@ def test_a_score_job_needs_one_sample(tmp_path, tokenizer_checkpoint):
     with pytest.raises(JobError) as caught:
         prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
     assert "sampling.n" in str(caught.value) and "must be 1" in str(caught.value)
+
+
+class _FailingAfter:
+    """An engine that raises after streaming `left` outputs (a crash mid-job)."""
+
+    def __init__(self, engine, left):
+        self.engine, self.left = engine, left
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def _limit(self, stream):
+        for output in stream:
+            if self.left == 0:
+                raise RuntimeError("simulated crash")
+            self.left -= 1
+            yield output
+
+    def generate(self, requests):
+        return self._limit(self.engine.generate(requests))
+
+    def generate_units(self, units):
+        return self._limit(self.engine.generate_units(units))
+
+
+@pytest.mark.parametrize("plan", ["global", "window"])
+def test_a_crashed_score_job_resumes_with_every_row_once(tmp_path, tokenizer_checkpoint, plan):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from rich.console import Console
+
+    from jobs.prepare import prepare_job
+    from jobs.runner import run_job
+    from jobs.spec import load_job_file
+    from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
+
+    rows = 9
+    write_parquet(pa.table({"question": [f"Q{r}?" for r in range(rows)], "choices": [["x", "yy", "z"]] * rows}),
+                  tmp_path / "data" / "rag.parquet")
+    entry = job_entry(model=str(tokenizer_checkpoint), prompt={"template": "{question}"}, task="score",
+                      score={"continuations_column": "choices"}, engine={"plan": plan},
+                      output={"path": "out/rag", "flush_rows": 2})
+    job_file = write_job_file(tmp_path, [entry])
+    job = prepare_job(load_job_file(job_file).jobs[0])
+    with pytest.raises(Exception):
+        run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _FailingAfter(_demo_engine(), 14),
+                window_rows=4)
+    assert list((tmp_path / "out" / "rag").glob("part-*.parquet"))  # finished rows were committed before the crash
+    job = prepare_job(load_job_file(job_file).jobs[0])
+    assert run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _demo_engine(),
+                   window_rows=4)["status"] == "done"
+    out = pq.read_table(tmp_path / "out" / "rag").to_pylist()
+    assert sorted(row["row_index"] for row in out) == list(range(rows))
+    assert all(len(row["continuation_logprobs"]) == 3 for row in out)
