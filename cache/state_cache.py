@@ -122,14 +122,16 @@ class StateCache:
             self._let_go(match.state_node)
 
     # ---- request lifecycle -----------------------------------------------------------------
-    def admit(self, key: Hashable, tokens: Sequence[int], planned_resume: int = 0) -> Optional[SeqHandle]:
+    def admit(self, key: Hashable, tokens: Sequence[int], planned_resume: int = 0,
+              max_resume: Optional[int] = None) -> Optional[SeqHandle]:
         """Match, lock the reused prefix, allocate slots, set the working state; None if no room.
 
         `planned_resume` > 0: this admission is one of the followers the plan expected to resume
-        at that depth (`expect_followers`); once admitted it no longer holds that state back."""
+        at that depth (`expect_followers`); once admitted it no longer holds that state back.
+        `max_resume`: resume at most this deep (a scoring request computes its continuation's positions)."""
         if len(tokens) < 1:
             raise ValueError("a prompt needs at least one token")
-        match = self.match(tokens)
+        match = self.match(tokens if max_resume is None else tokens[:max_resume + 1])
         node, resume = match.state_node, match.resume_len
         self._hold(node)  # lock (KV for good) and pin the state until it is copied below
         if not self.ensure_free(len(tokens) - resume, num_states=1):  # its working slot

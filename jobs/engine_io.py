@@ -12,6 +12,7 @@ from batchinfer.engine.types import Request, RequestOutput, SamplingParams
 from batchinfer.jobs.outputs import SampleResult
 from batchinfer.jobs.reasoning import ReasoningSplit, split_reasoning
 from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.scoring import ScoreRows
 
 
 def seed_key(row_index: int, row_id: Any) -> int:
@@ -30,9 +31,10 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
 
 
 def row_request(row_index: int, token_ids: Any, sampling: SamplingParams, row_id: Any,
-                done_samples: Optional[frozenset[int]] = None) -> Request:
+                done_samples: Optional[frozenset[int]] = None, grammar: Any = None) -> Request:
     return Request(request_id=row_index, prompt_token_ids=tuple(token_ids), sampling=sampling,
-                   seed_key=seed_key(row_index, row_id), skip_samples=tuple(sorted(done_samples or ())))
+                   seed_key=seed_key(row_index, row_id), skip_samples=tuple(sorted(done_samples or ())),
+                   grammar=grammar)
 
 
 def error_result(row_index: int, sample: int, error: str) -> SampleResult:
@@ -41,7 +43,11 @@ def error_result(row_index: int, sample: int, error: str) -> SampleResult:
 
 
 def output_result(output: RequestOutput, tokenizer: CheckpointTokenizer, stops: tuple[str, ...],
-                  reasoning: ReasoningSplit = ReasoningSplit()) -> SampleResult:
+                  reasoning: ReasoningSplit = ReasoningSplit(), scores: Optional[ScoreRows] = None) -> Optional[SampleResult]:
+    """A generation output's result row; a scoring output goes to `scores`, which gives its row's
+    result with the row's last continuation (None before)."""
+    if output.score is not None or isinstance(output.request_id, tuple):
+        return scores.add(output)
     text = cut_at_stop(tokenizer.decode(output.token_ids), stops)
     reasoning_text, truncated = None, None
     if reasoning.enabled and output.finish_reason != "error":
@@ -52,4 +58,12 @@ def output_result(output: RequestOutput, tokenizer: CheckpointTokenizer, stops: 
         output_token_ids=tuple(output.token_ids), prompt_tokens=output.prompt_tokens,
         cached_tokens=output.cached_tokens, completion_tokens=output.completion_tokens,
         finish_reason=output.finish_reason, error=output.error,
-        reasoning_text=reasoning_text, reasoning_truncated=truncated)
+        reasoning_text=reasoning_text, reasoning_truncated=truncated, logprobs=logprob_rows(output))
+
+
+def logprob_rows(output: RequestOutput) -> Optional[list[dict]]:
+    """The output's token logprobs as `logprobs` column rows (top_ids / top_logprobs null with k = 0)."""
+    if output.logprobs is None:
+        return None
+    return [{"logprob": e.logprob, "top_ids": list(e.top_ids) or None, "top_logprobs": list(e.top_logprobs) or None}
+            for e in output.logprobs]

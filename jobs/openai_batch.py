@@ -66,14 +66,16 @@ BATCH_SCHEMA = pa.schema([
     ("repetition_penalty", pa.float64()),
     ("seed", pa.int64()),
     ("stop", pa.list_(pa.string())),
-    ("logprobs", pa.int32()),              # top-k logprobs asked for (null: none)
+    ("logprobs_k", pa.int32()),            # top-k logprobs asked for (null: none); output column `logprobs` holds them
     ("response_schema", pa.string()),      # response_format json_schema's schema, JSON text
     (BATCH_TOKEN_IDS_COLUMN, pa.list_(pa.int32())),
     (BATCH_ERROR_COLUMN, pa.string()),
     (BATCH_SEED_KEY_COLUMN, pa.int64()),
 ])
 BATCH_COLUMNS = tuple(BATCH_SCHEMA.names)
-SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
+SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+                    "logprobs_k")
+SAMPLING_FIELD_OF = {"logprobs_k": "logprobs"}  # column → SamplingParams field where the names differ
 # body keys accepted and not used: they do not change what is generated
 IGNORED_BODY_KEYS = ("model", "user", "metadata", "store", "service_tier", "stream_options")
 
@@ -223,9 +225,9 @@ def parse_line(text: str) -> dict:
                       top_k=_int(body, "top_k", 0, 1 << 31), min_p=_number(body, "min_p", 0.0, 1.0),
                       repetition_penalty=_number(body, "repetition_penalty", 0.0, 1e6, True),
                       seed=_int(body, "seed", 0, (1 << 63) - 1), stop=_stop(body),
-                      choices=_int(body, "n", 1, MAX_CHOICES) or 1, logprobs=_logprobs(body, endpoint),
+                      choices=_int(body, "n", 1, MAX_CHOICES) or 1, logprobs_k=_logprobs(body, endpoint),
                       response_schema=_response_schema(body))
-        if fields["logprobs"] is not None and "logprobs" not in ENGINE_FEATURES:
+        if fields["logprobs_k"] is not None and "logprobs" not in ENGINE_FEATURES:
             raise LineError("body.logprobs: not supported yet by the engine")
         if fields["response_schema"] is not None and "grammar" not in ENGINE_FEATURES:
             raise LineError("body.response_format: json_schema is not supported yet by the engine")
@@ -319,7 +321,8 @@ def row_sampling(spec: JobSpec, table: pa.Table) -> Optional[list[SamplingParams
         key = tuple(tuple(v) if isinstance(v, list) else v for v in values)
         params = shared.get(key)
         if params is None:
-            overrides = {name: value for name, value in zip(SAMPLING_COLUMNS, key) if value is not None}
+            overrides = {SAMPLING_FIELD_OF.get(name, name): value for name, value in zip(SAMPLING_COLUMNS, key)
+                         if value is not None}
             if "max_tokens" in overrides and base.min_tokens > overrides["max_tokens"]:
                 overrides["min_tokens"] = overrides["max_tokens"]
             params = shared[key] = replace(base, **overrides)
@@ -339,8 +342,42 @@ def _error_line(job: str, row: dict, message: str, code: str) -> dict:
             "error": {"code": code, "message": message}}
 
 
-def output_line(job: str, model: str, rows: list[dict], created: int) -> dict:
-    """One request line's output from its rows (one per choice, in choice order)."""
+def _token_entry(token_text: Callable[[int], str], token: int, logprob: float) -> dict:
+    text = token_text(token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def choice_logprobs(row: dict, chat: bool, token_text: Callable[[int], str]) -> Optional[dict]:
+    """A choice's `logprobs` in OpenAI's shape (chat: `content` entries with top_logprobs;
+    completions: tokens / token_logprobs / top_logprobs / text_offset); None when not asked.
+    A token's text is its own decoding (a piece of a multi-byte character shows as U+FFFD)."""
+    entries = row.get("logprobs")
+    if row.get("logprobs_k") is None or entries is None:
+        return None
+    tokens = row["output_token_ids"]
+    if chat:
+        content = []
+        for token, entry in zip(tokens, entries):
+            item = _token_entry(token_text, token, entry["logprob"])
+            item["top_logprobs"] = [_token_entry(token_text, t, lp)
+                                    for t, lp in zip(entry["top_ids"] or (), entry["top_logprobs"] or ())]
+            content.append(item)
+        return {"content": content, "refusal": None}
+    texts = [token_text(token) for token in tokens]
+    offsets, at = [], 0
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": texts, "token_logprobs": [entry["logprob"] for entry in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in zip(entry["top_ids"] or (), entry["top_logprobs"] or ())}
+                             for entry in entries],
+            "text_offset": offsets}
+
+
+def output_line(job: str, model: str, rows: list[dict], created: int,
+                token_text: Callable[[int], str] = str) -> dict:
+    """One request line's output from its rows (one per choice, in choice order); `token_text`
+    renders a token id for logprobs."""
     first = rows[0]
     if first[BATCH_ERROR_COLUMN] is not None and first["endpoint"] is None:
         return _error_line(job, first, first[BATCH_ERROR_COLUMN], "invalid_request")
@@ -356,7 +393,7 @@ def output_line(job: str, model: str, rows: list[dict], created: int) -> dict:
             choice["message"] = {"role": "assistant", "content": row["generated_text"]}
         else:
             choice["text"] = row["generated_text"]
-        choice.update(logprobs=None, finish_reason=row["finish_reason"])
+        choice.update(logprobs=choice_logprobs(row, chat, token_text), finish_reason=row["finish_reason"])
         choices.append(choice)
     completion = sum(row["completion_tokens"] for row in rows)
     prompt = first["prompt_tokens"]  # the prompt once, as OpenAI counts it for n choices
@@ -370,7 +407,7 @@ def output_line(job: str, model: str, rows: list[dict], created: int) -> dict:
 
 OUTPUT_READ_COLUMNS = ("line", "custom_id", "choice_index", "endpoint", "model", BATCH_ERROR_COLUMN,
                        "generated_text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
-                       "error")
+                       "error", "logprobs_k", "output_token_ids", "logprobs")
 
 
 def _line_groups(parts: list[Path]) -> Iterator[list[dict]]:
@@ -389,17 +426,23 @@ def _line_groups(parts: list[Path]) -> Iterator[list[dict]]:
         yield group
 
 
-def write_batch_output(out_dir: Path, spec: JobSpec, before_commit: Callable[[], None] = lambda: None) -> Path:
-    """`_batch_output.jsonl` from the folder's finished parts, which must be in input order."""
+def write_batch_output(out_dir: Path, spec: JobSpec, before_commit: Callable[[], None] = lambda: None,
+                       tokenizer: Optional[CheckpointTokenizer] = None) -> Path:
+    """`_batch_output.jsonl` from the folder's finished parts, which must be in input order;
+    `tokenizer` renders the tokens of logprobs (without one, a token shows as its id)."""
     parts = sorted((path for path, _ in scan_parts(out_dir, verify=False).finished), key=lambda p: p.name)
     model = Path(spec.model).name
     created = int(time.time())
     target = out_dir / OUTPUT_NAME
+    token_text: Callable[[int], str] = str
+    if tokenizer is not None:
+        def token_text(token: int) -> str:
+            return tokenizer.tokenizer.decode([token], skip_special_tokens=False)
 
     def write(temp: Path) -> None:
         with open(temp, "w", encoding="utf-8") as handle:
             for rows in _line_groups(parts):
-                handle.write(json.dumps(output_line(spec.name, model, rows, created), ensure_ascii=False))
+                handle.write(json.dumps(output_line(spec.name, model, rows, created, token_text), ensure_ascii=False))
                 handle.write("\n")
 
     before_commit()

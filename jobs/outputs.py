@@ -33,6 +33,45 @@ RESULT_SCHEMA = pa.schema([
 ])
 RESULT_COLUMNS = tuple(RESULT_SCHEMA.names)
 
+# Task columns, after the result columns when the job asks (`result_fields`).
+TOKEN_LOGPROB_TYPE = pa.struct([
+    ("logprob", pa.float32()),                # the generated token's, under the model's raw distribution
+    ("top_ids", pa.list_(pa.int32())),        # the k most likely tokens (null with k = 0)
+    ("top_logprobs", pa.list_(pa.float32())),
+])
+LOGPROBS_FIELD = pa.field("logprobs", pa.list_(TOKEN_LOGPROB_TYPE))  # one per output token
+SCORE_FIELDS = (
+    pa.field("continuation_logprobs", pa.list_(pa.float64())),  # summed logprob of each continuation
+    pa.field("continuation_tokens", pa.list_(pa.int32())),      # its token count
+    pa.field("continuation_greedy", pa.list_(pa.bool_())),      # whether greedy decoding gives it, token by token
+)
+TASK_COLUMNS = (LOGPROBS_FIELD.name,) + tuple(f.name for f in SCORE_FIELDS)
+
+
+def result_fields(task, batch_input: bool = False) -> tuple[pa.Field, ...]:
+    """The output columns of a job with `task` (a TaskSpec): the result columns, `logprobs`
+    when the job (or, for an OpenAI batch input, any line) may ask, the score columns for task score."""
+    fields = tuple(RESULT_SCHEMA)
+    if task.logprobs is not None or batch_input:
+        fields += (LOGPROBS_FIELD,)
+    if task.task == "score":
+        fields += SCORE_FIELDS
+    return fields
+
+
+def job_result_fields(spec) -> tuple[pa.Field, ...]:
+    """`result_fields` of a JobSpec."""
+    from batchinfer.jobs.spec import openai_batch_input
+
+    return result_fields(spec.task, openai_batch_input(spec.input))
+
+
+def append_results(table: pa.Table, results: list["SampleResult"], fields: tuple[pa.Field, ...]) -> pa.Table:
+    """`table` (one input row per result) with the results' columns appended."""
+    for f in fields:
+        table = table.append_column(f, pa.array([getattr(r, f.name) for r in results], type=f.type))
+    return table
+
 
 @dataclass(frozen=True)
 class SampleResult:
@@ -49,6 +88,10 @@ class SampleResult:
     error: Optional[str] = None
     reasoning_text: Optional[str] = None
     reasoning_truncated: Optional[bool] = None
+    logprobs: Optional[list[dict]] = None   # TOKEN_LOGPROB_TYPE rows, one per output token
+    continuation_logprobs: Optional[list[float]] = None
+    continuation_tokens: Optional[list[int]] = None
+    continuation_greedy: Optional[list[bool]] = None
 
 
 class PartWriter:
@@ -62,13 +105,15 @@ class PartWriter:
 
     def __init__(self, out_dir: Path, flush_rows: int, next_part: int, flush_seconds: float = 60.0,
                  before_commit: Callable[[], None] = lambda: None,
-                 finish_table: Callable[[pa.Table], pa.Table] = lambda table: table) -> None:
+                 finish_table: Callable[[pa.Table], pa.Table] = lambda table: table,
+                 fields: tuple[pa.Field, ...] = tuple(RESULT_SCHEMA)) -> None:
         self.out_dir = out_dir
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self.next_part = next_part
         self.before_commit = before_commit
         self.finish_table = finish_table  # e.g. the eval's `correct` column, from the part's own columns
+        self.fields = fields              # the output columns (result_fields)
         self.parts_written = 0
         self.rows_written = 0        # samples in committed parts
         self.error_rows_written = 0  # of those, finish_reason "error"
@@ -89,7 +134,7 @@ class PartWriter:
         self._last_flush = time.monotonic()
         if not self._pending:
             return None
-        table = self.finish_table(self._build_table(self._pending))
+        table = self.finish_table(self._build_table(self._pending, self.fields))
         name = part_name(self.next_part)
         self.before_commit()
         commit_part(self.out_dir, name, table)
@@ -101,7 +146,7 @@ class PartWriter:
         return self.out_dir / name
 
     @staticmethod
-    def _build_table(pending: list[tuple[pa.Table, int, SampleResult]]) -> pa.Table:
+    def _build_table(pending: list[tuple[pa.Table, int, SampleResult]], fields: tuple[pa.Field, ...]) -> pa.Table:
         # Take each window's rows in one gather, keeping the samples' order within a window.
         by_window: dict[int, tuple[pa.Table, list[int], list[SampleResult]]] = {}
         for window_table, offset, result in pending:
@@ -111,11 +156,5 @@ class PartWriter:
         pieces = []
         for window_table, offsets, results in by_window.values():
             inputs = window_table.take(pa.array(offsets, type=pa.int64()))
-            outputs = pa.table({
-                name: pa.array([getattr(r, name) for r in results], type=RESULT_SCHEMA.field(name).type)
-                for name in RESULT_COLUMNS
-            })
-            for name in RESULT_COLUMNS:
-                inputs = inputs.append_column(RESULT_SCHEMA.field(name), outputs[name])
-            pieces.append(inputs)
+            pieces.append(append_results(inputs, results, fields))
         return pa.concat_tables(pieces)

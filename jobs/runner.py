@@ -32,7 +32,7 @@ from batchinfer.jobs.global_run import PlannedUnits, UnitsInProcess, plan_stats,
 from batchinfer.jobs.openai_batch import OUTPUT_NAME as BATCH_OUTPUT_NAME, write_batch_output
 from batchinfer.jobs.ordered_output import compact_in_input_order, finish_interrupted_compaction
 from batchinfer.jobs.output_lock import OutputBusy, OutputLock
-from batchinfer.jobs.outputs import PartWriter
+from batchinfer.jobs.outputs import PartWriter, job_result_fields
 from batchinfer.jobs.part_store import PARTS_DIR, PartRecord, damaged_path, record_path, scan_parts
 from batchinfer.jobs.prepare import PreparedJob
 from batchinfer.engine.startup import listening, phase
@@ -271,7 +271,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         if not overwrite and not resume.damaged and previous.get("status") == "done" and in_order:
             # Keep the stats of the run that did the work.
             if spec.output.format == "openai" and not (out_dir / BATCH_OUTPUT_NAME).is_file():
-                write_batch_output(out_dir, spec, lock.ensure_held)  # killed while writing it
+                write_batch_output(out_dir, spec, lock.ensure_held, job.tokenizer)  # killed while writing it
             _complete_work_dir(spec)
             console.print(f"job {spec.name}: all {total} samples already in {display_path(out_dir)}",
                           highlight=False, markup=False)
@@ -280,7 +280,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         if reorder:
             _reorder(job, lock, console)
         if spec.output.format == "openai":
-            write_batch_output(out_dir, spec, lock.ensure_held)
+            write_batch_output(out_dir, spec, lock.ensure_held, job.tokenizer)
         _complete_work_dir(spec)
         stats = finish("done")
         render_summary(console, stats)
@@ -326,7 +326,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             if overwrite:  # a global plan of an earlier run goes with everything else it wrote
                 remove_work_dir(work_dir_for(out_dir))
             writer = PartWriter(out_dir, spec.output.flush_rows, resume.next_part, before_commit=lock.ensure_held,
-                                finish_table=partial(with_correct_column, spec.task))
+                                finish_table=partial(with_correct_column, spec.task), fields=job_result_fields(spec))
             work = WindowRun(job, engine, writer, progress, resume.done, options.window_rows)
             with progress:
                 work.run()
@@ -335,7 +335,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         if reorder:
             _reorder(job, lock, console)
         if spec.output.format == "openai":
-            write_batch_output(out_dir, spec, lock.ensure_held)
+            write_batch_output(out_dir, spec, lock.ensure_held, job.tokenizer)
     except BaseException as exc:
         if lock.lost:
             raise _lost(lock, spec) from None

@@ -9,7 +9,7 @@ whether inputs, columns and checkpoints exist is checked by `prepare.prepare_job
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, get_args
 
@@ -194,6 +194,8 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
     raw_sampling, task_sampling = split_task_sampling(raw.get("sampling", {}))
     sampling, sampling_keys, use_generation_config = _sampling(checker, raw_sampling, f"{where}.sampling")
     task = parse_task(checker, raw, task_sampling, where)
+    if task.logprobs is not None:  # the engine computes them per request: SamplingParams carries k
+        sampling = replace(sampling, logprobs=task.logprobs)
     template_kwargs = raw.get("chat_template_kwargs", {})
     if not isinstance(template_kwargs, dict) or not all(isinstance(key, str) for key in template_kwargs):
         raise checker.fail(f"{where}.chat_template_kwargs", "must be a mapping of template variable names to values")

@@ -126,6 +126,11 @@ class CompiledGrammar:
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
+    @staticmethod
+    def fill_masks(matchers: Sequence[SequenceMatcher], bitmask: np.ndarray) -> None:
+        """`fill_masks` (the engine's batch call; matchers of any grammar)."""
+        fill_masks(matchers, bitmask)
+
     def matcher(self) -> SequenceMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, self.source.text, log_level=0)
         if matcher.is_error():  # validated in compile_grammar: only a resource limit gets here

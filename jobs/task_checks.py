@@ -33,6 +33,8 @@ def check_task(spec: JobSpec, schema: pa.Schema, tokenizer: CheckpointTokenizer,
             raise fail(key, f"column {column!r} is not in the input{did_you_mean(column, schema.names)}")
         return schema.field(column).type
 
+    if task.task == "score" and spec.sampling.n != 1:
+        raise fail("sampling.n", "must be 1 with task: score (each continuation is scored once)")
     if task.continuations_column is not None:
         dtype = require(task.continuations_column, "score.continuations_column")
         if not (is_text(dtype) or _is_list_of(dtype, is_text)):

@@ -21,7 +21,7 @@ from batchinfer.jobs.spec_checks import Checker
 
 # What the engine can do of a task's needs: "logprobs", "score", "grammar". Until the engine wires one,
 # a job (or batch line) needing it fails validation with one line; the engine's helper adds it here.
-ENGINE_FEATURES: frozenset[str] = frozenset()
+ENGINE_FEATURES: frozenset[str] = frozenset({"logprobs", "score", "grammar"})
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs: the top-k gather and its output column stay small
 
 GRAMMAR_KEYS = ("json_schema", "regex", "choice", "json_schema_column")

@@ -22,17 +22,19 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 import pyarrow as pa
 
 from batchinfer.engine.types import Request, RequestOutput
-from batchinfer.jobs.engine_io import error_result, output_result, row_request
+from batchinfer.jobs.engine_io import error_result, output_result, row_request, seed_key
 from batchinfer.jobs.executors.contract import ProgressDelta, UnitResult
 from batchinfer.jobs.eval_metrics import with_correct_column
 from batchinfer.jobs.global_plan import WorkPlan
 from batchinfer.jobs.openai_batch import row_sampling
-from batchinfer.jobs.outputs import RESULT_COLUMNS, RESULT_SCHEMA, ROW_INDEX_COLUMN, SampleResult
+from batchinfer.jobs.outputs import ROW_INDEX_COLUMN, SampleResult, append_results, job_result_fields
 from batchinfer.jobs.part_store import commit_part, unit_part_name
 from batchinfer.jobs.prepare import PreparedJob
 from batchinfer.jobs.prompts import row_ids
 from batchinfer.jobs.unit_inputs import UnitInputs
 from batchinfer.jobs.unit_parts import DoneIndex, chunk_rows, unit_part_committed
+from batchinfer.jobs.grammar_rows import RowGrammars
+from batchinfer.jobs.scoring import ScoreRows, row_score_requests
 
 
 class UnitEngine(Protocol):
@@ -133,6 +135,9 @@ class UnitRunner:
         self.done = done if done is not None else DoneIndex(plan.work_dir)
         sampling = job.spec.sampling
         self.n, self.per_chunk = sampling.n, chunk_rows(job.spec.output.flush_rows, sampling.n)
+        self.fields = job_result_fields(job.spec)
+        self.scores = ScoreRows()  # task score: a row's continuations until the last is back
+        self.grammars = RowGrammars(job.spec, job.tokenizer, job.vocab_size)
         self._counters = _stats_numbers(getattr(engine, "stats", None))
         self.samples_committed = 0  # over every unit run, in committed parts (on disk)
         self.errors_committed = 0
@@ -149,6 +154,9 @@ class UnitRunner:
         position = {row: offset for offset, row in enumerate(indices)}
         ids = row_ids(inputs, spec.id_column) if spec.id_column else None
         per_row = row_sampling(spec, inputs)  # None: the job's sampling for every row
+        scoring = spec.task.task == "score"
+        cells = inputs[spec.task.continuations_column].to_pylist() if scoring else None
+        schemas = self.grammars.cells(inputs)
         done = self.done.for_unit(unit_id)
         unit = _OpenUnit(unit_id, inputs, position, {}, {})
         for chunk, first in enumerate(range(0, len(rows), self.per_chunk)):
@@ -176,8 +184,22 @@ class UnitRunner:
                 sampling = per_row[position[row.row_index]] if per_row is not None else spec.sampling
                 if per_row is not None:
                     unit.stops[row.row_index] = sampling.stop
+                if scoring:
+                    requests, error = row_score_requests(self.job.tokenizer, row.row_index, row.token_ids,
+                                                         cells[position[row.row_index]], seed_key(row.row_index, row_id))
+                    if error is not None:
+                        self._record(unit, error_result(row.row_index, 0, error))
+                        continue
+                    self.scores.expect(row.row_index, len(requests))
+                    unit.requests.extend(requests)
+                    continue
+                grammar, error = self.grammars.for_row(schemas[position[row.row_index]] if schemas else None)
+                if error is not None:
+                    for sample in todo[row.row_index]:
+                        self._record(unit, error_result(row.row_index, sample, error))
+                    continue
                 unit.requests.append(row_request(row.row_index, row.token_ids, sampling, row_id,
-                                                 done.get(row.row_index)))
+                                                 done.get(row.row_index), grammar))
         unit.samples_skipped += sum(len(samples) for samples in done.values())
         return unit
 
@@ -193,9 +215,7 @@ class UnitRunner:
         results = sorted(unit.pending.pop(chunk), key=lambda r: (r.row_index, r.sample_index))
         offsets = pa.array([unit.position[r.row_index] for r in results], type=pa.int64())
         table = unit.inputs.take(offsets).drop_columns([ROW_INDEX_COLUMN])
-        for name in RESULT_COLUMNS:
-            table = table.append_column(RESULT_SCHEMA.field(name),
-                                        pa.array([getattr(r, name) for r in results], RESULT_SCHEMA.field(name).type))
+        table = append_results(table, results, self.fields)
         table = with_correct_column(self.job.spec.task, table)
         self.before_commit()
         commit_part(self.out_dir, unit_part_name(unit.unit_id, chunk), table)
@@ -252,8 +272,10 @@ class UnitRunner:
             while complete:
                 yield self._result(complete.pop(0))
             unit = pulled[output.unit_index]
-            self._record(unit, output_result(output, self.job.tokenizer, unit.stops.get(output.request_id, stops),
-                                             self.job.reasoning))
+            result = output_result(output, self.job.tokenizer, unit.stops.get(output.request_id, stops),
+                                   self.job.reasoning, self.scores)
+            if result is not None:  # None: a scored row waiting for its other continuations
+                self._record(unit, result)
             if output.unit_done:
                 if not unit.complete:
                     raise RuntimeError(f"unit {unit.unit_id}: the engine ended it with samples missing")

@@ -11,13 +11,15 @@ import bisect
 from typing import Any, Iterator
 
 from batchinfer.engine.types import Request
-from batchinfer.jobs.engine_io import error_result, output_result, row_request
+from batchinfer.jobs.engine_io import error_result, output_result, row_request, seed_key
 from batchinfer.jobs.inputs import RowWindow, iter_windows
 from batchinfer.jobs.openai_batch import row_sampling
 from batchinfer.jobs.outputs import PartWriter, SampleResult
 from batchinfer.jobs.prepare import PreparedJob
 from batchinfer.jobs.progress import ProgressReporter
 from batchinfer.jobs.prompts import build_prompts, row_ids
+from batchinfer.jobs.grammar_rows import RowGrammars
+from batchinfer.jobs.scoring import ScoreRows, row_score_requests
 
 
 class _OpenWindows:
@@ -57,6 +59,8 @@ class WindowRun:
         self.window_rows = window_rows
         self.windows = _OpenWindows()
         self.stops: dict[int, tuple[str, ...]] = {}  # row → its own stop strings (batch input), until its output
+        self.scores = ScoreRows()  # task score: a row's continuations until the last is back
+        self.grammars = RowGrammars(job.spec, job.tokenizer, job.vocab_size)
 
     def record(self, result: SampleResult) -> None:
         window = self.windows.take(result.row_index)
@@ -81,6 +85,9 @@ class WindowRun:
                                     self.job.vocab_size, id_column=spec.id_column)
             ids = row_ids(window.table, spec.id_column) if spec.id_column else [None] * len(rows)
             per_row = row_sampling(spec, window.table)  # None: the job's sampling for every row
+            scoring = spec.task.task == "score"
+            cells = window.table[spec.task.continuations_column].to_pylist() if scoring else None
+            schemas = self.grammars.cells(window.table)
             for offset, row in enumerate(rows):
                 error = prompts.errors[offset]
                 if not todo[row]:
@@ -92,13 +99,29 @@ class WindowRun:
                 sampling = per_row[offset] if per_row is not None else spec.sampling
                 if per_row is not None:
                     self.stops[row] = sampling.stop
-                yield row_request(row, prompts.token_ids[offset], sampling, ids[offset], self.done.get(row))
+                if scoring:
+                    requests, error = row_score_requests(self.job.tokenizer, row, prompts.token_ids[offset],
+                                                         cells[offset], seed_key(row, ids[offset]))
+                    if error is not None:
+                        self.record(error_result(row, 0, error))
+                        continue
+                    self.scores.expect(row, len(requests))
+                    yield from requests
+                    continue
+                grammar, error = self.grammars.for_row(schemas[offset] if schemas else None)
+                if error is not None:
+                    for sample in todo[row]:
+                        self.record(error_result(row, sample, error))
+                    continue
+                yield row_request(row, prompts.token_ids[offset], sampling, ids[offset], self.done.get(row), grammar)
 
     def run(self) -> None:
         stops = self.job.spec.sampling.stop
         for output in self.engine.generate(self.requests()):
-            self.record(output_result(output, self.job.tokenizer, self.stops.get(output.request_id, stops),
-                                      self.job.reasoning))
+            result = output_result(output, self.job.tokenizer, self.stops.get(output.request_id, stops),
+                                   self.job.reasoning, self.scores)
+            if result is not None:  # None: a scored row waiting for its other continuations
+                self.record(result)
 
     @property
     def samples_written(self) -> int:

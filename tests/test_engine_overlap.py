@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from batchinfer.engine import overlap as overlap_module
+from batchinfer.engine import draws as draws_module
 from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.presets import PRESETS, random_model
 from batchinfer.engine.types import Request, SamplingParams
@@ -85,12 +85,12 @@ def test_steps_are_read_one_launch_late(model, prompts, monkeypatch):
     on host bookkeeping); with overlap off it reads each step before the next launch."""
     events = []
 
-    class RecordingDownload(overlap_module.Download):
+    class RecordingDownload(draws_module.Download):
         def tolist(self):
             events.append("read")
             return super().tolist()
 
-    monkeypatch.setattr(overlap_module, "Download", RecordingDownload)
+    monkeypatch.setattr(draws_module, "Download", RecordingDownload)
     requests = requests_for(prompts[:3], SamplingParams(max_tokens=6, ignore_eos=True))
     for overlap in (True, False):
         events.clear()
@@ -105,7 +105,7 @@ def test_steps_are_read_one_launch_late(model, prompts, monkeypatch):
             assert "R" not in streak and "L" in streak, streak  # each step read at once, nothing in flight
 
 
-def test_repetition_penalty_steps_are_read_at_once(model, prompts):
+def test_repetition_penalty_steps_see_the_token_in_flight(model, prompts):
     params = SamplingParams(max_tokens=6, ignore_eos=True, repetition_penalty=1.3, temperature=0.8, seed=2)
     requests = requests_for(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     requests[1] = replace(requests[1], sampling=params)

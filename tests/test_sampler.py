@@ -129,3 +129,25 @@ def test_gumbel_max_draws_from_the_softmax():
     frequency = torch.bincount(tokens, minlength=6).float() / draws
     expected = (logits[0] / temperature).softmax(0)
     assert float((frequency - expected).abs().max()) < 0.02  # ~4 standard errors at this size
+
+
+def test_token_bitmask_masks_exactly_the_disallowed_tokens():
+    from batchinfer.engine.sampler import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 70  # not a multiple of 32: the last word is partial
+    allowed = torch.rand(3, vocab, generator=gen) < 0.3
+    words = torch.zeros(3, 3, dtype=torch.int64)
+    for t in range(vocab):
+        words[:, t // 32] |= allowed[:, t].long() << (t % 32)
+    bitmask = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # int32 bit patterns
+    for rows in (None, torch.tensor([0, 2, 3])):
+        logits = torch.randn(3 if rows is None else 4, vocab, generator=gen)
+        before = logits.clone()
+        apply_token_bitmask(logits, rows, bitmask)
+        targets = [0, 1, 2] if rows is None else [0, 2, 3]
+        for mask_row, row in enumerate(targets):
+            assert torch.equal(torch.isinf(logits[row]), ~allowed[mask_row])
+            assert torch.equal(logits[row][allowed[mask_row]], before[row][allowed[mask_row]])
+        if rows is not None:
+            assert torch.equal(logits[1], before[1])

@@ -158,12 +158,8 @@ def tokenizer_checkpoint(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("entry, where, what", [
     ({"sampling": {"json_schema": {"type": "objectx"}}}, "sampling.json_schema", "cannot be compiled: Invalid type"),
     ({"sampling": {"regex": "[a-"}}, "sampling.regex", "cannot be compiled"),
-    ({"sampling": {"json_schema": SCHEMA}}, "sampling.json_schema", "not supported yet by the engine"),
-    ({"sampling": {"choice": ["yes", "no"]}}, "sampling.choice", "not supported yet by the engine"),
     ({"sampling": {"json_schema_column": "schema"}}, "sampling.json_schema_column", "not in the input"),
     ({"sampling": {"json_schema_column": "choices"}}, "sampling.json_schema_column", "must be text"),
-    ({"sampling": {"logprobs": 5}}, "sampling.logprobs", "not supported yet by the engine"),
-    ({"task": "score", "score": {"continuations_column": "choices"}}, "task", "not supported yet by the engine"),
     ({"task": "score", "score": {"continuations_column": "question"},
       "eval": {"answer_column": "choices", "metric": "choice_accuracy"}}, "eval.answer_column",
      "must be an integer index or text"),

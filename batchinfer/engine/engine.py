@@ -11,24 +11,29 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import time
+from dataclasses import replace
 from typing import Iterable, Iterator, Optional, Sequence as Seq
 
+import numpy as np
 import torch
 
 from batchinfer.engine.activations import decode_graph_bytes, step_activation_bytes
 from batchinfer.engine.config import EngineConfig, dtype_name
 from batchinfer.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from batchinfer.engine.decode_rows import decode_rows
+from batchinfer.engine.draws import Draw, read_now
+from batchinfer.engine.host_copy import upload, upload_packed
 from batchinfer.engine.model_runner import DecodeRows, ModelRunner, SequenceChunk
 from batchinfer.engine.overlap import DecodeOverlap
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
-from batchinfer.engine.sampler import SamplingTensors, identity_key, sample
+from batchinfer.engine.sampler import SamplingTensors, apply_token_bitmask, identity_key, sample, token_logprobs
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
 from batchinfer.engine.startup import phase
 from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
-from batchinfer.engine.types import Request, RequestOutput
+from batchinfer.engine.types import ContinuationScore, Request, RequestOutput, TokenLogprob
 from batchinfer.models.forward_batch import ModelCaches
 from batchinfer.cache.budget import build_pools, memory_budget, plan_pools
 from batchinfer.cache.shapes import shapes_from_model_config
@@ -107,6 +112,10 @@ class Engine:
             max_model_len=self.max_model_len)
         self._windows = itertools.count()
         self.overlap = DecodeOverlap()  # the decode step whose tokens the host has not read yet
+        self.token_logprobs: dict[Sequence, list[TokenLogprob]] = {}  # sequences with sampling.logprobs set
+        # Scoring sequences: position → (logprob of the next token, whether it is the argmax).
+        self.scores: dict[Sequence, dict[int, tuple[float, bool]]] = {}
+        self.matchers: dict[Sequence, object] = {}  # constrained sequences: their grammar matcher
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig(), seed: int = 0,
@@ -205,6 +214,9 @@ class Engine:
         finally:
             if not completed:  # closed early or failed: the next generate() must start clean
                 self.overlap.clear()
+                self.token_logprobs.clear()
+                self.scores.clear()
+                self.matchers.clear()
                 self.scheduler.abandon()
             self.tally.add(wall_seconds=time.perf_counter() - started)
 
@@ -215,7 +227,7 @@ class Engine:
         rejected, accepted, samples = [], [], []
         for request in requests:
             skipped = set(request.skip_samples)
-            wanted = [s for s in range(request.sampling.n) if s not in skipped]
+            wanted = [s for s in range(1 if request.score_tokens else request.sampling.n) if s not in skipped]
             reason = self._reject_reason(request)
             if reason is not None:
                 for s in wanted:
@@ -225,7 +237,9 @@ class Engine:
             elif wanted:
                 accepted.append(request)
                 samples.append(wanted)
-        plan = make_plan([r.prompt_token_ids for r in accepted], [len(s) for s in samples])
+        # A scoring request is planned as its prompt alone: the k continuations of one prompt are
+        # then k samples of it, sharing all but its last token (whose logits score their first).
+        plan = make_plan([r.scored_prompt for r in accepted], [len(s) for s in samples])
         seqs: list[Sequence] = []
         for order, row in enumerate(plan.rows):
             seqs.append(Sequence(
@@ -240,7 +254,12 @@ class Engine:
         n = len(request.prompt_token_ids)
         if n == 0:
             return "empty prompt"
-        if n >= self.max_model_len:
+        if request.score_tokens:
+            if not 0 < request.score_tokens < n:
+                return f"a continuation of {request.score_tokens} tokens needs a prompt before it ({n} tokens in all)"
+            if n > self.max_model_len:
+                return f"prompt and continuation have {n} tokens; max_model_len is {self.max_model_len}"
+        elif n >= self.max_model_len:
             return f"prompt has {n} tokens; max_model_len {self.max_model_len} leaves no room to generate"
         vocab = self.model.config.vocab_size
         if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
@@ -256,7 +275,23 @@ class Engine:
                            theoretical_max_cached_tokens=seq.planned_reuse, output_tokens=seq.num_outputs,
                            planned_reuse_lost_tokens=max(0, seq.planned_reuse - cached))
         left[seq.unit_index] -= 1
-        return seq.to_output(unit_done=left[seq.unit_index] == 0)
+        output = seq.to_output(unit_done=left[seq.unit_index] == 0)
+        logprobs = self.token_logprobs.pop(seq, ())
+        points = self.scores.pop(seq, {})
+        self.matchers.pop(seq, None)
+        if seq.finish_reason == "error":
+            return output
+        if seq.request.score_tokens:
+            return replace(output, score=self._continuation_score(seq, points))
+        if seq.request.sampling.logprobs is not None:
+            output = replace(output, logprobs=tuple(logprobs))
+        return output
+
+    @staticmethod
+    def _continuation_score(seq: Sequence, points: dict[int, tuple[float, bool]]) -> ContinuationScore:
+        end = seq.prompt_len - 1  # position q's logits score token q + 1
+        scored = [points[q] for q in range(end - seq.request.score_tokens, end)]
+        return ContinuationScore(math.fsum(lp for lp, _ in scored), len(scored), all(g for _, g in scored))
 
     # ---- one step: schedule, run, postprocess ----------------------------------------------
     def _step(self) -> list[Sequence]:
@@ -292,18 +327,63 @@ class Engine:
     # ---- run -------------------------------------------------------------------------------
     def _prefill(self, items: list[tuple[Sequence, int]]) -> list[Sequence]:
         """Run one prefill forward over (sequence, new tokens) chunks; sample where a chunk ends
-        its sequence's tokens."""
-        chunks = [SequenceChunk(token_ids=seq.tokens[seq.computed:seq.computed + n], start=seq.computed,
-                                state_slot=seq.handle.working_slot,
-                                context_kv=seq.handle.kv_indices[:seq.computed + n],
-                                wants_logits=seq.computed + n == len(seq.tokens))
-                  for seq, n in items]
-        logits = self.runner.prefill(chunks)  # [N, V] for the chunks that end their tokens
+        its sequence's tokens, score where a chunk holds a scoring sequence's continuation."""
+        chunks = [self._chunk(seq, n) for seq, n in items]
+        logits = self.runner.prefill(chunks)  # [N, V]: num_logits rows per chunk
         self.scheduler.advance(items)
-        sampled = [seq for (seq, _), c in zip(items, chunks) if c.wants_logits]
-        if not sampled:
-            return []
-        return self._postprocess(sampled, self._draw(sampled, logits).tolist())
+        sampled, sample_rows, scored, row = [], [], [], 0
+        for (seq, _), chunk in zip(items, chunks):
+            if chunk.wants_logits:
+                sampled.append(seq)
+                sample_rows.append(row)
+            elif chunk.score_logits:
+                scored.append((seq, chunk, row))
+            row += chunk.num_logits
+        done = self._score(scored, logits) if scored else []
+        if sampled:
+            if scored:
+                logits = logits[upload(torch.tensor(sample_rows, dtype=torch.int64), logits.device)]
+            done += self._postprocess(sampled, *read_now(self._draw(sampled, logits)))
+        return done
+
+    @staticmethod
+    def _chunk(seq: Sequence, n: int) -> SequenceChunk:
+        start, end = seq.computed, seq.computed + n
+        score_logits = 0
+        if seq.request.score_tokens:  # logits from the position before the continuation on
+            score_logits = max(0, end - max(start, len(seq.tokens) - seq.request.score_tokens - 1))
+        return SequenceChunk(token_ids=seq.tokens[start:end], start=start, state_slot=seq.handle.working_slot,
+                             context_kv=seq.handle.kv_indices[:end],
+                             wants_logits=end == len(seq.tokens) and not seq.request.score_tokens,
+                             score_logits=score_logits)
+
+    def _score(self, scored: list[tuple[Sequence, SequenceChunk, int]], logits: torch.Tensor) -> list[Sequence]:
+        """Record each scored position's next-token logprob and greedy match (raw fp32 log_softmax);
+        a scoring sequence whose tokens are all computed is finished (it generates nothing)."""
+        rows, targets, points = [], [], []
+        for seq, chunk, first_row in scored:
+            end = chunk.start + len(chunk.token_ids)
+            for j, q in enumerate(range(end - chunk.score_logits, end)):
+                if q + 1 < len(seq.tokens):  # the last position scores nothing
+                    rows.append(first_row + j)
+                    targets.append(seq.tokens[q + 1])
+                    points.append((seq, q))
+        if rows:
+            row_ids, target_ids = upload_packed([torch.tensor(rows, dtype=torch.int64),
+                                                 torch.tensor(targets, dtype=torch.int64)], logits.device)
+            picked = logits[row_ids].float()                                        # [P, V]
+            logprob = picked.log_softmax(dim=1).gather(1, target_ids[:, None])[:, 0]  # [P]
+            greedy = picked.argmax(dim=1) == target_ids                              # [P]
+            values = torch.stack([logprob, greedy.float()], dim=1).tolist()
+            for (seq, q), (lp, g) in zip(points, values):
+                self.scores.setdefault(seq, {})[q] = (lp, g > 0.5)  # a recompute overwrites: each once
+        done = []
+        for seq, _, _ in scored:
+            if seq.computed == len(seq.tokens) and not seq.finished:
+                seq.finish("stop")
+                self.scheduler.finish(seq)
+                done.append(seq)
+        return done
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         """Run one decode step and draw its tokens on the device. With overlap they stay in
@@ -314,16 +394,25 @@ class Engine:
         logits = self.runner.decode(rows)  # [B, V]
         self._count_decode(seqs, rows)
         self.scheduler.advance([(seq, 1) for seq in seqs])
-        tokens = self._draw(seqs, logits)  # [B] on the device
-        done = self._postprocess(*self.overlap.take())
-        if not self._keeps_in_flight(seqs):
-            return done + self._postprocess(seqs, tokens.tolist())
-        self.overlap.launch(seqs, tokens)
+        if self._draws_from_host_tokens(seqs):
+            # Read the step in flight first (its tokens landed before this forward began), so the
+            # grammar matchers and penalties see every earlier token; the masks are then filled
+            # while this step's forward still runs, and its own tokens can stay in flight.
+            done = self._postprocess(*self.overlap.take())
+            draw = self._draw(seqs, logits)
+        else:
+            draw = self._draw(seqs, logits)  # tokens [B] on the device
+            done = self._postprocess(*self.overlap.take())
+        if not self.config.overlap_decode:
+            return done + self._postprocess(seqs, *read_now(draw))
+        self.overlap.launch(seqs, draw)
         return done
 
-    def _keeps_in_flight(self, seqs: list[Sequence]) -> bool:
-        # Repetition penalties need every earlier token on the host: such steps are read at once.
-        return self.config.overlap_decode and not any(s.request.sampling.repetition_penalty != 1.0 for s in seqs)
+    @staticmethod
+    def _draws_from_host_tokens(seqs: list[Sequence]) -> bool:
+        """Whether drawing this step needs each row's earlier tokens on the host: a grammar (its
+        next mask follows the last token) or a repetition penalty (the tokens seen)."""
+        return any(s.request.grammar is not None or s.request.sampling.repetition_penalty != 1.0 for s in seqs)
 
     def _count_decode(self, seqs: list[Sequence], rows: DecodeRows) -> None:
         """A decode step's counters, ReplaySSM ring folds included (the cache mirrors every
@@ -333,9 +422,9 @@ class Engine:
                        replayssm_flushes=self.cache.ring_steps([seq.handle for seq in seqs]))
 
     # ---- postprocess: logits → tokens → progress -------------------------------------------
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> Draw:
         """Each sequence's next token from its logits ([N, V]), drawn on the device: [N] int64
-        (no host sync)."""
+        (no host sync), with the logprobs of the rows that ask (nothing computed when none does)."""
         params = [seq.request.sampling for seq in seqs]
         for seq in seqs:
             if seq.sample_key is None:
@@ -349,18 +438,64 @@ class Engine:
             params, [seq.sample_key for seq in seqs], num_outputs,
             seen_token_ids=[seq.tokens if p.repetition_penalty != 1.0 else () for seq, p in zip(seqs, params)]
             if penalised else None, banned=banned, device=logits.device)
-        return sample(logits, tensors)
+        asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+        constrained = [i for i, seq in enumerate(seqs) if seq.request.grammar is not None]
+        raw = logits
+        if constrained:
+            logits = self._constrain([seqs[i] for i in constrained], constrained, logits, keep_raw=bool(asking))
+        tokens = sample(logits, tensors)
+        if not asking:
+            return Draw(tokens)
+        ks = tuple(params[i].logprobs for i in asking)
+        rows = upload(torch.tensor(asking, dtype=torch.int64), logits.device)  # [R]
+        return Draw(tokens, token_logprobs(raw, tokens, rows, max(ks)), tuple(asking), ks)
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
-        """Append each sequence's drawn token and finish those that stop (the scheduler releases
-        their cache). A row whose sequence already finished (it was fed once more while its
-        stop token was in flight) is dropped."""
+    def _constrain(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, keep_raw: bool) -> torch.Tensor:
+        """`logits` with each constrained row's disallowed tokens at -inf: the masks are filled on
+        the host (on CUDA while the forward pass still runs: nothing here waits for it), uploaded
+        as int32 bitmasks and unpacked on the device. A copy when the raw logits are still needed."""
+        live, matchers = [], []
+        for i, seq in enumerate(seqs):
+            if seq.finished:  # stopped while this step was launched: its row is dropped, its matcher done
+                continue
+            matcher = self.matchers.get(seq)
+            if matcher is None:
+                matcher = self.matchers[seq] = seq.request.grammar.matcher()
+            live.append(i)
+            matchers.append(matcher)
+        bitmask = np.full((len(seqs), (logits.shape[1] + 31) // 32), -1, dtype=np.int32)  # [R, W]; -1: all allowed
+        if matchers:
+            filled = np.zeros((len(matchers), bitmask.shape[1]), dtype=np.int32)
+            seqs[live[0]].request.grammar.fill_masks(matchers, filled)
+            bitmask[live] = filled
+        device = logits.device
+        with torch.inference_mode():  # the runner's logits are inference tensors: edited in place here
+            masked = logits.clone() if keep_raw else logits
+            every_row = len(rows) == logits.shape[0]  # rows are distinct and sorted: then 0..N-1
+            apply_token_bitmask(masked, None if every_row else upload(torch.tensor(rows, dtype=torch.int64), device),
+                                upload(torch.from_numpy(bitmask), device))
+        return masked
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int],
+                     logprobs: Optional[list[Optional[TokenLogprob]]] = None) -> list[Sequence]:
+        """Append each sequence's drawn token (and its logprobs, where asked) and finish those
+        that stop (the scheduler releases their cache). A row whose sequence already finished
+        (it was fed once more while its stop token was in flight) is dropped."""
         done = []
         stop_rules, max_len = self.stop_rules, self.max_model_len
-        for seq, token in zip(seqs, tokens):
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.finished:
                 continue
             seq.append_token(token)
+            if logprobs is not None and logprobs[i] is not None:
+                self.token_logprobs.setdefault(seq, []).append(logprobs[i])
+            if seq.request.grammar is not None and not self.matchers[seq].accept(token):
+                # The mask allowed nothing (e.g. min_tokens banned the only allowed EOS).
+                seq.set_error(f"token {token} is not allowed by the grammar")
+                seq.finish("error")
+                self.scheduler.finish(seq)
+                done.append(seq)
+                continue
             p = seq.request.sampling
             outputs = len(seq.tokens) - seq.prompt_len
             # The common case decided here: a plain token, no stop strings, far from any limit.

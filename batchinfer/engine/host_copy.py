@@ -41,6 +41,10 @@ class Download:
 
     def tolist(self) -> list:
         """Waits for the copy (and the work queued before it) only."""
+        return self.tensor().tolist()
+
+    def tensor(self) -> torch.Tensor:
+        """The host tensor, once the copy has landed (waits for it only)."""
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist()
+        return self._host

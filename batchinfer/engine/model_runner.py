@@ -25,6 +25,11 @@ class SequenceChunk:
     state_slot: int               # GDN working slot (holds the state at `start`)
     context_kv: torch.Tensor      # [start + len(token_ids)] int64 CPU: KV slots of the whole context
     wants_logits: bool            # the chunk ends where a token is to be sampled
+    score_logits: int = 0         # instead: logits at the chunk's last `score_logits` positions (scoring)
+
+    @property
+    def num_logits(self) -> int:
+        return self.score_logits or int(self.wants_logits)
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ def build_forward_batch(chunks: Sequence[SequenceChunk], *, is_decode: bool, rep
     kv_indices = torch.cat([c.context_kv for c in chunks])                                          # [Σctx]
     kv_indptr = torch.tensor([0] + [c.context_kv.numel() for c in chunks], dtype=torch.int64).cumsum(0)
     out_kv = torch.cat([c.context_kv[c.start:] for c in chunks])                                    # [T]
-    logits_indices = torch.tensor([cu[i + 1] - 1 for i, c in enumerate(chunks) if c.wants_logits],
+    logits_indices = torch.tensor([end - k for c, end in zip(chunks, cu[1:]) for k in range(c.num_logits, 0, -1)],
                                   dtype=torch.int64)                                                 # [N]
     return _forward_batch(input_ids, positions, torch.tensor(cu, dtype=torch.int64),
                           torch.tensor([c.state_slot for c in chunks], dtype=torch.int64), out_kv, kv_indices,
@@ -113,7 +118,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
-        """Logits [N, V] fp32 for the chunks that want them (in chunk order)."""
+        """Logits [N, V] fp32: `num_logits` rows per chunk (in chunk order, positions ascending)."""
         batch = build_forward_batch(chunks, is_decode=False, replay=False, device=self.device)
         return self.model.forward(batch, self.caches)
 

@@ -12,8 +12,9 @@ from typing import Optional
 
 import torch
 
-from batchinfer.engine.host_copy import Download
+from batchinfer.engine.draws import Draw, DrawDownload
 from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.types import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class InFlightDecode:
     """A decode step launched with its tokens drawn on the device, not yet read by the host."""
     seqs: list[Sequence]   # its rows, in order
     tokens: torch.Tensor   # [B] int64 on the device: what the next step feeds those still going
-    download: Download     # the same tokens on their way to the host
+    download: DrawDownload  # the same tokens (and any logprobs) on their way to the host
 
 
 class DecodeOverlap:
@@ -30,22 +31,22 @@ class DecodeOverlap:
     def __init__(self) -> None:
         self.step: Optional[InFlightDecode] = None
 
-    def launch(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
-        """Leave this step's tokens ([B] on the device) in flight; the previous one must be taken."""
+    def launch(self, seqs: list[Sequence], draw: Draw) -> None:
+        """Leave this step's draw (tokens [B] on the device) in flight; the previous one must be taken."""
         assert self.step is None, "take the step in flight before launching another"
         for seq in seqs:
             seq.token_in_flight()
-        self.step = InFlightDecode(seqs, tokens, Download(tokens))
+        self.step = InFlightDecode(seqs, draw.tokens, DrawDownload(draw))
 
-    def take(self) -> tuple[list[Sequence], list[int]]:
-        """The step in flight read on the host (waits for its copy): its rows and their tokens;
-        nothing when none is in flight."""
+    def take(self) -> tuple[list[Sequence], list[int], Optional[list[Optional[TokenLogprob]]]]:
+        """The step in flight read on the host (waits for its copy): its rows, their tokens and
+        logprobs (`DrawDownload.read`); nothing when none is in flight."""
         step, self.step = self.step, None
         if step is None:
-            return [], []
+            return [], [], None
         for seq in step.seqs:
             seq.token_landed()
-        return step.seqs, step.download.tolist()
+        return (step.seqs, *step.download.read())
 
     def clear(self) -> None:
         """Forget the step in flight (a generate call closed early: its sequences are dropped)."""

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from batchinfer.engine.host_copy import upload, upload_packed
-from batchinfer.engine.types import SamplingParams
+from batchinfer.engine.types import SamplingParams, TokenLogprob
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
@@ -239,3 +239,40 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         scaled = _filter_min_p(scaled, params.min_p[sampled])
     tokens[sampled] = _gumbel_argmax(scaled, params.keys[sampled])
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The raw distribution's logprobs for `rows` (the rows that ask), packed for one download:
+    logits [N, V], drawn tokens [N], rows [R] → [R, 1 + 2k] fp32: the drawn token's logprob,
+    the top-k logprobs, then the top-k ids as int32 bit patterns (exact for any vocabulary)."""
+    logp = logits[rows].float().log_softmax(dim=1)                  # [R, V]
+    chosen = logp.gather(1, tokens[rows][:, None])                  # [R, 1]
+    if k == 0:
+        return chosen
+    top = logp.topk(k, dim=1)
+    return torch.cat([chosen, top.values, top.indices.to(torch.int32).view(torch.float32)], dim=1)
+
+
+def unpack_logprobs(packed: torch.Tensor, ks: Sequence[int]) -> list[TokenLogprob]:
+    """`token_logprobs`' rows on the host ([R, 1 + 2k] CPU) → one TokenLogprob per row, each
+    keeping its own k (≤ the packed k)."""
+    k = (packed.shape[1] - 1) // 2
+    values = packed[:, :1 + k].tolist()
+    ids = packed[:, 1 + k:].contiguous().view(torch.int32).tolist()
+    return [TokenLogprob(v[0], tuple(i[:kk]), tuple(v[1:1 + kk])) for v, i, kk in zip(values, ids, ks)]
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> None:
+    """Disallowed tokens → -inf in place: logits [N, V] fp32, rows [R] (None: every row, R = N),
+    bitmask [R, W] int32 on the logits' device, bit t % 32 of word t // 32 set where token t is
+    allowed (llguidance's layout)."""
+    vocab = logits.shape[1]
+    # Unpacked a byte at a time (little-endian words: byte j of word w holds tokens 32w + 8j ...),
+    # so the temporaries are one byte per token, not four.
+    packed = bitmask.contiguous().view(torch.uint8)                                  # [R, 4W]
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    disallowed = ((packed[:, :, None] >> shifts) & 1).view(packed.shape[0], -1)[:, :vocab] == 0  # [R, V]
+    if rows is None:  # a grammar job: every row, no gather / scatter
+        logits.masked_fill_(disallowed, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(disallowed, float("-inf"))

@@ -164,8 +164,10 @@ class Scheduler:
         """Admit `seq` (at `position` in the queue); False when the cache has no room for it now.
         `dropped`: branch depths it leads whose states the pool cannot hold (nothing expects them)."""
         first = seq.cached_tokens is None
+        scored = seq.request.score_tokens  # its continuation's positions need logits: never resumed past them
         handle = self.cache.admit(id(seq), seq.tokens,
-                                  planned_resume=seq.planned_reuse if first and seq.leader is not None else 0)
+                                  planned_resume=seq.planned_reuse if first and seq.leader is not None else 0,
+                                  max_resume=len(seq.tokens) - scored - 1 if scored else None)
         if handle is None:
             if self.running:
                 return False

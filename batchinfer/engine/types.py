@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Literal, Optional
+from typing import Any, Hashable, Literal, Optional
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Per generated token: the chosen token's logprob and the `logprobs` most likely tokens'
+    # (0: the chosen one's only; None: off), from the model's raw distribution (see TokenLogprob).
+    logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
@@ -47,6 +50,8 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,37 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed_key: int = 0                  # e.g. the row index: same seed_key + seed + sample → same tokens
     skip_samples: tuple[int, ...] = () # sample indices already done (resume): not generated
+    # > 0: a scoring request. The last `score_tokens` prompt tokens are a continuation to score
+    # (RequestOutput.score); nothing is generated and `sampling` is not used.
+    score_tokens: int = 0
+    # An output constraint (structured output): an object whose `matcher()` starts one sample's
+    # matcher, with `fill_mask(row)` (int32 bitmask [ceil(V / 32)] of the allowed next tokens),
+    # `accept(token) -> bool`, and `fill_masks(matchers, bitmask [B, W])` for a batch
+    # (jobs.structured.CompiledGrammar). Sampling draws among the allowed tokens only.
+    grammar: Optional[Any] = field(default=None, compare=False)
+
+    @property
+    def scored_prompt(self) -> tuple[int, ...]:
+        """The prompt without the continuation scored: what such requests share (the prefix plan's key)."""
+        return self.prompt_token_ids[:len(self.prompt_token_ids) - self.score_tokens]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model's raw distribution: fp32
+    log_softmax of its logits before repetition penalty, banned tokens, temperature and
+    top-k / top-p / min-p (what the model says, not what the sampler drew from)."""
+    logprob: float                      # of the token generated
+    top_ids: tuple[int, ...] = ()       # the k most likely tokens, most likely first
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class ContinuationScore:
+    """A scoring request's continuation under the model's raw distribution (fp32 log_softmax)."""
+    logprob: float                      # summed over its tokens
+    tokens: int                         # how many
+    greedy: bool                        # every token is the argmax given the ones before
 
 
 FinishReason = Literal["stop", "length", "error"]
@@ -74,3 +110,5 @@ class RequestOutput:
     theoretical_max_cached_tokens: int = 0  # the planner's ideal reuse for this sample
     unit_index: int = 0                # which unit (or plan window) of the generate call this sample belongs to
     unit_done: bool = False            # the last output of its unit: every sample of the unit is out
+    logprobs: Optional[tuple[TokenLogprob, ...]] = None  # one per token of token_ids when sampling.logprobs is set
+    score: Optional[ContinuationScore] = None  # a scoring request's (Request.score_tokens > 0)

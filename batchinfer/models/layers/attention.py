@@ -7,7 +7,6 @@ sigmoid(gate) before the output projection. q, k and v are one fused projection 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.models.config import ModelConfig
