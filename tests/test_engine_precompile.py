@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from batchinfer.engine import precompile as P
 from batchinfer.engine.precompile import StepShapes, prefill_shapes, worker_count
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +52,7 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not P.supported_triton(), reason="the trace drives triton 3.6 internals (_call_hook)")
 @pytest.mark.parametrize("workers", [2])
 def test_traced_specialisations_compile_for_sm90_in_worker_processes(tmp_path, workers):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
@@ -92,3 +94,13 @@ def test_prefill_shapes_cover_integer_classes_within_the_limits():
                        max_running=2, max_model_len=64, replay=False)
     for batch in prefill_shapes(small):
         assert sum(n for _, n in batch) <= 64 and len(batch) <= 2 and all(s + n <= 64 for s, n in batch)
+
+
+def test_an_unknown_triton_release_turns_the_precompile_off(monkeypatch):
+    import triton
+
+    assert P.supported_triton("3.6.0") and not P.supported_triton("3.7.1")
+    monkeypatch.setattr(triton, "__version__", "3.7.1")
+    traced = []
+    assert P.precompile(lambda: traced.append(1)) is None
+    assert traced == []  # nothing traced: every kernel compiles at its first launch

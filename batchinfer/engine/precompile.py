@@ -209,9 +209,26 @@ def current_target() -> tuple:
     return (target.backend, target.arch, target.warp_size)
 
 
+# The trace and the workers use triton internals (the cache hook's arguments, the
+# specialisation data, JITFunction.run) as they are in these releases; on others the engine
+# compiles each kernel at its first launch, as without the precompile.
+SUPPORTED_TRITON = ("3.6.",)
+
+
+def supported_triton(version: Optional[str] = None) -> bool:
+    import triton
+
+    return (version or triton.__version__).startswith(SUPPORTED_TRITON)
+
+
 def precompile(trace: Callable[[], None]) -> Optional[PrecompileReport]:
-    """Trace `trace`'s launches, compile what they need in parallel, load it (None: turned off)."""
+    """Trace `trace`'s launches, compile what they need in parallel, load it (None: turned off,
+    or a triton release the trace does not know)."""
     if worker_count(1) == 0:
+        return None
+    if not supported_triton():
+        log.info("no up-front compile on triton %s (supported: %s); kernels compile at first launch",
+                 __import__("triton").__version__, ", ".join(SUPPORTED_TRITON))
         return None
     start = time.monotonic()
     specs = trace_specialisations(trace)
