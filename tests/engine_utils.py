@@ -61,3 +61,14 @@ def requests_for(prompts, params: SamplingParams, n_of=None):
 
 def tokens_of(outputs: dict) -> dict:
     return {key: out.token_ids for key, out in outputs.items()}
+
+
+def demo_engine_fp32(seed: int = 2) -> Engine:
+    """An fp32 CPU engine over a random model of the demo's config (its vocabulary fits the
+    tokenizer fixtures), small pools and ReplaySSM ring 4."""
+    from batchinfer.demo import DEMO_CONFIG
+    from batchinfer.models.config import model_config_from_dict
+
+    model = random_model(model_config_from_dict(DEMO_CONFIG), torch.float32, "cpu", seed=seed)
+    return Engine(model, EngineConfig(device="cpu", dtype="fp32", memory_budget_bytes=16 << 20, ring_len=4,
+                                      track_interval=16))

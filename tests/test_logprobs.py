@@ -14,6 +14,8 @@ from batchinfer.engine import sampler  # noqa: E402
 from batchinfer.engine.config import EngineConfig  # noqa: E402
 from batchinfer.engine.engine import Engine  # noqa: E402
 from batchinfer.engine.types import Request, SamplingParams  # noqa: E402
+from tests.engine_utils import demo_engine_fp32  # noqa: E402
+from tests.jobs_fixtures import make_tokenizer_checkpoint  # noqa: E402
 from tests.model_utils import hf_logits, hf_reference, make_tiny_checkpoint  # noqa: E402
 
 STEPS = 6
@@ -89,20 +91,8 @@ def test_packed_ids_survive_any_vocabulary_size():
 
 
 # ---- jobs: the `logprobs` column and OpenAI batch `choice.logprobs` ---------------------------
-def _demo_engine():
-    from batchinfer.demo import DEMO_CONFIG
-    from batchinfer.models.config import model_config_from_dict
-    from batchinfer.models.presets import random_model
-
-    model = random_model(model_config_from_dict(DEMO_CONFIG), torch.float32, "cpu", seed=2)
-    return Engine(model, EngineConfig(device="cpu", dtype="fp32", memory_budget_bytes=16 << 20, ring_len=4,
-                                      track_interval=16))
-
-
 @pytest.fixture(scope="module")
 def tokenizer_checkpoint(tmp_path_factory):
-    from tests.jobs_fixtures import make_tokenizer_checkpoint
-
     return make_tokenizer_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
@@ -120,7 +110,7 @@ def test_a_logprobs_job_writes_one_struct_per_output_token(tmp_path, tokenizer_c
     entry = job_entry(model=str(tokenizer_checkpoint), sampling={"max_tokens": 4, "seed": 7, "logprobs": 2,
                                                                  "temperature": 0.8}, engine={"plan": plan})
     job = prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
-    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _demo_engine(), window_rows=4)
+    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: demo_engine_fp32(), window_rows=4)
     assert stats["status"] == "done"
     out = pq.read_table(tmp_path / "out" / "rag").to_pylist()
     assert len(out) == 6
@@ -157,7 +147,7 @@ def test_openai_batch_lines_get_logprobs_in_openais_shape(tmp_path, tokenizer_ch
                                           "sampling": {"max_tokens": 6, "seed": 7},
                                           "output": {"path": "out/b", "format": "openai"}}])
     job = prepare_job(load_job_file(job_file).jobs[0])
-    assert run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _demo_engine())["status"] == "done"
+    assert run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: demo_engine_fp32())["status"] == "done"
     got = {line["custom_id"]: line["response"]["body"]["choices"][0]
            for line in map(json.loads, (tmp_path / "out" / "b" / OUTPUT_NAME).read_text().splitlines())}
     content = got["chat"]["logprobs"]["content"]

@@ -13,6 +13,8 @@ import torch  # noqa: E402
 from batchinfer.engine.config import EngineConfig  # noqa: E402
 from batchinfer.engine.engine import Engine  # noqa: E402
 from batchinfer.engine.types import Request, SamplingParams  # noqa: E402
+from tests.engine_utils import demo_engine_fp32  # noqa: E402
+from tests.jobs_fixtures import make_tokenizer_checkpoint  # noqa: E402
 from tests.model_utils import hf_greedy, hf_logits, hf_reference, make_tiny_checkpoint  # noqa: E402
 
 
@@ -112,20 +114,8 @@ def test_a_continuation_without_a_prompt_is_an_error_row(checkpoint):
 
 
 # ---- jobs: task score, continuation columns, choice_accuracy --------------------------------
-def _demo_engine():
-    from batchinfer.demo import DEMO_CONFIG
-    from batchinfer.models.config import model_config_from_dict
-    from batchinfer.models.presets import random_model
-
-    model = random_model(model_config_from_dict(DEMO_CONFIG), torch.float32, "cpu", seed=2)
-    return Engine(model, EngineConfig(device="cpu", dtype="fp32", memory_budget_bytes=16 << 20, ring_len=4,
-                                      track_interval=16))
-
-
 @pytest.fixture(scope="module")
 def tokenizer_checkpoint(tmp_path_factory):
-    from tests.jobs_fixtures import make_tokenizer_checkpoint
-
     return make_tokenizer_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
@@ -153,11 +143,11 @@ def test_a_score_job_writes_continuation_columns_and_choice_accuracy(tmp_path, t
                       task="score", score={"continuations_column": "choices"}, engine={"plan": plan},
                       eval={"answer_column": "answer", "metric": "choice_accuracy"})
     job = prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
-    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _demo_engine(), window_rows=4)
+    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: demo_engine_fp32(), window_rows=4)
     assert stats["status"] == "done"
     out = pq.read_table(tmp_path / "out" / "rag").sort_by("row_index").to_pylist()
     assert out[3]["finish_reason"] == "error" and "no continuations" in out[3]["error"]
-    engine = _demo_engine()
+    engine = demo_engine_fp32()
     judged = []
     for r, row in enumerate(out):
         if r == 3:
@@ -257,11 +247,11 @@ def test_a_crashed_score_job_resumes_with_every_row_once(tmp_path, tokenizer_che
     job_file = write_job_file(tmp_path, [entry])
     job = prepare_job(load_job_file(job_file).jobs[0])
     with pytest.raises(Exception):
-        run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _FailingAfter(_demo_engine(), 14),
+        run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _FailingAfter(demo_engine_fp32(), 14),
                 window_rows=4)
     assert list((tmp_path / "out" / "rag").glob("part-*.parquet"))  # finished rows were committed before the crash
     job = prepare_job(load_job_file(job_file).jobs[0])
-    assert run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _demo_engine(),
+    assert run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: demo_engine_fp32(),
                    window_rows=4)["status"] == "done"
     out = pq.read_table(tmp_path / "out" / "rag").to_pylist()
     assert sorted(row["row_index"] for row in out) == list(range(rows))

@@ -20,23 +20,11 @@ from batchinfer.jobs.structured import compile_grammar
 from batchinfer.jobs.task_spec import GrammarSpec
 from batchinfer.jobs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import make_tokenizer_checkpoint
+from tests.test_structured import SCHEMA
 
 jsonschema = pytest.importorskip("jsonschema")
 
 VOCAB = DEMO_CONFIG["vocab_size"]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "kind": {"enum": ["cat", "dog", "a \"quoted\" one"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3},
-        "owner": {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 99},
-                                                    "ok": {"type": "boolean"}},
-                  "required": ["age", "ok"], "additionalProperties": False},
-    },
-    "required": ["name", "kind", "tags", "owner"],
-    "additionalProperties": False,
-}
 REGEX = r"[a-z]{2,5}-[0-9]{1,3}"
 CHOICES = ["yes", "no", "maybe so"]
 
