@@ -242,6 +242,22 @@ def matmul_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> Callabl
     return lambda: torch.matmul(x, w.t())  # [m, n]
 
 
+def fp8_gemm_builder(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
+    """The `gemm_fn` of an FP8 model: each dense projection as the FP8 block GEMM (activation
+    quantization included, as the model runs it) over its 128-aligned output rows; what the
+    model keeps in `dtype` (lm_head, router, the GDN b|a rows, the MoE experts' grouped GEMM,
+    which it runs in bf16 on dequantized weights) through `matmul_gemm`."""
+    from batchinfer.kernels.fp8_gemm import block_quantize, fp8_gemm
+
+    fp8_rows = gemm.n - gemm.n % 128
+    if gemm.fp32 or gemm.out_fp32 or gemm.groups > 1 or gemm.k % 128 or not fp8_rows:
+        return matmul_gemm(gemm, dtype, device)
+    x = torch.randn(gemm.m, gemm.k, dtype=dtype, device=device)  # [m, k]
+    q, scale_inv = block_quantize(torch.randn(fp8_rows, gemm.k, device=device))  # e4m3 [n', k]
+    rest = matmul_gemm(replace(gemm, n=gemm.n % 128), dtype, device) if gemm.n % 128 else None
+    return lambda: (fp8_gemm(x, q, scale_inv), rest() if rest else None)
+
+
 @dataclass
 class FloorMeter:
     """Measures floors on one device; GEMM times and the copy bandwidth are measured once per
@@ -293,9 +309,9 @@ class FloorMeter:
 
 
 @lru_cache(maxsize=None)
-def shared_meter(device: str) -> FloorMeter:
-    """One default meter per device for a whole benchmark run (its timings reused across arms)."""
-    return FloorMeter(torch.device(device))
+def shared_meter(device: str, fp8: bool = False) -> FloorMeter:
+    """One meter per device (and GEMM path) for a whole benchmark run (its timings reused across arms)."""
+    return FloorMeter(torch.device(device), fp8_gemm_builder if fp8 else matmul_gemm)
 
 
 def decode_floor(model, contexts: Sequence[int], *, replay: bool, shared_with_prev: Optional[Sequence[int]] = None,

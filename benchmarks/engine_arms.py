@@ -40,7 +40,9 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
 from batchinfer.models.config import model_config_from_dict
-from batchinfer.models.presets import PRESETS, random_model
+from batchinfer.models.layers.fp8_linear import Fp8Weight
+from batchinfer.models.presets import PRESETS, random_model, random_preset_fp8
+from batchinfer.models.quantization import parse_quantization
 from benchmarks.decode_floor import floor_columns, print_floor, record_decode_rows, shared_meter
 from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.host_overhead import PhaseTimer
@@ -84,6 +86,8 @@ def build_model(preset: str, layers: int | None, device: str, seed: int = 0):
         raw["num_hidden_layers"] = layers
     config = model_config_from_dict(raw)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if parse_quantization(raw) is not None:  # an FP8 preset: FP8 projections on CUDA, dequantized elsewhere
+        return random_preset_fp8(config, dtype, device, seed=seed), raw
     return random_model(config, dtype, device, seed=seed), raw
 
 
@@ -214,7 +218,8 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args)
     del engine, timer
     _free(args.device)
     if rows_log is not None:  # measured with the pools freed: the lm_head GEMM's operands alone are GBs
-        result.update(floor_columns(shared_meter(args.device), model, rows_log, result.get("full_batch_median_ms"),
+        fp8 = any(isinstance(m, Fp8Weight) for m in model.modules())
+        result.update(floor_columns(shared_meter(args.device, fp8), model, rows_log, result.get("full_batch_median_ms"),
                                     replay=replay, ring_len=config.ring_len, ckpt_dtype=config.resolved_ckpt_dtype()))
     return result
 

@@ -174,3 +174,20 @@ def test_engine_arms_prints_the_floor_and_frees_the_engine_first(monkeypatch):
     assert result["floor"]["batch"] == result["full_batch"] == 4
     assert result["step_x_floor"] == pytest.approx(result["full_batch_median_ms"] / result["floor_ms"])
     engine_arms.print_table([{"workload": "rag", **result}])
+
+
+def test_fp8_floor_times_the_fp8_gemm_for_dense_projections_only(monkeypatch):
+    """An FP8 model's floor: aligned dense projections through the FP8 block GEMM (their unaligned
+    tail rows, e.g. GDN b|a, in the model dtype); lm_head and grouped experts stay matmuls."""
+    import batchinfer.kernels.fp8_gemm as fp8
+    from benchmarks.decode_floor import Gemm, fp8_gemm_builder
+
+    calls = []
+    real = fp8.fp8_gemm
+    monkeypatch.setattr(fp8, "fp8_gemm", lambda x, q, s, *a: calls.append((tuple(x.shape), tuple(q.shape))) or real(x, q, s, *a))
+    cpu = torch.device("cpu")
+    out, tail = fp8_gemm_builder(Gemm("gdn.in_proj", 4, 256, 256 + 8), torch.float32, cpu)()
+    assert calls == [((4, 256), (256, 256))] and tuple(out.shape) == (4, 256) and tuple(tail.shape) == (4, 8)
+    assert tuple(fp8_gemm_builder(Gemm("lm_head", 4, 256, 300, out_fp32=True), torch.float32, cpu)().shape) == (4, 300)
+    fp8_gemm_builder(Gemm("moe.experts_down", 8, 128, 128, groups=4), torch.float32, cpu)()
+    assert len(calls) == 1

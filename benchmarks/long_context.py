@@ -1,0 +1,94 @@
+"""Long prompts without sharing (GPU): prefill at 8k and 32k, 8k in / 1k out, per prefill-attention policy.
+
+    python -m benchmarks.long_context                                   # H200: qwen3.5-27b, 64 layers, bf16
+    python -m benchmarks.long_context --policies triton,sdpa-cudnn --prefill 16x8192,2x32768 --gen 48x8192x1024
+    python -m benchmarks.long_context --quick                           # CPU smoke run (tiny preset)
+
+One random-weight model, a fresh engine per row (benchmarks/attention_e2e.py `prefill_rate`:
+1 output token, max_batch_tokens 8,192, so a 32k prompt runs as four chunks after its own
+cached prefix). Then `--gen`: N prompts of L tokens generating O tokens each (ignore_eos, CUDA
+graphs, everything admitted at once), under the policy with the best 8k prefill rate; total
+tokens/s = (prompt + output tokens) / wall, the figure SGLang's cookbook publishes. Last the
+cuBLAS floor of one 8,192-token prefill step's projection GEMMs. Short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from types import SimpleNamespace
+
+from benchmarks.attention_e2e import STEP_TOKENS, gemm_floor, label, parse_workload, prefill_rate
+from benchmarks.engine_arms import Workload, _free, build_model, run_arm
+from batchinfer.kernels.attention import prefill_backends as apb
+
+
+def generation_row(model, policy: apb.PrefillPolicy, count: int, length: int, output: int, device: str,
+                   preset: str) -> dict:
+    prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
+    args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=count,
+                           max_batch_tokens=STEP_TOKENS, budget_bytes=None, preset=preset, floor=False)
+    with apb.prefill_policy(policy):
+        row = run_arm(model, "replay+extra_buffer", prompts, output, args)
+    total = row["prompt_tps"] * row["wall_s"] + row["output_tps"] * row["wall_s"]
+    return {"workload": f"{count}x{length} → {output}", "policy": label(policy), "wall_s": row["wall_s"],
+            "total_tps": total / row["wall_s"], "prompt_tps": row["prompt_tps"], "output_tps": row["output_tps"],
+            "decode_ms": row.get("decode_ms"), "peak_gib": row["peak_gib"]}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen3.5-27b")
+    p.add_argument("--layers", type=int, default=None, help="default: the preset's (4 with --quick)")
+    p.add_argument("--policies", default="triton,sdpa-cudnn")
+    p.add_argument("--min-run", type=int, default=1024)
+    p.add_argument("--prefill", default="16x8192,2x32768", help="prompts x tokens, comma-separated")
+    p.add_argument("--gen", default="48x8192x1024", help="prompts x tokens x output tokens ('' to skip)")
+    p.add_argument("--gemm-reps", type=int, default=10)
+    p.add_argument("--json", default=None)
+    p.add_argument("--quick", action="store_true", help="CPU smoke: tiny preset, short prompts")
+    args = p.parse_args(argv)
+    device = "cpu" if args.quick else "cuda"
+    preset = "tiny" if args.quick else args.preset
+    if args.quick:
+        args.prefill, args.gen, args.layers = "2x256,1x1024", "4x128x8", args.layers or 4
+    start = time.perf_counter()
+    model, raw = build_model(preset, args.layers, device)
+    print(f"{preset}, {raw['num_hidden_layers']} layers, built in {time.perf_counter() - start:.1f} s", flush=True)
+    policies = [apb.PrefillPolicy(name, min_run=args.min_run) for name in args.policies.split(",")]
+    rows = []
+    for count, length in (parse_workload(w) for w in args.prefill.split(",") if w):
+        for policy in policies:
+            rows.append(prefill_rate(model, policy, count, length, device, seed=len(rows)))
+            print(f"{rows[-1]['workload']:<10} {rows[-1]['policy']:<28} {rows[-1]['prefill_tps']:10,.0f} tok/s", flush=True)
+    gen_rows = []
+    if args.gen:
+        count, length, output = (int(v) for v in args.gen.lower().split("x"))
+        at_8k = [r for r in rows if r["workload"].endswith("x8192")] or rows
+        best = max(at_8k, key=lambda r: r["prefill_tps"])["policy"] if at_8k else label(policies[0])
+        policy = next(p for p in policies if label(p) == best)
+        gen_rows.append(generation_row(model, policy, count, length, output, device, preset))
+        print(f"{gen_rows[-1]['workload']:<18} {gen_rows[-1]['policy']:<28} {gen_rows[-1]['total_tps']:10,.0f} total tok/s",
+              flush=True)
+    gemms = gemm_floor(model, device, 256 if args.quick else STEP_TOKENS, args.gemm_reps)
+    floor = sum(g["total_ms"] for g in gemms)
+    del model
+    _free(device)
+    print()
+    print(f"{preset}, {raw['num_hidden_layers']} layers; prefill tok/s = prompt tokens / wall; "
+          f"GEMM floor of one {STEP_TOKENS}-token step {floor:.1f} ms (cuBLAS, summed)")
+    print(f"{'workload':<12} {'attention policy':<28} {'prefill tok/s':>14} {'ms/8k-step':>11} {'x GEMM floor':>13}")
+    for r in rows:
+        print(f"{r['workload']:<12} {r['policy']:<28} {r['prefill_tps']:14,.0f} {r['step_ms']:11.1f} "
+              f"{r['step_ms'] / floor:13.2f}")
+    for r in gen_rows:
+        print(f"{r['workload']:<18} {r['policy']:<28} total {r['total_tps']:,.0f} tok/s (prompt {r['prompt_tps']:,.0f}, "
+              f"output {r['output_tps']:,.0f}), wall {r['wall_s']:.1f} s, decode {r['decode_ms'] or float('nan'):.1f} "
+              f"ms/step, peak {r['peak_gib']:.1f} GiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"prefill": rows, "generate": gen_rows, "gemms": gemms, "gemm_floor_ms": floor}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
