@@ -37,9 +37,12 @@ for part in "$@"; do
     attn8k)  step attn8k 60 python3 -m benchmarks.attention_backends --shapes 4x8192,1x32768 --backends sdpa --reps 5 ;;
     fp8)     step fp8_parity 150 python3 -m benchmarks.fp8_parity --parts parity,speed ;;
     next80b) step next80b 170 python3 -m benchmarks.fp8_parity --parts next80b ;;
-    grammar) step grammar 110 python3 -m benchmarks.grammar_overhead --layers 64 ;;
-    floor_bf16) step floor_bf16 120 python3 -m benchmarks.engine_arms --arms replay+extra_buffer --json "$out/floor_bf16.json" ;;
-    floor_fp8) step floor_fp8 120 python3 -m benchmarks.engine_arms --preset qwen3.5-27b-fp8 --arms replay+extra_buffer --json "$out/floor_fp8.json" ;;
+    grammar) step grammar 90 python3 -m benchmarks.grammar_overhead --layers 16 ;;
+    floor_bf16) step floor_bf16 90 python3 -m benchmarks.engine_arms --layers 16 --arms replay+extra_buffer --json "$out/floor_bf16.json" ;;
+    floor_fp8) step floor_fp8 90 python3 -m benchmarks.engine_arms --layers 16 --preset qwen3.5-27b-fp8 --arms replay+extra_buffer --json "$out/floor_fp8.json" ;;
+    fp8gemm) step fp8gemm_tests 60 python3 -m pytest -q --tb=short tests/test_fp8_gemm.py
+             step fp8gemm 90 python3 -m benchmarks.bench_fp8_gemm --no-sweep ;;
+    prefill_profile) step prefill_profile 120 bash -c "python3 -m benchmarks.prefill_profile && python3 -m benchmarks.prefill_profile --prompts 1 --length 32768" ;;
     moe35)   step moe35 240 python3 -m benchmarks.engine_arms --preset qwen3.5-35b-a3b --arms replay+extra_buffer --hf --hf-prompts 32 --hf-batch 32 --json "$out/moe35.json" ;;
     bench_moe) step bench_moe 60 python3 -m benchmarks.bench_moe --json "$out/bench_moe.json" ;;
     cold)    step cold_start 200 python3 -m benchmarks.cold_start --folder /tmp/cold --json "$out/cold_start.json" ;;

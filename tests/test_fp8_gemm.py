@@ -7,6 +7,7 @@ from batchinfer.kernels.fp8_gemm import (FP8_DTYPE, block_dequantize, block_quan
                               quantize_act_reference)
 from batchinfer.kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, fp8_block_matmul, quantize_act
 from batchinfer.kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
+from tests.conftest import interpreter_only, requires_cuda
 
 SMALL = Fp8GemmLaunch(block_m=16, block_n=64, num_warps=4, num_stages=1, group_m=2)
 # The kernels run where the tests run: the interpreter on the CPU, the GPU when there is one.
@@ -124,3 +125,75 @@ def test_triton_dequantize_is_bit_exact(shape):
     w_q, w_s = block_quantize(torch.randn(shape).to(DEVICE) * 0.3)
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(triton_block_dequantize(w_q, w_s, dtype), block_dequantize(w_q, w_s, dtype))
+
+
+def test_quantize_act_pads_rows_and_transposes_scales_for_cublas():
+    x = (torch.randn(5, 512) * 2).bfloat16().to(DEVICE)
+    q, s = quantize_act(x, rows=8, scales_transposed=True)
+    q_ref, s_ref = quantize_act_reference(x)
+    assert q.shape == (8, 512) and s.shape == (8, 4) and s.stride() == (1, 8)  # [G, R] buffer, viewed [R, G]
+    assert torch.equal(_bits(q[:5]), _bits(q_ref)) and torch.equal(s[:5], s_ref)
+    assert torch.equal(q[5:].float(), torch.zeros(3, 512)) and torch.equal(s[5:], torch.ones(3, 4))
+
+
+def _fake_block_scaled_mm(calls):
+    """cuBLAS's contract, checked, computed by the reference (the GPU test runs the real one)."""
+    def fake(xq, x_scale_t, weight, scale_inv, out_dtype):
+        M4, K = xq.shape
+        assert M4 % 4 == 0 and x_scale_t.shape == (K // 128, M4) and x_scale_t.is_contiguous()
+        calls.append(M4)
+        deq_x = (xq.float().reshape(M4, K // 128, 128) * x_scale_t.t()[:, :, None]).reshape(M4, K)
+        return (deq_x @ block_dequantize(weight, scale_inv).t()).to(out_dtype)
+    return fake
+
+
+@interpreter_only
+def test_fp8_gemm_takes_the_cublas_path_and_falls_back_to_triton(monkeypatch):
+    """Dispatch on a (pretend) sm_90 device: 4-aligned K blocks go to cuBLAS with padded rows and
+    transposed scales; a cuBLAS failure falls back to the Triton GEMM, right, and sticks."""
+    import batchinfer.kernels.fp8_gemm as fp8
+    from batchinfer.kernels.fp8_gemm import cublas_fp8
+
+    monkeypatch.setattr(fp8, "_use_triton", lambda x: True)
+    monkeypatch.setattr(cublas_fp8, "available", lambda device: str(device) not in cublas_fp8._BROKEN)
+    monkeypatch.setattr(cublas_fp8, "_BROKEN", set())
+    calls: list[int] = []
+    monkeypatch.setattr(cublas_fp8, "block_scaled_mm", _fake_block_scaled_mm(calls))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 512, generator=g).bfloat16()
+    w_q, w_s = block_quantize(torch.randn(256, 512, generator=g) * 512 ** -0.5)
+    ref = fp8_gemm_reference(x, w_q, w_s, torch.float32)
+    out = fp8.fp8_gemm(x, w_q, w_s, torch.float32)
+    assert calls == [8] and out.shape == (7, 256)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(3, 384, generator=g).bfloat16()  # K/128 = 3: not cuBLAS's layout → Triton
+    w3_q, w3_s = block_quantize(torch.randn(128, 384, generator=g) * 0.05)
+    torch.testing.assert_close(fp8.fp8_gemm(x3, w3_q, w3_s, torch.float32),
+                               fp8_gemm_reference(x3, w3_q, w3_s, torch.float32), rtol=1e-5, atol=1e-5)
+    assert calls == [8]
+
+    def failing(*args):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+    monkeypatch.setattr(cublas_fp8, "block_scaled_mm", failing)
+    torch.testing.assert_close(fp8.fp8_gemm(x, w_q, w_s, torch.float32), ref, rtol=1e-5, atol=1e-5)
+    assert cublas_fp8._BROKEN == {"cpu"}
+    monkeypatch.setenv("BATCHINFER_FP8_GEMM", "cublas")
+    monkeypatch.setattr(cublas_fp8, "_BROKEN", set())
+    with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
+        fp8.fp8_gemm(x, w_q, w_s, torch.float32)
+
+
+@requires_cuda
+def test_cublas_block_scaled_gemm_matches_the_reference_on_gpu():
+    from batchinfer.kernels.fp8_gemm import cublas_fp8
+
+    device = torch.device("cuda")
+    if not cublas_fp8.available(device):
+        pytest.skip("no block-scaled scaled_mm on this GPU / torch")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for M, N, K in [(1, 256, 512), (255, 640, 5120), (8192, 1024, 2048)]:
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        w_q, w_s = block_quantize(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5)
+        xq, xs = quantize_act(x, rows=cublas_fp8.padded_rows(M), scales_transposed=True)
+        out = cublas_fp8.block_scaled_mm(xq, xs.t(), w_q, w_s, torch.float32)[:M]
+        torch.testing.assert_close(out, fp8_gemm_reference(x, w_q, w_s, torch.float32), rtol=3e-3, atol=3e-3)

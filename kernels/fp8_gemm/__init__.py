@@ -33,12 +33,34 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_act_reference(x)
 
 
+def gemm_backend() -> str:
+    """BATCHINFER_FP8_GEMM: `auto` (cuBLAS's block-scaled GEMM where it runs, else Triton),
+    `cublas` or `triton` (benchmarks compare them)."""
+    return os.environ.get("BATCHINFER_FP8_GEMM", "auto").strip().lower() or "auto"
+
+
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    if _use_triton(x):
-        from batchinfer.kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
-        return triton_fp8_gemm(x, weight, scale_inv, out_dtype)
-    return fp8_gemm_reference(x, weight, scale_inv, out_dtype)
+    if not _use_triton(x):
+        return fp8_gemm_reference(x, weight, scale_inv, out_dtype)
+    from batchinfer.kernels.fp8_gemm import cublas_fp8
+    from batchinfer.kernels.fp8_gemm.triton_fp8 import fp8_block_matmul
+    from batchinfer.kernels.fp8_gemm.triton_fp8 import quantize_act as triton_quantize_act
+
+    out_dtype = out_dtype or x.dtype
+    if (gemm_backend() != "triton" and x.dim() == 2 and cublas_fp8.shapes_supported(x.shape[1], scale_inv)
+            and cublas_fp8.available(x.device)):
+        M = x.shape[0]
+        xq, xs = triton_quantize_act(x, rows=cublas_fp8.padded_rows(M), scales_transposed=True)
+        try:
+            return cublas_fp8.block_scaled_mm(xq, xs.t(), weight, scale_inv, out_dtype)[:M]
+        except RuntimeError as error:  # this torch / cuBLAS cannot: Triton from now on
+            if gemm_backend() == "cublas":
+                raise
+            cublas_fp8.mark_broken(x.device, error)
+            return fp8_block_matmul(xq[:M], xs[:M].contiguous(), weight, scale_inv, out_dtype)
+    xq, xs = triton_quantize_act(x)
+    return fp8_block_matmul(xq, xs, weight, scale_inv, out_dtype)
 
 
 def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -53,7 +53,7 @@ def _round_to_e4m3(q):
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm,
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm, stride_sg,
                       BLOCK_G: tl.constexpr, GROUP_SIZE: tl.constexpr):
     row = tl.program_id(0)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
@@ -65,19 +65,28 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm
     q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
     tl.store(q_ptr + row * stride_qm + cols, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups < G)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < G)
 
 
-def quantize_act(x: torch.Tensor, block_g: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (unit column stride) → (e4m3 [M, K], fp32 scales [M, ceil(K/128)])."""
+def quantize_act(x: torch.Tensor, block_g: int = 8, rows: int | None = None,
+                 scales_transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit column stride) → (e4m3 [R, K], fp32 scales [R, ceil(K/128)]), R = `rows`
+    (default M; rows past M are zeros with scale 1: the padding cuBLAS's layout asks for).
+    `scales_transposed`: the scales are the [R, G] view of a contiguous [G, R] buffer."""
     assert x.dim() == 2 and x.stride(1) == 1, "quantize_act wants a [M, K] matrix with unit column stride"
     M, K = x.shape
+    R = M if rows is None else rows
+    assert R >= M
     G = triton.cdiv(K, GROUP)
-    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((M, G), dtype=torch.float32, device=x.device)
+    q = torch.empty((R, K), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((G, R), dtype=torch.float32, device=x.device).t() if scales_transposed else \
+        torch.empty((R, G), dtype=torch.float32, device=x.device)
+    if R > M:
+        q[M:].zero_()
+        s[M:].fill_(1.0)
     if M:
         _quant_act_kernel[(M, triton.cdiv(G, block_g))](
-            x, q, s, K, G, x.stride(0), q.stride(0), s.stride(0),
+            x, q, s, K, G, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
             BLOCK_G=block_g, GROUP_SIZE=GROUP, num_warps=4)
     return q, s
 
