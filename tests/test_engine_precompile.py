@@ -200,3 +200,23 @@ def test_worker_count_leaves_spare_cpus(monkeypatch):
     assert worker_count(100, spare_cpus=1) == 1  # never none by default
     monkeypatch.setenv("BATCHINFER_PRECOMPILE", "16")
     assert worker_count(100, spare_cpus=1) == 16  # an explicit count is taken as it is
+
+
+def test_cancel_ends_the_worker_processes(tmp_path, monkeypatch):
+    """A start-up that fails while the workers compile (a bad checkpoint) does not wait for them:
+    here each compile hangs (its kernel module sleeps when a worker imports it)."""
+    import time
+
+    (tmp_path / "hanging_kernel.py").write_text(
+        "import multiprocessing, time\nif multiprocessing.parent_process() is not None:\n    time.sleep(120)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get this process's sys.path
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    specs = [P.KernelSpecialisation("hanging_kernel", "kernel", f"k{i}", "{}") for i in range(2)]
+    jobs = P.CompileJobs(specs, workers=2, target=("cuda", 90, 32))
+    workers = list(jobs._pool._processes.values())
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    start = time.monotonic()
+    jobs.cancel()
+    for worker in workers:
+        worker.join(timeout=20)
+    assert not any(w.is_alive() for w in workers) and time.monotonic() - start < 20

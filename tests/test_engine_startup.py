@@ -34,8 +34,8 @@ def checkpoint(tmp_path_factory):
 def _record(monkeypatch, events: list, fail_load: bool = False) -> None:
     real = loader.load_weights
 
-    def start(self, caches, kv_pool, state_pool):
-        events.append("trace+submit")
+    def start(self, caches, kv_pool, state_pool, spare_cpus=0):
+        events.append(("trace+submit", spare_cpus))
         return FakePending(events)
 
     def load(model, path, **kwargs):
@@ -53,7 +53,7 @@ def test_weights_load_while_the_kernels_compile(monkeypatch, checkpoint):
     _record(monkeypatch, events)
     with listening(lambda label, seconds: heard.append((label, seconds is None))):
         engine = Engine.from_pretrained(str(checkpoint), CONFIG)
-    assert events == ["trace+submit", "load", "finish"]
+    assert events == [("trace+submit", 1), "load", "finish"]  # a CPU left to the load
     assert heard == [("allocating the model", True), ("allocating the model", False),
                      ("loading weights (and compiling 5 kernels in parallel)", True),
                      ("loading weights (and compiling 5 kernels in parallel)", False),
@@ -70,11 +70,11 @@ def test_a_failed_load_stops_the_compiles(monkeypatch, checkpoint):
     _record(monkeypatch, events, fail_load=True)
     with pytest.raises(loader.CheckpointError, match="bad checkpoint"):
         Engine.from_pretrained(str(checkpoint), CONFIG)
-    assert events == ["trace+submit", "load", "cancel"]
+    assert events == [("trace+submit", 1), "load", "cancel"]
 
 
 def test_a_loaded_model_is_not_loaded_again(monkeypatch, checkpoint):
     events = []
     _record(monkeypatch, events)
     engine = Engine(loader.load_model(checkpoint, torch.float32), CONFIG)  # `load` recorded once, by load_model
-    assert events == ["load", "trace+submit", "finish"] and engine.startup_seconds["load"] == 0.0
+    assert events == ["load", ("trace+submit", 0), "finish"] and engine.startup_seconds["load"] == 0.0

@@ -158,7 +158,8 @@ class Engine:
         """Trace the steps' Triton kernels and start compiling them in worker processes (CUDA
         only), load the weights meanwhile (`load_weights`, when given), then wait for the
         compiles and load them into this process. → the PrecompileReport (None: no precompile)."""
-        pending = self._start_precompile(caches, kv_pool, state_pool)
+        # One CPU is left to the weight load that runs beside the compiles.
+        pending = self._start_precompile(caches, kv_pool, state_pool, spare_cpus=int(load_weights is not None))
         try:
             if load_weights is not None:
                 compiling = pending is not None and pending.compiling
@@ -175,9 +176,10 @@ class Engine:
         with phase("compiling kernels", self.startup_seconds, "compile_and_capture"):
             return pending.finish()
 
-    def _start_precompile(self, caches, kv_pool, state_pool):
+    def _start_precompile(self, caches, kv_pool, state_pool, spare_cpus: int = 0):
         """The trace of every Triton kernel the steps will launch, their compiles submitted to
-        worker processes (CUDA only; None otherwise or when turned off)."""
+        worker processes (CUDA only; None otherwise or when turned off); `spare_cpus` are left
+        to the caller's work meanwhile."""
         if self.device.type != "cuda":
             return None
         from batchinfer.engine.precompile import StepShapes, engine_trace, start_precompile
@@ -187,9 +189,8 @@ class Engine:
                             max_batch_tokens=self.config.max_batch_tokens, max_running=self.pool_plan.max_running,
                             max_model_len=self.max_model_len, replay=self.config.replayssm)
         with phase("tracing kernels", self.startup_seconds, "compile_and_capture"):
-            # One CPU is left to the weight load that runs beside the compiles.
             return start_precompile(engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot,
-                                                 self.device), spare_cpus=1)
+                                                 self.device), spare_cpus=spare_cpus)
 
     def _decode_graphs(self, caches, kv_pool, state_pool) -> Optional[DecodeGraphs]:
         if not (self.config.cuda_graphs and self.device.type == "cuda"):

@@ -214,8 +214,16 @@ class CompileJobs:
         self.last_done = max(self.last_done, time.monotonic())
 
     def cancel(self) -> None:
-        """Stop: compiles not started are dropped, running ones finish in the background."""
+        """Stop: compiles not started are dropped and the workers ended (otherwise the process
+        would wait for the running compiles at exit). The disk cache stays consistent: triton
+        writes each entry to a temporary file and renames it."""
+        if hasattr(self._pool, "terminate_workers"):  # Python 3.14+
+            self._pool.terminate_workers()
+            return
+        workers = list((getattr(self._pool, "_processes", None) or {}).values())  # no public handle before 3.14
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            worker.terminate()
 
     def wait(self) -> int:
         compiled = 0
