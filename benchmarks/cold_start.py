@@ -12,13 +12,23 @@ random tokens, each shared by 32 questions of 128; `ignore_eos`, `--output-token
 Then the job runs twice in a row as `python -m batchinfer run jobs.yaml --overwrite` child
 processes (each wrapped by `--child`, which times phases from inside and changes nothing else):
 the first with TRITON_CACHE_DIR an empty new folder (a fresh machine: every Triton kernel
-compiles) and the checkpoint dropped from the page cache, the second with the same cache
-folder and warm files. Per run: the process's wall time and its phases — interpreter start and
-imports, job preparation (tokenising), model build (allocation + weights; of it the weight load),
-engine set-up (pools; of it CUDA-graph capture), planning, generation — and the Triton compiles
-(count and seconds, from triton's `jit_cache_hook` / `jit_post_compile_hook`: the time between
-them is the compile, or the load from the compile cache), attributed to the phase they fell in.
-For the first run also every compile (kernel, constexprs and specialisation, seconds), slowest first.
+compiles) and the checkpoint dropped from the page cache (`--cold-libraries`: also every file
+of the Python environment — torch's and the CUDA libraries' kernels — as on a fresh machine),
+the second with the same cache folder and warm files. Per run: the process's wall time and its
+phases — interpreter start and imports, job preparation (tokenising), model allocation, engine
+set-up (pools; of it the kernel trace, the weight load while the kernels compile in worker
+processes, the wait for the compiles left, CUDA-graph capture), planning, generation — and per
+phase (attributed to the innermost open one):
+- Triton compiles (count and seconds, from triton's `jit_cache_hook` / `jit_post_compile_hook`:
+  the time between them is the compile, or the load from the compile cache; after the
+  precompile's wait a compile is a lazy one the trace missed);
+- launcher builds (triton's C stub, built with the C compiler when the cache lacks it: the
+  precompile workers build them, so a run should show none after the wait);
+- first launches (`CompiledKernel._init_handles`: the launcher and the module loaded onto the GPU);
+- major page faults and bytes read from disk by this process (`getrusage`, /proc/self/io): a
+  cold page cache of the CUDA libraries shows here, in the phase whose first kernels load them.
+For the first run also every compile (kernel, constexprs and specialisation, seconds), slowest
+first, and the precompile's own report (workers, compile wall time, the part waited for).
 
 Last, in a separate child process, the checkpoint load (`load_model` onto the device) from a cold
 page cache (each shard fsynced and dropped with `posix_fadvise(DONTNEED)`; needs no root, but the
@@ -45,18 +55,36 @@ READ_CHUNK = 16 << 20
 # ---------------------------------------------------------------- child: phases from inside a run
 
 
-class Timeline:
-    """Phases (nested intervals) and Triton compiles of one process, in time.time() seconds."""
+def io_counters() -> dict[str, Optional[int]]:
+    """This process's major page faults and bytes read from storage so far (None: unknown)."""
+    import resource
 
-    def __init__(self) -> None:
+    read_bytes = None
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                read_bytes = int(line.split()[1])
+    except OSError:
+        pass
+    return {"major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt, "read_bytes": read_bytes}
+
+
+class Timeline:
+    """Phases (nested intervals) and Triton compiles, launcher builds and first launches of one
+    process, in time.time() seconds."""
+
+    def __init__(self, counters: Callable[[], dict[str, Optional[int]]] = io_counters) -> None:
         self.phases: list[dict[str, Any]] = []
         self.compiles: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []  # launcher builds, first launches: kind, seconds, phase
+        self.records: dict[str, Any] = {}
         self._open: list[dict[str, Any]] = []
         self._compile_start: Optional[tuple[float, str]] = None
+        self._counters = counters
 
     def phase(self, name: str, fn: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            entry = {"name": name, "start": time.time(), "end": None}
+            entry = {"name": name, "start": time.time(), "end": None, "io_start": self._counters()}
             self.phases.append(entry)
             self._open.append(entry)
             try:
@@ -64,9 +92,35 @@ class Timeline:
             finally:
                 _sync_cuda()
                 entry["end"] = time.time()
+                end = self._counters()
+                entry["io"] = {k: None if v is None or entry["io_start"].get(k) is None else v - entry["io_start"][k]
+                               for k, v in end.items()}
                 self._open.remove(entry)
         timed.__wrapped__ = fn
         return timed
+
+    def event(self, kind: str, fn: Callable) -> Callable:
+        """`fn` timed as one `kind` event of the innermost open phase."""
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start, phase = time.time(), self.innermost()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.events.append({"kind": kind, "seconds": time.time() - start, "phase": phase})
+        timed.__wrapped__ = fn
+        return timed
+
+    def keep(self, name: str, fn: Callable, what: Callable[[Any], Any]) -> Callable:
+        """`fn`, with `what(result)` kept under records[name]."""
+        def kept(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            try:
+                self.records[name] = what(result)
+            except Exception as err:  # a record is diagnostics only
+                self.records[name] = f"unavailable: {err}"
+            return result
+        kept.__wrapped__ = fn
+        return kept
 
     def innermost(self) -> str:
         return self._open[-1]["name"] if self._open else "other"
@@ -128,28 +182,44 @@ def child_main(out_path: Path, cli_args: list[str]) -> int:
     """Run the batchinfer CLI in this process with phase timers; write the timeline to `out_path`."""
     spawn = float(os.environ.get(SPAWN_ENV, _T0))
     timeline = Timeline()
-    imports_start = time.time()
+    imports_start, imports_io = time.time(), io_counters()
     import torch  # noqa: F401  (timed: the imports a run pays before any work)
     import triton
+
+    import triton.compiler.compiler as triton_compiler
+    import triton.runtime.build as triton_build
 
     import batchinfer.cli as cli
     import batchinfer.engine.cuda_graphs as cuda_graphs
     import batchinfer.engine.engine as engine_module
+    import batchinfer.engine.precompile as precompile
     import batchinfer.models.loader as loader
     import batchinfer.models.presets as presets
     import batchinfer.jobs.global_run as global_run
     import batchinfer.jobs.runner as runner
     imports_end = time.time()
+    timeline.phases.append({"name": "imports", "start": imports_start, "end": imports_end, "io": {
+        k: None if v is None or imports_io.get(k) is None else v - imports_io[k] for k, v in io_counters().items()}})
 
     triton.knobs.runtime.jit_cache_hook = timeline.before_compile
     triton.knobs.runtime.jit_post_compile_hook = timeline.after_compile
+    # The C compiler run for a launcher the cache lacks, and a kernel's first launch in a process.
+    triton_build._build = timeline.event("launcher_build", triton_build._build)
+    kernel_class = triton_compiler.CompiledKernel
+    kernel_class._init_handles = timeline.event("first_launch", kernel_class._init_handles)
     _patch(timeline, cli, "_prepare_all", "prepare_job")
     _patch(timeline, engine_module.Engine, "from_pretrained", "open_engine")
-    _patch(timeline, presets, "load_model", "build_model")
+    _patch(timeline, presets, "load_model", "build_model")  # a load before the engine (no overlap)
+    if hasattr(loader, "empty_model"):  # the weights load inside the engine, beside the compile
+        _patch(timeline, loader, "empty_model", "allocate_model")
     _patch(timeline, loader, "load_weights", "load_weights")
     _patch(timeline, engine_module.Engine, "__init__", "engine_init")
     _patch(timeline, cuda_graphs.DecodeGraphs, "capture_all", "capture_graphs")
-    if hasattr(engine_module.Engine, "_precompile"):  # the parallel up-front compile (absent: lazy compiles only)
+    if hasattr(engine_module.Engine, "_start_precompile"):  # trace + submit; the wait comes after the load
+        _patch(timeline, engine_module.Engine, "_start_precompile", "precompile")
+        finish = timeline.phase("compile_wait", precompile.PendingPrecompile.finish)
+        precompile.PendingPrecompile.finish = timeline.keep("precompile_report", finish, lambda r: dict(r.__dict__))
+    elif hasattr(engine_module.Engine, "_precompile"):  # trace and compile in one call
         _patch(timeline, engine_module.Engine, "_precompile", "precompile")
     _patch(timeline, runner, "plan_units", "plan")
     _patch(timeline, runner, "prepare_units", "prepare_units")
@@ -162,7 +232,8 @@ def child_main(out_path: Path, cli_args: list[str]) -> int:
     finally:
         end = time.time()
         result = {"spawn": spawn, "interpreter_ready": _T0, "imports": [imports_start, imports_end], "end": end,
-                  "phases": timeline.phases, "compiles": timeline.compiles, "exit_code": code}
+                  "phases": timeline.phases, "compiles": timeline.compiles, "events": timeline.events,
+                  "records": timeline.records, "exit_code": code}
         out_path.write_text(json.dumps(result, indent=1))
     return code
 
@@ -174,21 +245,36 @@ def shard_files(checkpoint: Path) -> list[Path]:
     return sorted(checkpoint.glob("*.safetensors"))
 
 
-def drop_from_page_cache(files: list[Path]) -> Optional[str]:
-    """fsync + POSIX_FADV_DONTNEED on each file; None when done, else why not."""
+def drop_from_page_cache(files: list[Path], sync: bool = True) -> Optional[str]:
+    """(fsync +) POSIX_FADV_DONTNEED on each file; None when done, else why not. Pages some
+    process has mapped and touched stay."""
     if not hasattr(os, "posix_fadvise"):
         return "os.posix_fadvise not available"
     try:
         for path in files:
             fd = os.open(path, os.O_RDONLY)
             try:
-                os.fsync(fd)  # dirty pages (a file just written) are not dropped
+                if sync:
+                    os.fsync(fd)  # dirty pages (a file just written) are not dropped
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
     except OSError as err:
         return f"posix_fadvise failed: {err}"
     return None
+
+
+def environment_files() -> list[Path]:
+    """Every regular file of this Python environment's packages (torch, triton, the CUDA
+    libraries' wheels, ...): what a fresh machine reads from disk on first use."""
+    import sysconfig
+
+    roots = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
+    files = []
+    for root in roots:
+        for folder, _, names in os.walk(root):
+            files.extend(p for p in (Path(folder) / n for n in names) if p.is_file() and not p.is_symlink())
+    return files
 
 
 def sequential_read_seconds(files: list[Path]) -> float:
@@ -343,19 +429,32 @@ def run_once(folder: Path, job_file: Path, label: str, triton_cache: Path) -> di
     return summarise(label, wall, timeline, stats)
 
 
-PHASES = ("prepare_job", "build_model", "load_weights", "engine_init", "precompile", "capture_graphs", "plan",
-          "prepare_units", "generate")
+PHASES = ("prepare_job", "allocate_model", "build_model", "engine_init", "precompile", "load_weights",
+          "compile_wait", "capture_graphs", "plan", "prepare_units", "generate")
+# Where a Triton compile is the precompile's own (a trace skips; the wait preloads from the cache).
+PRECOMPILE_PHASES = ("precompile", "compile_wait")
 
 
 def summarise(label: str, wall: float, timeline: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
     phases: dict[str, float] = {}
+    io: dict[str, dict[str, Optional[int]]] = {}
     for entry in timeline["phases"]:
         if entry["end"] is not None:
             phases[entry["name"]] = phases.get(entry["name"], 0.0) + entry["end"] - entry["start"]
+            for key, value in (entry.get("io") or {}).items():
+                seen = io.setdefault(entry["name"], {})
+                seen[key] = None if value is None or (key in seen and seen[key] is None) else seen.get(key, 0) + value
     compiles = timeline["compiles"]
     compile_by_phase: dict[str, list[float]] = {}
     for c in compiles:
         compile_by_phase.setdefault(c["phase"], []).append(c["seconds"])
+    events: dict[str, dict[str, dict[str, float]]] = {}
+    for e in timeline.get("events", []):
+        slot = events.setdefault(e["kind"], {}).setdefault(e["phase"], {"count": 0, "seconds": 0.0})
+        slot["count"] += 1
+        slot["seconds"] += e["seconds"]
+    has_precompile = any(p in phases for p in PRECOMPILE_PHASES)
+    lazy = [c for c in compiles if c["phase"] not in PRECOMPILE_PHASES] if has_precompile else compiles
     return {
         "run": label, "wall_seconds": wall,
         "process_start_seconds": timeline["interpreter_ready"] - timeline["spawn"],
@@ -363,6 +462,9 @@ def summarise(label: str, wall: float, timeline: dict[str, Any], stats: dict[str
         "phases_seconds": phases,
         "compile_count": len(compiles), "compile_seconds": sum(c["seconds"] for c in compiles),
         "compile_by_phase": {k: {"count": len(v), "seconds": sum(v)} for k, v in compile_by_phase.items()},
+        "lazy_compiles": len(lazy), "lazy_compile_seconds": sum(c["seconds"] for c in lazy),
+        "events_by_phase": events, "io_by_phase": io,
+        "precompile_report": (timeline.get("records") or {}).get("precompile_report"),
         "compiles": sorted(({k: c[k] for k in ("kernel", "constexprs", "repr", "seconds", "phase")} for c in compiles),
                            key=lambda c: -c["seconds"]),
         "job_wall_seconds": stats.get("wall_seconds"),
@@ -395,29 +497,61 @@ def print_compiles(run: dict[str, Any], top: int) -> None:
         print(f"    {len(secs):3d} × {sum(secs):6.2f} s  {name}")
 
 
+DIAGNOSED_PHASES = ("imports", "prepare_job", "allocate_model", "precompile", "load_weights", "compile_wait",
+                    "capture_graphs", "plan", "generate")
+
+
+def print_phase_diagnostics(runs: list[dict[str, Any]]) -> None:
+    """Per phase and run: Triton compiles, launcher builds (C compiler), first launches (module
+    loads), major page faults and MiB read by the process (each in the innermost open phase for
+    the events; the I/O counters include nested phases)."""
+    print(f"\n{'per phase':<16}{'run':>7}{'compiles':>14}{'launcher builds':>17}{'first launches':>17}"
+          f"{'major faults':>14}{'MiB read':>10}")
+
+    def cell(slot: Optional[dict]) -> str:
+        return "-" if not slot else f"{slot['count']}/{slot['seconds']:.2f}s"
+
+    for phase in DIAGNOSED_PHASES:
+        for r in runs:
+            events = r.get("events_by_phase", {})
+            io = r.get("io_by_phase", {}).get(phase, {})
+            compiles = r["compile_by_phase"].get(phase)
+            read = io.get("read_bytes")
+            print(f"{phase:<16}{r['run']:>7}{cell(compiles):>14}{cell(events.get('launcher_build', {}).get(phase)):>17}"
+                  f"{cell(events.get('first_launch', {}).get(phase)):>17}{io.get('major_faults', '-')!s:>14}"
+                  f"{'-' if read is None else f'{read / 2**20:.0f}':>10}")
+
+
 def print_table(runs: list[dict[str, Any]], load: Optional[dict[str, Any]]) -> None:
     print()
-    header = f"{'phase (s)':<34}" + "".join(f"{r['run']:>12}" for r in runs)
+    header = f"{'phase (s)':<40}" + "".join(f"{r['run']:>12}" for r in runs)
     print(header)
     print("-" * len(header))
 
     def row(name: str, values: list[Optional[float]]) -> None:
-        print(f"{name:<34}" + "".join(f"{'-' if v is None else f'{v:.2f}':>12}" for v in values))
+        print(f"{name:<40}" + "".join(f"{'-' if v is None else f'{v:.2f}':>12}" for v in values))
 
     row("process wall", [r["wall_seconds"] for r in runs])
     row("  interpreter start", [r["process_start_seconds"] for r in runs])
     row("  imports (torch, triton, batchinfer)", [r["imports_seconds"] for r in runs])
-    labels = {"prepare_job": "  prepare job (tokenise)", "build_model": "  build model", "load_weights":
-              "    of it load weights", "engine_init": "  engine init (pools, graphs)",
-              "precompile": "    of it trace + parallel compile", "capture_graphs":
-              "    of it CUDA-graph capture", "plan": "  plan", "prepare_units": "  prepare units",
-              "generate": "  generate"}
+    labels = {"prepare_job": "  prepare job (tokenise)", "allocate_model": "  allocate model (CUDA init)",
+              "build_model": "  build model (load before engine)", "engine_init": "  engine init",
+              "precompile": "    of it trace + submit compiles", "load_weights": "    of it load weights (compiling)",
+              "compile_wait": "    of it wait for compiles + preload", "capture_graphs": "    of it CUDA-graph capture",
+              "plan": "  plan", "prepare_units": "  prepare units", "generate": "  generate"}
     for phase in PHASES:
         row(labels[phase], [r["phases_seconds"].get(phase) for r in runs])
     row("Triton compiles or cache loads", [float(r["compile_count"]) for r in runs])
     row("  their seconds", [r["compile_seconds"] for r in runs])
-    for phase in ("precompile", "capture_graphs", "generate", "engine_init", "other"):
-        row(f"  of it in {phase}", [r["compile_by_phase"].get(phase, {}).get("seconds") for r in runs])
+    row("  lazy ones (after the precompile)", [float(r.get("lazy_compiles", 0)) for r in runs])
+    row("  their seconds", [r.get("lazy_compile_seconds") for r in runs])
+    for r in runs:
+        report = r.get("precompile_report")
+        if isinstance(report, dict):
+            print(f"precompile, run {r['run']}: {report['kernels']} kernels traced, {report['missing']} not cached, "
+                  f"{report['compiled']} compiled by {report['workers']} workers in {report['compile_seconds']:.1f} s "
+                  f"(wall), {report.get('wait_seconds', 0.0):.1f} s of it waited for after the load")
+    print_phase_diagnostics(runs)
     row("job wall (_stats.json)", [r["job_wall_seconds"] for r in runs])
     for name in ("load", "compile_and_capture", "plan"):
         row(f"  startup_seconds.{name}", [(r["stats"].get("startup_seconds") or {}).get(name) for r in runs])
@@ -447,6 +581,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--folder", type=Path, default=None, help="work folder (default: a temporary one, deleted)")
     parser.add_argument("--no-load", action="store_true", help="skip the checkpoint load measurement")
+    parser.add_argument("--cold-libraries", action="store_true",
+                        help="also drop the Python environment's files (torch, CUDA libraries) from the page cache "
+                             "before the first run, as on a fresh machine")
     parser.add_argument("--top", type=int, default=40, help="compiles listed for the first run")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
@@ -487,6 +624,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         triton_cache = Path(tempfile.mkdtemp(prefix="triton-cache-", dir=folder))  # empty: a fresh machine
         drop = drop_from_page_cache(shard_files(folder / "checkpoint"))
         print(f"page cache before the first run: {'dropped' if drop is None else drop}", flush=True)
+        if args.cold_libraries:
+            files = environment_files()
+            start = time.monotonic()
+            dropped = drop_from_page_cache(files, sync=False)
+            print(f"environment files ({len(files)}, {sum(p.stat().st_size for p in files) / 2**30:.1f} GiB): "
+                  f"{'dropped' if dropped is None else dropped} in {time.monotonic() - start:.1f} s", flush=True)
         runs = []
         for label in ("first", "second"):
             run = run_once(folder, job_file, label, triton_cache)

@@ -52,3 +52,40 @@ def test_device_drawn_checkpoint_loads(tmp_path):
     write_child_main(tmp_path / "ckpt", config_path, device="cpu")
     model = load_model(tmp_path / "ckpt", torch.float32)  # every tensor named, shaped and present
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_launcher_builds_first_launches_and_io_are_attributed_per_phase():
+    reads = iter(range(0, 10_000, 100))
+    timeline = Timeline(counters=lambda: {"major_faults": 2, "read_bytes": next(reads)})
+    build = timeline.event("launcher_build", lambda: None)
+    launch = timeline.event("first_launch", lambda: None)
+
+    def capture():
+        build()
+        launch()
+
+    timeline.phase("capture_graphs", capture)()
+    launch()
+    assert [(e["kind"], e["phase"]) for e in timeline.events] == [
+        ("launcher_build", "capture_graphs"), ("first_launch", "capture_graphs"), ("first_launch", "other")]
+    assert timeline.phases[0]["io"] == {"major_faults": 0, "read_bytes": 100}
+    kept = timeline.keep("report", lambda: {"workers": 3}, lambda r: r["workers"])
+    assert kept() == {"workers": 3} and timeline.records == {"report": 3}
+
+
+def test_summary_counts_lazy_compiles_outside_the_precompile():
+    compile_in = [("compile_wait", 1.0), ("precompile", 0.5), ("capture_graphs", 2.0), ("generate", 3.0)]
+    timeline = {"spawn": 0.0, "interpreter_ready": 0.5, "imports": [0.5, 2.0], "end": 10.0,
+                "phases": [{"name": "compile_wait", "start": 3.0, "end": 4.0, "io": {"major_faults": 5, "read_bytes": None}},
+                           {"name": "generate", "start": 5.0, "end": 6.0, "io": {"major_faults": 1, "read_bytes": 10}},
+                           {"name": "generate", "start": 7.0, "end": 8.0, "io": {"major_faults": 2, "read_bytes": 20}}],
+                "compiles": [{"kernel": k, "constexprs": {}, "repr": "", "seconds": s, "phase": k} for k, s in compile_in],
+                "events": [{"kind": "launcher_build", "seconds": 0.3, "phase": "generate"},
+                           {"kind": "launcher_build", "seconds": 0.2, "phase": "generate"}],
+                "records": {"precompile_report": {"workers": 15}}}
+    run = summarise("first", 10.0, timeline, {"wall_seconds": 9.0})
+    assert run["lazy_compiles"] == 2 and run["lazy_compile_seconds"] == 5.0
+    assert run["events_by_phase"] == {"launcher_build": {"generate": {"count": 2, "seconds": 0.5}}}
+    assert run["io_by_phase"]["generate"] == {"major_faults": 3, "read_bytes": 30}
+    assert run["io_by_phase"]["compile_wait"] == {"major_faults": 5, "read_bytes": None}
+    assert run["precompile_report"] == {"workers": 15}

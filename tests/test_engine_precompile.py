@@ -104,3 +104,119 @@ def test_an_unknown_triton_release_turns_the_precompile_off(monkeypatch):
     traced = []
     assert P.precompile(lambda: traced.append(1)) is None
     assert traced == []  # nothing traced: every kernel compiles at its first launch
+
+
+# The launcher stub (C, built with the system compiler) links libcuda: a stand-in with the
+# symbols it references lets it build and load on a machine without a GPU driver.
+FAKE_LIBCUDA = "".join(f"int {name}(void) {{ return 0; }}\n" for name in (
+    "cuCtxGetCurrent", "cuCtxSetCurrent", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuFuncSetAttribute",
+    "cuGetErrorString", "cuPointerGetAttribute"))
+
+LAUNCHER_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import triton.runtime.build as build
+    from triton.backends.nvidia.driver import CudaLauncher
+    from batchinfer.engine import precompile as P
+    from batchinfer.kernels.rmsnorm import rmsnorm
+
+    signature = {name: "*bf16" for name in ("x_ptr", "delta_ptr", "w_ptr", "sum_ptr", "out_ptr")}
+    signature.update({name: "i32" for name in ("stride_x", "stride_delta", "stride_sum", "stride_out", "N")})
+    signature.update(eps="fp32", BLOCK_N="constexpr")
+    data = json.dumps({"name": "add_rms_norm_kernel", "signature": signature, "constant_keys": [[11]],
+                       "constant_vals": [1024], "attrs_keys": [[i] for i in range(10)],
+                       "attrs_vals": [[["tt.divisibility", 16]]] * 10, "options": {"num_warps": 4}, "key": "k"})
+    spec = P.KernelSpecialisation("batchinfer.kernels.rmsnorm.rmsnorm", "add_rms_norm_kernel", "k", data)
+    target = ("cuda", 90, 32)
+    compiled = P.compile_all([spec], workers=1, target=target)
+    launchers = sorted(p.name for p in Path(sys.argv[1]).rglob("__triton_launcher*"))
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("the launcher was not in the cache: the C compiler was called")
+
+    build._build = no_compiler  # what the first launch in this process would do: a cache hit only
+    CudaLauncher(*(lambda k: (k.src, k.metadata))(P.compile_specialisation(spec, target)))
+    print(json.dumps({"compiled": compiled, "launchers": launchers}))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not P.supported_triton(), reason="the launcher build uses triton 3.6 internals")
+def test_workers_build_the_launcher_the_first_launch_would_build(tmp_path):
+    stub = tmp_path / "libcuda"
+    stub.mkdir()
+    (stub / "stub.c").write_text(FAKE_LIBCUDA)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(stub / "libcuda.so.1"), str(stub / "stub.c")], check=True)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+           "TRITON_LIBCUDA_PATH": str(stub),
+           "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(stub), os.environ.get("LD_LIBRARY_PATH")])),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", LAUNCHER_SCRIPT, str(tmp_path / "cache")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    assert result["compiled"] == 1
+    assert len(result["launchers"]) == 1  # built by the worker, found by this process's CudaLauncher
+
+
+def _fake_specs(n: int) -> list:
+    return [P.KernelSpecialisation("batchinfer.kernels.rmsnorm.rmsnorm", "add_rms_norm_kernel", f"k{i}", "{}")
+            for i in range(n)]
+
+
+def test_start_precompile_returns_while_the_compiles_run(monkeypatch):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    released = threading.Event()
+    events = []
+
+    def compile_in_worker(spec, target):  # blocks until the caller's own work (the load) is done
+        return (None, None) if released.wait(timeout=10) else ("TimeoutError: start waited for me", None)
+
+    monkeypatch.setattr(P, "supported_triton", lambda version=None: True)
+    monkeypatch.setattr(P, "trace_specialisations", lambda trace: _fake_specs(3))
+    monkeypatch.setattr(P, "current_target", lambda: ("cuda", 90, 32))
+    monkeypatch.setattr(P, "_cached_or_unknown", lambda spec, target: spec.key == "k0")
+    monkeypatch.setattr(P, "_compile_in_worker", compile_in_worker)
+    monkeypatch.setattr(P, "load_all", lambda specs: events.append(("load_all", [s.key for s in specs])))
+    monkeypatch.setenv("BATCHINFER_PRECOMPILE", "4")
+    pending = P.start_precompile(lambda: None, executor=ThreadPoolExecutor(2))
+    assert pending.compiling and pending.missing == 2 and pending.workers == 2
+    events.append("caller's work")
+    released.set()
+    report = pending.finish()
+    assert events == ["caller's work", ("load_all", ["k0", "k1", "k2"])]  # every traced one, cached or not
+    assert (report.kernels, report.missing, report.compiled) == (3, 2, 2)
+    assert report.wait_seconds <= report.compile_seconds + 1e-3
+    assert pending.finish() is report  # once
+
+
+def test_worker_count_leaves_spare_cpus(monkeypatch):
+    monkeypatch.delenv("BATCHINFER_PRECOMPILE", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert worker_count(100) == 16 and worker_count(100, spare_cpus=1) == 15
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert worker_count(100, spare_cpus=1) == 1  # never none by default
+    monkeypatch.setenv("BATCHINFER_PRECOMPILE", "16")
+    assert worker_count(100, spare_cpus=1) == 16  # an explicit count is taken as it is
+
+
+def test_cancel_ends_the_worker_processes(tmp_path, monkeypatch):
+    """A start-up that fails while the workers compile (a bad checkpoint) does not wait for them:
+    here each compile hangs (its kernel module sleeps when a worker imports it)."""
+    import time
+
+    (tmp_path / "hanging_kernel.py").write_text(
+        "import multiprocessing, time\nif multiprocessing.parent_process() is not None:\n    time.sleep(120)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get this process's sys.path
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    specs = [P.KernelSpecialisation("hanging_kernel", "kernel", f"k{i}", "{}") for i in range(2)]
+    jobs = P.CompileJobs(specs, workers=2, target=("cuda", 90, 32))
+    workers = list(jobs._pool._processes.values())
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    start = time.monotonic()
+    jobs.cancel()
+    for worker in workers:
+        worker.join(timeout=20)
+    assert not any(w.is_alive() for w in workers) and time.monotonic() - start < 20

@@ -30,22 +30,23 @@ SCRIPT = textwrap.dedent("""
 
     triton.knobs.runtime.jit_post_compile_hook = count
     config = EngineConfig(device="cuda", dtype="float32", max_running=16, memory_budget_bytes=64 << 20)
-    engine = Engine.from_pretrained("tiny", config, seed=1)
+    model = sys.argv[1]  # a preset (random weights) or a checkpoint (loaded while the kernels compile)
+    engine = Engine.from_pretrained(model, config, seed=1)
     report = engine.precompile_report
     phase[0] = "generate"
     requests = requests_for(shared_prefix_prompts(seed=2), SamplingParams(max_tokens=24, ignore_eos=True))
     tokens = {f"{o.request_id}/{o.sample_index}": list(o.token_ids) for o in engine.generate(requests)}
-    again = Engine.from_pretrained("tiny", config, seed=1).precompile_report  # in-memory: nothing traced
+    again = Engine.from_pretrained(model, config, seed=1).precompile_report  # in-memory: nothing traced
     print(json.dumps({"report": None if report is None else report.__dict__, "lazy": lazy, "tokens": tokens,
                       "again": None if again is None else again.__dict__}))
 """)
 
 
-def _run(tmp_path: Path, workers: str, cache: str) -> dict:
+def _run(tmp_path: Path, workers: str, cache: str, model: str = "tiny") -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / cache),
            "BATCHINFER_PRECOMPILE": workers,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", SCRIPT, model], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -63,6 +64,20 @@ def test_precompile_covers_graph_capture_and_keeps_tokens(tmp_path):
     lazy = _run(tmp_path, "0", "lazy-cache")
     assert lazy["report"] is None
     assert fresh["tokens"] == lazy["tokens"] == warm["tokens"]
+
+
+def test_checkpoint_loaded_during_the_compile_keeps_tokens(tmp_path):
+    import torch
+
+    from batchinfer.models.checkpoint_writer import write_random_checkpoint
+    from batchinfer.models.presets import PRESETS
+
+    checkpoint = str(write_random_checkpoint(tmp_path / "ckpt", PRESETS["tiny"], seed=1, dtype=torch.float32))
+    overlapped = _run(tmp_path, "4", "cache", checkpoint)
+    assert overlapped["report"]["compiled"] == overlapped["report"]["kernels"] > 0
+    assert overlapped["lazy"]["init"] == 0, overlapped["lazy"]
+    lazy = _run(tmp_path, "0", "lazy-cache", checkpoint)
+    assert overlapped["tokens"] == lazy["tokens"]
 
 
 def test_warmup_command_fills_the_cache_for_the_run(tmp_path):

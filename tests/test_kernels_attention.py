@@ -104,15 +104,39 @@ def test_triton_prefill_matches_reference(case):
     torch.testing.assert_close(out, expected, **TOL)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 40])
 def test_triton_decode_matches_reference(num_splits):
-    """Splits that are uneven, and (8 splits of a 1-token context) empty."""
+    """Splits that are uneven, and (8 splits of a 1-token context) empty; 40: more splits than
+    one merge block holds (the second block all empty)."""
     batch = make_batch([65, 1, 64, 130], [1, 1, 1, 1], heads=6, kv_heads=2, seed=num_splits, device=DEVICE)
     args = (batch.k_cache, batch.v_cache, batch.kv_indices, batch.kv_indptr, batch.scale)
     expected = ref_attention.attention_decode(batch.q, *args)
     out = triton_attention.attention_decode(batch.q, *args, out=torch.full_like(batch.q, float("nan")),
                                             num_splits=num_splits, block_n=16)
     torch.testing.assert_close(out, expected, **TOL)
+
+
+@pytest.mark.parametrize("num_splits, live", [(40, [33, 39]), (70, [0, 65, 69]), (5, [4])])
+def test_decode_merge_folds_blocks_of_splits(num_splits, live):
+    """The merge walks the splits in blocks of MERGE_BLOCK_S: blocks with no live split (lse
+    -inf, parts NaN) before and after the live ones carry no weight."""
+    from batchinfer.kernels.attention import attention as attention_module
+
+    gen = torch.Generator().manual_seed(num_splits)
+    B, H, d = 2, 3, 16
+    part_o = torch.full((B, H, num_splits, d), float("nan"))
+    part_lse = torch.full((B, H, num_splits), float("-inf"))
+    part_o[:, :, live] = torch.randn(B, H, len(live), d, generator=gen)
+    part_lse[:, :, live] = torch.randn(B, H, len(live), generator=gen) * 3
+    weight = torch.softmax(part_lse[:, :, live], dim=-1)  # [B, H, live]
+    expected = (part_o[:, :, live] * weight[..., None]).sum(2)
+    part_o, part_lse = part_o.to(DEVICE), part_lse.to(DEVICE)
+    out = torch.full((B, H, d), float("nan"), device=DEVICE)
+    attention_module._attn_decode_merge_kernel[(B, H)](
+        part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
+        part_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=d, BLOCK_S=attention_module.MERGE_BLOCK_S,
+        BLOCK_D=d, LOOP_AS_WHILE=attention_module.LOOP_AS_WHILE)
+    torch.testing.assert_close(out.cpu(), expected, **TOL)
 
 
 @pytest.mark.parametrize("impl", [ref_attention, triton_attention], ids=["ref", "triton"])

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from dataclasses import replace
-from typing import Iterable, Iterator, Optional, Sequence as Seq
+from typing import Callable, Iterable, Iterator, Optional, Sequence as Seq
 
 import numpy as np
 import torch
@@ -73,13 +73,18 @@ def _windows(requests: Iterable[Request], size: Optional[int]) -> Iterator[list[
 
 class Engine:
     def __init__(self, model, config: EngineConfig, *, eos_token_ids: Seq[int] = (),
-                 detokenize: Optional[Detokenize] = None, model_name: str = "") -> None:
-        """`model` is a built `HybridModel` on config's device (see `from_pretrained`)."""
+                 detokenize: Optional[Detokenize] = None, model_name: str = "",
+                 load_weights: Optional[Callable[[], None]] = None) -> None:
+        """`model` is a built `HybridModel` on config's device (see `from_pretrained`). With
+        `load_weights` its parameters are only allocated: the engine calls it to fill them while
+        the Triton kernels compile in worker processes (the trace needs only shapes)."""
         self.config = config
         self.model = model
         self.model_name = model_name
         self.device = config.resolved_device()
-        # Seconds per startup phase: load (from_pretrained adds it), compile_and_capture.
+        # Seconds per startup phase, additive: load (the weight load's wall time, kernels
+        # compiling meanwhile; from_pretrained adds the allocation), compile_and_capture (the
+        # trace, the compile time left after the load, the graph capture).
         self.startup_seconds: dict[str, float] = {"load": 0.0, "compile_and_capture": 0.0}
         model_config = model.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -101,7 +106,8 @@ class Engine:
         kv_pool, state_pool = build_pools(self.pool_plan, kv_shape, state_shape, self.device)
         self.cache = StateCache(kv_pool, state_pool, cache_config)
         caches = ModelCaches.from_pools(kv_pool, state_pool)
-        self.precompile_report = self._precompile(caches, kv_pool, state_pool)  # before the graphs compile one by one
+        # Before the graphs, which would compile the kernels one by one at their first launch.
+        self.precompile_report = self._load_and_compile(caches, kv_pool, state_pool, load_weights)
         self.runner = ModelRunner(model, caches, self.device, replay=config.replayssm,
                                   decode_graphs=self._decode_graphs(caches, kv_pool, state_pool))
         self.tally = StatsTally()
@@ -123,30 +129,68 @@ class Engine:
         """A checkpoint directory or a preset name (random weights drawn from `seed`).
 
         EOS: `eos_token_ids`, or when empty the checkpoint config's `eos_token_id`."""
-        from batchinfer.models.presets import build_model
+        from batchinfer.models.loader import empty_model, load_weights
+        from batchinfer.models.presets import PRESETS, build_model
 
         loaded: dict[str, float] = {}
-        with phase("loading weights", loaded, "load"):
-            built = build_model(model, config.resolved_dtype(), config.resolved_device(), seed=seed)
-            if config.resolved_device().type == "cuda":
-                torch.cuda.synchronize()  # the copies to the device are part of the load
-        engine = cls(built, config, eos_token_ids=eos_token_ids, detokenize=detokenize, model_name=str(model))
-        engine.startup_seconds["load"] = loaded["load"]
+        device = config.resolved_device()
+        if str(model) in PRESETS:  # random weights: drawn before the engine (nothing to overlap)
+            with phase("loading weights", loaded, "load"):
+                built = build_model(model, config.resolved_dtype(), device, seed=seed)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            fill = None
+        else:  # the weights load inside the engine, while its kernels compile
+            with phase("allocating the model", loaded, "load"):  # on CUDA also the device's initialisation
+                built = empty_model(model, config.resolved_dtype(), device)
+
+            def fill() -> None:
+                load_weights(built, model)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # the copies to the device are part of the load
+
+        engine = cls(built, config, eos_token_ids=eos_token_ids, detokenize=detokenize, model_name=str(model),
+                     load_weights=fill)
+        engine.startup_seconds["load"] += loaded["load"]
         return engine
 
-    def _precompile(self, caches, kv_pool, state_pool):
-        """Every Triton kernel the steps will launch, compiled in parallel processes (CUDA only)."""
+    def _load_and_compile(self, caches, kv_pool, state_pool, load_weights: Optional[Callable[[], None]]):
+        """Trace the steps' Triton kernels and start compiling them in worker processes (CUDA
+        only), load the weights meanwhile (`load_weights`, when given), then wait for the
+        compiles and load them into this process. → the PrecompileReport (None: no precompile)."""
+        # One CPU is left to the weight load that runs beside the compiles.
+        pending = self._start_precompile(caches, kv_pool, state_pool, spare_cpus=int(load_weights is not None))
+        try:
+            if load_weights is not None:
+                compiling = pending is not None and pending.compiling
+                label = f"loading weights (and compiling {pending.missing} kernels in parallel)" if compiling \
+                    else "loading weights"
+                with phase(label, self.startup_seconds, "load"):
+                    load_weights()
+        except BaseException:
+            if pending is not None:
+                pending.cancel()
+            raise
+        if pending is None:
+            return None
+        with phase("compiling kernels", self.startup_seconds, "compile_and_capture"):
+            return pending.finish()
+
+    def _start_precompile(self, caches, kv_pool, state_pool, spare_cpus: int = 0):
+        """The trace of every Triton kernel the steps will launch, their compiles submitted to
+        worker processes (CUDA only; None otherwise or when turned off); `spare_cpus` are left
+        to the caller's work meanwhile."""
         if self.device.type != "cuda":
             return None
-        from batchinfer.engine.precompile import StepShapes, engine_trace, precompile
+        from batchinfer.engine.precompile import StepShapes, engine_trace, start_precompile
 
         shapes = StepShapes(decode_buckets=bucket_sizes(self.pool_plan.max_running),
                             graph_ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP), decode_hint=True,
                             max_batch_tokens=self.config.max_batch_tokens, max_running=self.pool_plan.max_running,
                             max_model_len=self.max_model_len, replay=self.config.replayssm)
-        with phase("compiling kernels", self.startup_seconds, "compile_and_capture"):
-            return precompile(engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot,
-                                           self.device))
+        with phase("tracing kernels", self.startup_seconds, "compile_and_capture"):
+            return start_precompile(engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot,
+                                                 self.device), spare_cpus=spare_cpus)
 
     def _decode_graphs(self, caches, kv_pool, state_pool) -> Optional[DecodeGraphs]:
         if not (self.config.cuda_graphs and self.device.type == "cuda"):

@@ -45,10 +45,17 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     """Config + weights of a checkpoint directory → a ready `HybridModel` on `device`.
 
     `fp8`: keep an FP8 checkpoint's projections FP8 (default: on CUDA only); False dequantizes."""
-    config = load_model_config(path)
-    model = HybridModel(config, dtype, device, _fp8_params(path, config, torch.device(device), fp8))
+    model = empty_model(path, dtype, device, fp8)
     load_weights(model, path)
     return model
+
+
+def empty_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str = "cpu", fp8: bool | None = None) -> HybridModel:
+    """The checkpoint's `HybridModel` with its parameters allocated but not filled (`load_weights`
+    fills them): what runs on shapes alone (the kernel trace) can start before the weights load."""
+    config = load_model_config(path)
+    return HybridModel(config, dtype, device, _fp8_params(path, config, torch.device(device), fp8))
 
 
 def _fp8_params(path: str | Path, config, device: torch.device, fp8: bool | None) -> frozenset[str] | None:

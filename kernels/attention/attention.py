@@ -58,7 +58,11 @@ def store_kv(k, v, k_cache, v_cache, out_slots) -> None:
                            ROW=row, BLOCK=min(1024, triton.next_power_of_2(row)))
 
 
-@triton.jit
+# Runtime ints that vary with the batch or the split count (the CUDA-graph buckets) are not
+# specialised: one compiled variant serves every bucket (triton otherwise compiles one per class
+# of each: 1, a multiple of 16, other). None of them addresses memory whose alignment matters:
+# the lse strides (heads × splits, splits) step one fp32 per program.
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "batch", "num_splits"])
 def _attn_decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_indptr_ptr, shared_ptr, part_o_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh,
@@ -101,23 +105,51 @@ def _attn_decode_split_kernel(
 
 
 @triton.jit
+def _merge_block(part_o_ptr, part_lse_ptr, seq, head, s0, num_splits, m, w, acc,
+                 stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, offs_d, mask_d, BLOCK_S: tl.constexpr):
+    """Fold splits [s0, s0 + BLOCK_S) into the running (max m, weight sum w, weighted sum acc [BD])."""
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    mask_s = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    m_new = tl.maximum(m, tl.max(lse, 0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: every weight below is 0
+    weight = tl.exp(lse - m_ref)  # [BS]; empty splits get 0
+    parts = tl.load(part_o_ptr + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                    mask=(mask_s & (lse > float("-inf")))[:, None] & mask_d[None, :], other=0.0)  # [BS, BD]
+    rescale = tl.exp(m - m_ref)
+    return m_new, w * rescale + tl.sum(weight, 0), acc * rescale + tl.sum(parts * weight[:, None], 0)
+
+
+# BLOCK_S is fixed (not the split count's power of two) so every bucket shares one variant;
+# more splits take more blocks. 32: a [32, 256] fp32 tile stays in registers at 4 warps (128
+# would spill), and the split counts of large batches (the graph buckets) fit one block.
+MERGE_BLOCK_S = 32
+
+
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "num_splits"])
 def _attn_decode_merge_kernel(
     part_o_ptr, part_lse_ptr, o_ptr,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_splits
     mask_d = offs_d < D
-    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    weight = tl.exp(lse - tl.max(lse, 0))  # [BS]; empty splits get 0
-    parts = tl.load(part_o_ptr + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                    mask=(mask_s & (lse > float("-inf")))[:, None] & mask_d[None, :], other=0.0)  # [BS, BD]
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
+    m = tl.full((), float("-inf"), tl.float32)
+    w = tl.zeros((), tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    if LOOP_AS_WHILE:  # the interpreter: no runtime-bounded `for`
+        s0 = 0
+        while s0 < num_splits:
+            m, w, acc = _merge_block(part_o_ptr, part_lse_ptr, seq, head, s0, num_splits, m, w, acc,
+                                     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, offs_d, mask_d, BLOCK_S)
+            s0 += BLOCK_S
+    else:
+        for s0 in range(0, num_splits, BLOCK_S):
+            m, w, acc = _merge_block(part_o_ptr, part_lse_ptr, seq, head, s0, num_splits, m, w, acc,
+                                     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, offs_d, mask_d, BLOCK_S)
+    tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, (acc / w).to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -180,7 +212,7 @@ def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, share
         part_o, part_lse, o,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         o.stride(0), o.stride(1),
-        splits + shared_splits, D=d, BLOCK_S=triton.next_power_of_2(splits + shared_splits), BLOCK_D=block_d,
+        splits + shared_splits, D=d, BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d, LOOP_AS_WHILE=LOOP_AS_WHILE,
     )
     return o
 

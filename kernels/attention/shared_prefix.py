@@ -142,7 +142,9 @@ def block_shared_len(shared_ptr, kv_indptr_ptr, block, batch, ROWS: tl.constexpr
     return tl.where(n_rows > 1, tl.maximum(shared, 0), 0).to(tl.int32)
 
 
-@triton.jit
+# The batch- and split-dependent runtime ints are not specialised: one variant for every graph
+# bucket (as the decode split kernel, kernels/attention/attention.py).
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "batch", "num_splits", "first_split"])
 def _shared_prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_indptr_ptr, shared_ptr, part_o_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh,

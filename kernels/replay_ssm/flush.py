@@ -10,7 +10,8 @@ from batchinfer.kernels.replay_ssm.fold import _fold_tile, _fold_tile_sizes, _la
 from batchinfer.kernels.replay_ssm.launch import DEFAULT_STEP_LAUNCH, StepLaunch, ring_block
 
 
-@triton.jit
+# num_seqs (the batch) is not specialised: the graph buckets of one BLOCK_B share a variant.
+@triton.jit(do_not_specialize=["num_seqs"])
 def replay_flush_kernel(
     ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, cursor_ptr, slots_ptr, num_seqs,
     stride_cs, stride_ch, stride_ck,
