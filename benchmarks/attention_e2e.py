@@ -32,12 +32,14 @@ def parse_workload(text: str) -> tuple[int, int]:
     return int(count), int(length)
 
 
-def prefill_rate(model, policy: apb.PrefillPolicy, count: int, length: int, device: str, seed: int) -> dict:
-    """Prompt tokens per second of `count` random prompts of `length` tokens under `policy`."""
+def prefill_rate(model, policy: apb.PrefillPolicy, count: int, length: int, device: str, seed: int,
+                 engine_kwargs: dict | None = None) -> dict:
+    """Prompt tokens per second of `count` random prompts of `length` tokens under `policy`
+    (`engine_kwargs`: further EngineConfig fields, e.g. track_interval)."""
     vocab = model.config.vocab_size
     rng = random.Random(seed)
     config = EngineConfig(device=device, max_batch_tokens=STEP_TOKENS, cuda_graphs=False,
-                          max_model_len=max(length + 16, 4096))
+                          max_model_len=max(length + 16, 4096), **(engine_kwargs or {}))
     engine = Engine(model, config, model_name="qwen3.5-27b")
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     warm = [Request("warm", tuple(rng.randrange(vocab) for _ in range(length)), one)]  # every chunk shape once

@@ -255,7 +255,23 @@ def fp8_gemm_builder(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> Ca
     x = torch.randn(gemm.m, gemm.k, dtype=dtype, device=device)  # [m, k]
     q, scale_inv = block_quantize(torch.randn(fp8_rows, gemm.k, device=device))  # e4m3 [n', k]
     rest = matmul_gemm(replace(gemm, n=gemm.n % 128), dtype, device) if gemm.n % 128 else None
-    return lambda: (fp8_gemm(x, q, scale_inv), rest() if rest else None)
+    op = lambda: (fp8_gemm(x, q, scale_inv), rest() if rest else None)
+    return graphed(op) if device.type == "cuda" else op
+
+
+def graphed(op: Callable[[], object]) -> Callable[[], object]:
+    """`op` as one CUDA-graph replay, as decode steps run it: an op of several small kernels
+    (the FP8 GEMM's activation quant, then the GEMM) timed eagerly would time its launches."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            op()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op()
+    return graph.replay
 
 
 @dataclass

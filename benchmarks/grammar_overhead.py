@@ -24,6 +24,7 @@ this approximates a real 248k vocabulary; with a real checkpoint's tokenizer the
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import statistics
@@ -117,8 +118,12 @@ def run_arm(engine: Engine, timer: PhaseTimer, requests, batch: int) -> tuple[fl
     timer.steps.clear()
     outputs = list(engine.generate(requests))
     steps = [s["total"] for s in timer.steps if not s.get("prefill_seqs") and s.get("decode_batch") == batch]
-    early = sum(o.completion_tokens < requests[0].sampling.max_tokens for o in outputs)
-    return (1e3 * statistics.median(steps) if steps else float("nan")), len(steps), early
+    stopped = [o for o in outputs if o.completion_tokens < requests[0].sampling.max_tokens]
+    if stopped:  # with minItems 64 nothing may stop before 64 tokens: say how they stopped
+        reasons = collections.Counter((o.finish_reason, (o.error or "")[:120]) for o in stopped)
+        print(f"  stopped early: {dict(reasons)}; first: {stopped[0].completion_tokens} tokens "
+              f"{list(stopped[0].token_ids)[-8:]}", flush=True)
+    return (1e3 * statistics.median(steps) if steps else float("nan")), len(steps), len(stopped)
 
 
 def main() -> None:

@@ -19,19 +19,22 @@ import time
 from types import SimpleNamespace
 
 from benchmarks.attention_e2e import STEP_TOKENS, gemm_floor, label, parse_workload, prefill_rate
-from benchmarks.engine_arms import Workload, _free, build_model, run_arm
+from benchmarks.engine_arms import ARMS, Workload, _free, build_model, run_arm
 from batchinfer.kernels.attention import prefill_backends as apb
 
 
 def generation_row(model, policy: apb.PrefillPolicy, count: int, length: int, output: int, device: str,
-                   preset: str) -> dict:
+                   preset: str, track_interval: int) -> dict:
     prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
     args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=count,
                            max_batch_tokens=STEP_TOKENS, budget_bytes=None, preset=preset, floor=False)
+    arm = f"replay+extra_buffer+track{track_interval}"
+    ARMS.setdefault(arm, {**ARMS["replay+extra_buffer"], "track_interval": track_interval})
     with apb.prefill_policy(policy):
-        row = run_arm(model, "replay+extra_buffer", prompts, output, args)
+        row = run_arm(model, arm, prompts, output, args)
     total = row["prompt_tps"] * row["wall_s"] + row["output_tps"] * row["wall_s"]
-    return {"workload": f"{count}x{length} → {output}", "policy": label(policy), "wall_s": row["wall_s"],
+    return {"workload": f"{count}x{length} → {output}", "policy": f"{label(policy)}, track {track_interval}",
+            "wall_s": row["wall_s"],
             "total_tps": total / row["wall_s"], "prompt_tps": row["prompt_tps"], "output_tps": row["output_tps"],
             "decode_ms": row.get("decode_ms"), "peak_gib": row["peak_gib"]}
 
@@ -44,6 +47,8 @@ def main(argv=None) -> None:
     p.add_argument("--min-run", type=int, default=1024)
     p.add_argument("--prefill", default="16x8192,2x32768", help="prompts x tokens, comma-separated")
     p.add_argument("--gen", default="48x8192x1024", help="prompts x tokens x output tokens ('' to skip)")
+    p.add_argument("--track-intervals", default="256",
+                   help="engine track_interval values (a prefill chunk ends at each multiple inside the prompt)")
     p.add_argument("--gemm-reps", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true", help="CPU smoke: tiny preset, short prompts")
@@ -57,18 +62,24 @@ def main(argv=None) -> None:
     print(f"{preset}, {raw['num_hidden_layers']} layers, built in {time.perf_counter() - start:.1f} s", flush=True)
     policies = [apb.PrefillPolicy(name, min_run=args.min_run) for name in args.policies.split(",")]
     rows = []
+    intervals = [int(v) for v in args.track_intervals.split(",")]
     for count, length in (parse_workload(w) for w in args.prefill.split(",") if w):
-        for policy in policies:
-            rows.append(prefill_rate(model, policy, count, length, device, seed=len(rows)))
-            print(f"{rows[-1]['workload']:<10} {rows[-1]['policy']:<28} {rows[-1]['prefill_tps']:10,.0f} tok/s", flush=True)
+        for interval in intervals:
+            for policy in policies:
+                row = prefill_rate(model, policy, count, length, device, seed=len(rows),
+                                   engine_kwargs={"track_interval": interval})
+                rows.append({**row, "policy": f"{row['policy']}, track {interval}", "_policy": policy,
+                             "_interval": interval})
+                print(f"{rows[-1]['workload']:<10} {rows[-1]['policy']:<40} {rows[-1]['prefill_tps']:10,.0f} tok/s",
+                      flush=True)
     gen_rows = []
     if args.gen:
         count, length, output = (int(v) for v in args.gen.lower().split("x"))
         at_8k = [r for r in rows if r["workload"].endswith("x8192")] or rows
-        best = max(at_8k, key=lambda r: r["prefill_tps"])["policy"] if at_8k else label(policies[0])
-        policy = next(p for p in policies if label(p) == best)
-        gen_rows.append(generation_row(model, policy, count, length, output, device, preset))
-        print(f"{gen_rows[-1]['workload']:<18} {gen_rows[-1]['policy']:<28} {gen_rows[-1]['total_tps']:10,.0f} total tok/s",
+        best = max(at_8k, key=lambda r: r["prefill_tps"]) if at_8k else {"_policy": policies[0], "_interval": intervals[0]}
+        gen_rows.append(generation_row(model, best["_policy"], count, length, output, device, preset,
+                                       best["_interval"]))
+        print(f"{gen_rows[-1]['workload']:<18} {gen_rows[-1]['policy']:<40} {gen_rows[-1]['total_tps']:10,.0f} total tok/s",
               flush=True)
     gemms = gemm_floor(model, device, 256 if args.quick else STEP_TOKENS, args.gemm_reps)
     floor = sum(g["total_ms"] for g in gemms)
@@ -77,17 +88,17 @@ def main(argv=None) -> None:
     print()
     print(f"{preset}, {raw['num_hidden_layers']} layers; prefill tok/s = prompt tokens / wall; "
           f"GEMM floor of one {STEP_TOKENS}-token step {floor:.1f} ms (cuBLAS, summed)")
-    print(f"{'workload':<12} {'attention policy':<28} {'prefill tok/s':>14} {'ms/8k-step':>11} {'x GEMM floor':>13}")
+    print(f"{'workload':<12} {'attention policy, track_interval':<40} {'prefill tok/s':>14} {'ms/8k-step':>11} {'x GEMM floor':>13}")
     for r in rows:
-        print(f"{r['workload']:<12} {r['policy']:<28} {r['prefill_tps']:14,.0f} {r['step_ms']:11.1f} "
+        print(f"{r['workload']:<12} {r['policy']:<40} {r['prefill_tps']:14,.0f} {r['step_ms']:11.1f} "
               f"{r['step_ms'] / floor:13.2f}")
     for r in gen_rows:
-        print(f"{r['workload']:<18} {r['policy']:<28} total {r['total_tps']:,.0f} tok/s (prompt {r['prompt_tps']:,.0f}, "
+        print(f"{r['workload']:<18} {r['policy']:<40} total {r['total_tps']:,.0f} tok/s (prompt {r['prompt_tps']:,.0f}, "
               f"output {r['output_tps']:,.0f}), wall {r['wall_s']:.1f} s, decode {r['decode_ms'] or float('nan'):.1f} "
               f"ms/step, peak {r['peak_gib']:.1f} GiB")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"prefill": rows, "generate": gen_rows, "gemms": gemms, "gemm_floor_ms": floor}, f, indent=2)
+            json.dump({"prefill": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], "generate": gen_rows, "gemms": gemms, "gemm_floor_ms": floor}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from batchinfer.engine.sampler import SampleRow, SamplingTensors, _mix32, _mix32_int, _mul32, sample, uniform_noise
+from batchinfer.engine.sampler import (SampleRow, SamplingTensors, _gumbel_argmax, _mix32, _mix32_int, _mul32, sample,
+                                      uniform_noise, unit_interval)
 from batchinfer.engine.types import SamplingParams
 
 transformers_generation = pytest.importorskip("transformers.generation.logits_process")
@@ -47,6 +48,29 @@ def test_uniform_noise_is_inside_the_unit_interval_and_flat():
     histogram = torch.histc(u, bins=10, min=0, max=1) / u.numel()
     assert float((histogram - 0.1).abs().max()) < 0.01
     assert not torch.equal(u[0], u[1])
+
+
+def test_the_top_hash_value_stays_below_one():
+    """(2^24 - 1 + 0.5) / 2^24 rounds to 1.0 in fp32: its Gumbel noise would be +inf, and a
+    masked (-inf) logit plus +inf is NaN, which argmax picks — at a 248k vocabulary about one
+    sampled token in 70 was a uniformly random one, grammar masks ignored."""
+    u = unit_interval(torch.tensor([0, 1, 2**24 - 2, 2**24 - 1]))
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    noise = -torch.log(-torch.log(u))
+    assert torch.isfinite(noise).all()
+    assert torch.equal(u[:3], (torch.tensor([0.0, 1.0, 2**24 - 2.0]) + 0.5) / 2**24)  # the rest unchanged
+
+
+def test_a_masked_token_is_never_drawn_even_at_the_noise_maximum(monkeypatch):
+    import batchinfer.engine.sampler as S
+
+    vocab = 1000
+    logits = torch.full((2, vocab), float("-inf"))
+    logits[:, 7] = 0.0  # the grammar allows one token
+    top = torch.full((2, vocab), 2**24 - 2, dtype=torch.int64)
+    top[:, 500] = 2**24 - 1  # the hash's top value on a masked token
+    monkeypatch.setattr(S, "uniform_noise", lambda keys, v: unit_interval(top[:len(keys), :v]))
+    assert _gumbel_argmax(logits, torch.zeros(2, 2, dtype=torch.int64)).tolist() == [7, 7]
 
 
 def test_greedy_is_argmax_and_respects_banned_tokens():

@@ -224,6 +224,10 @@ class CompileJobs:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for worker in workers:
             worker.terminate()
+        for worker in workers:  # a worker caught where SIGTERM is held off is killed
+            worker.join(timeout=2)
+            if worker.is_alive():
+                worker.kill()
 
     def wait(self) -> int:
         compiled = 0

@@ -92,8 +92,18 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     token_ids = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     h = _mix32(keys[:, :1] ^ token_ids)          # [N, V]
     h = _mix32(h ^ keys[:, 1:])
-    # The top 24 bits fit an fp32 mantissa exactly; the +0.5 keeps u strictly inside (0, 1).
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(h >> 8)
+
+
+# The largest fp32 below 1: (2^24 - 1 + 0.5) / 2^24 rounds up to 1.0 in fp32, where the noise
+# -log(-log(u)) is +inf and a -inf (masked) logit plus it is NaN, which argmax picks.
+_BELOW_ONE = 1.0 - 2.0 ** -24
+
+
+def unit_interval(bits24: torch.Tensor) -> torch.Tensor:
+    """24-bit integers [0, 2^24) → fp32 u strictly inside (0, 1): (b + 0.5) / 2^24, the top one
+    kept below 1."""
+    return (((bits24.to(torch.float32) + 0.5) * (1.0 / (1 << 24)))).clamp_(max=_BELOW_ONE)
 
 
 @dataclass(frozen=True)
