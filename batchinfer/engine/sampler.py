@@ -255,12 +255,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tenso
     """The raw distribution's logprobs for `rows` (the rows that ask), packed for one download:
     logits [N, V], drawn tokens [N], rows [R] → [R, 1 + 2k] fp32: the drawn token's logprob,
     the top-k logprobs, then the top-k ids as int32 bit patterns (exact for any vocabulary)."""
-    logp = logits[rows].float().log_softmax(dim=1)                  # [R, V]
-    chosen = logp.gather(1, tokens[rows][:, None])                  # [R, 1]
+    # logit - logsumexp instead of a materialised log_softmax: two reads of the [R, V] logits
+    # (logsumexp, top-k) and no [R, V] write; no row gather when every row asks.
+    picked = logits if rows.numel() == logits.shape[0] else logits[rows]   # [R, V]
+    picked_tokens = tokens if rows.numel() == logits.shape[0] else tokens[rows]
+    lse = torch.logsumexp(picked.float(), dim=1, keepdim=True)     # [R, 1]
+    chosen = picked.gather(1, picked_tokens[:, None]).float() - lse  # [R, 1]
     if k == 0:
         return chosen
-    top = logp.topk(k, dim=1)
-    return torch.cat([chosen, top.values, top.indices.to(torch.int32).view(torch.float32)], dim=1)
+    top = picked.topk(k, dim=1)
+    return torch.cat([chosen, top.values.float() - lse, top.indices.to(torch.int32).view(torch.float32)], dim=1)
 
 
 def unpack_logprobs(packed: torch.Tensor, ks: Sequence[int]) -> list[TokenLogprob]:
