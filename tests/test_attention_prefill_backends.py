@@ -122,7 +122,7 @@ def test_public_op_off_cuda_runs_triton_whatever_the_policy(dtype):
     with apb.prefill_policy(PrefillPolicy("varlen", min_run=1)):  # varlen_attn has no CPU kernel
         out = apb.attention_prefill(batch.q, batch.k_cache, batch.v_cache, batch.kv_indices, batch.kv_indptr,
                                     batch.cu_seqlens, batch.scale)
-    assert apb.PREFILL_POLICY == PrefillPolicy()
+    assert apb.PREFILL_POLICY == apb.DEFAULT_POLICY
     tol = FP32_TOL if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(out.float(), reference(batch).float(), **tol)
 
@@ -171,6 +171,26 @@ def test_fa_policy_runs_the_whole_batch_in_the_fa_kernel():
                                  short_fn=lambda *a, **k: short_calls.append(a))
     assert short_calls == []  # the FA kernel ran the whole batch
     torch.testing.assert_close(out, reference(batch), **FP32_TOL)
+
+
+@interpreter_only
+def test_a_refusing_sdpa_backend_falls_back_to_triton_and_stays_off(monkeypatch):
+    """The default policy is cuDNN's SDPA: where it raises (no kernel for this GPU / torch) the
+    long runs go to the Triton kernel, right, and the backend is not tried again."""
+    monkeypatch.setattr(apb, "_REFUSED", set())
+    batch = make_batch(CONTEXTS, NEW, seed=22)
+    calls = []
+
+    def refusing(*args):
+        calls.append(1)
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    for _ in range(2):
+        out = attention_prefill_with(PrefillPolicy("sdpa-cudnn", min_run=MIN_RUN), batch.q, batch.k_cache,
+                                     batch.v_cache, batch.kv_indices, batch.kv_indptr, batch.cu_seqlens, batch.scale,
+                                     out=torch.full_like(batch.q, float("nan")), sequence_fn=refusing)
+        torch.testing.assert_close(out, reference(batch), **FP32_TOL)
+    assert calls == [1] and apb._REFUSED == {"sdpa-cudnn"}
 
 
 # ---------------------------------------------------------------- every backend on the GPU

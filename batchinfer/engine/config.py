@@ -20,7 +20,8 @@ class EngineConfig:
     replayssm: bool = True               # decode GDN layers through checkpoint + ring
     ring_len: int = 16                   # ReplaySSM ring length L
     ckpt_dtype: Optional[str] = None     # ReplaySSM checkpoint dtype; None → the model dtype
-    track_interval: int = 256            # also checkpoint every this many prompt tokens (unplanned reuse)
+    track_interval: int = 8192           # also checkpoint every this many prompt tokens (unplanned reuse);
+                                         # each multiple ends a prefill chunk, so small values cut long prompts short
     max_running: int = 256               # sequences decoding at once
     max_batch_tokens: int = 8192         # prefill tokens per step
     max_model_len: Optional[int] = None  # None → the model's max_position_embeddings

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -33,6 +34,7 @@ import torch
 from batchinfer.kernels.attention import attention as triton_attention
 from batchinfer.kernels.attention.prefill_fa import attention_prefill_fa
 
+log = logging.getLogger(__name__)
 PACKED_BACKENDS = ("varlen", "triton-fa")
 SDPA_BACKENDS = {"sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-flash": "FLASH_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION"}
@@ -60,8 +62,12 @@ class PrefillPolicy:
             raise ValueError(f"prefix_mask {self.prefix_mask!r}; one of lower_right, dense")
 
 
-# The backend the model's prefill uses; set from benchmarks/attention_backends.py's measurement.
-PREFILL_POLICY = PrefillPolicy()
+# The model's prefill: cuDNN's fused attention for runs of >= 1,024 new tokens, measured ahead of
+# the Triton kernel at 8k / 32k context on the H200 (docs/BENCHMARKS.md, "Long prompts without
+# sharing"); where cuDNN refuses (another GPU, another torch) the Triton kernel runs instead.
+DEFAULT_POLICY = PrefillPolicy("sdpa-cudnn", min_run=1024)
+PREFILL_POLICY = DEFAULT_POLICY
+_REFUSED: set[str] = set()  # SDPA backends that raised once here: their runs go to Triton from then on
 
 
 @contextlib.contextmanager
@@ -248,6 +254,15 @@ def attention_prefill_with(policy: PrefillPolicy, q, k_cache, v_cache, kv_indice
             ctx_lens = [indptr[i + 1] - indptr[i] for i in range(B)]
             o.copy_(packed_fn(q, k_ctx, v_ctx, cu_seqlens.to(torch.int32), kv_indptr.to(torch.int32),
                               max(new_lens), max(ctx_lens), scale))
-        else:
-            o[t0:t1].copy_(sequence_fn(q[t0:t1], k_ctx, v_ctx, scale, policy))
+            continue
+        if policy.backend not in _REFUSED:
+            try:
+                o[t0:t1].copy_(sequence_fn(q[t0:t1], k_ctx, v_ctx, scale, policy))
+                continue
+            except RuntimeError as error:  # e.g. "No available kernel": this GPU / torch lacks the backend
+                _REFUSED.add(policy.backend)
+                log.warning("prefill attention: %s refused (%s); the Triton kernel runs instead",
+                            policy.backend, str(error).splitlines()[0] if str(error) else type(error).__name__)
+        short_fn(q[t0:t1], k_cache, v_cache, kv_indices[c0:c1], kv_indptr[seg.lo:seg.hi + 1] - c0,
+                 cu_seqlens[seg.lo:seg.hi + 1] - t0, scale, out=o[t0:t1], max_seqlen=max(new_lens[seg.lo:seg.hi]))
     return o
