@@ -197,6 +197,10 @@ def test_curriculum_starts_at_one_fact_and_grows_on_success_and_along_its_floor(
         levels.append(curriculum.level)
     assert sorted(set(levels))[:6] == [1, 2, 3, 4, 5, 6] and len(set(levels)) < 30  # +1, then x1.25
     assert curriculum.fact_range() == (demo_task.MIN_FACTS, 80)  # the task's range at the end
+    prefetched = Curriculum(max_facts=80, advance_at=0.8, floor_until=0.5, level=4)
+    for _ in range(50):
+        prefetched.update(1.0, progress=0.0, batch_level=3)  # made before the last level-up: ignored
+    assert prefetched.level == 4
     stuck = Curriculum(max_facts=80, advance_at=0.8, floor_until=0.5)
     stuck.update(0.0, progress=0.25)
     assert 5 <= stuck.level <= 12  # the floor: geometric, 80 ** 0.5 ~ 9 halfway

@@ -99,8 +99,11 @@ class Curriculum:
         frac = min(1.0, progress / self.floor_until) if self.floor_until > 0 else 1.0
         return max(1, math.floor(self.max_facts ** frac))
 
-    def update(self, answers_right: float, progress: float) -> None:
-        self.ema = 0.9 * self.ema + 0.1 * answers_right
+    def update(self, answers_right: float, progress: float, batch_level: int | None = None) -> None:
+        """`batch_level`: the level the batch was made at; prefetched batches of an older level
+        do not count, so that easy batches cannot advance the level twice."""
+        if batch_level is None or batch_level >= self.level:
+            self.ema = 0.9 * self.ema + 0.1 * answers_right
         if self.ema > self.advance_at and self.level < self.max_facts:
             self.level, self.ema = min(self.max_facts, max(self.level + 1, round(self.level * self.grow))), 0.0
         floor = self.floor(progress)
@@ -422,7 +425,7 @@ def main(argv=None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
-        curriculum.update(float(answers_right), progress_at(step))  # one sync per step: cheap next to the step
+        curriculum.update(float(answers_right), progress_at(step), cur_max)  # one sync per step: cheap next to it
         tokens_since += int(arrays[2].sum())
         loss_sum += answer_loss.detach()  # stays on the device: no sync per step
         loss_n += 1
