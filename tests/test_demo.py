@@ -166,6 +166,68 @@ def test_pyproject_ships_the_demo_checkpoint_files():
     assert demo.SHIPPED_DEMO_DIR.parent.name == "batchinfer"
 
 
+def test_training_starts_gdn_layers_with_long_memory():
+    """transformers' init forgets nearly everything after one token (the look-up never starts)."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    import torch.nn.functional as F
+    from benchmarks.demo_model import train
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**train.model_config(416, tiny=True)))
+    train.init_gdn_decay(model)
+    gdn = [m for m in model.modules() if hasattr(m, "A_log")]
+    assert len(gdn) == 3
+    # Per-token decay of the state at a = 0: exp(-A softplus(dt_bias)).
+    decay = torch.cat([torch.exp(-m.A_log.exp() * F.softplus(m.dt_bias)) for m in gdn])
+    assert (decay > 0.2).float().mean() >= 0.75 and decay.median() > 0.5
+
+
+def test_curriculum_starts_at_one_fact_and_grows_on_success_and_along_its_floor():
+    from benchmarks.demo_model.train import Curriculum
+
+    curriculum = Curriculum(max_facts=80, advance_at=0.8, floor_until=0.5)
+    assert curriculum.level == 1 and curriculum.fact_range() == (1, 1)
+    for _ in range(100):
+        curriculum.update(0.3, progress=0.0)  # not learned: stays
+    assert curriculum.level == 1
+    levels = []
+    while curriculum.level < 80:
+        curriculum.update(1.0, progress=0.0)
+        levels.append(curriculum.level)
+    assert sorted(set(levels))[:6] == [1, 2, 3, 4, 5, 6] and len(set(levels)) < 30  # +1, then x1.25
+    assert curriculum.fact_range() == (demo_task.MIN_FACTS, 80)  # the task's range at the end
+    prefetched = Curriculum(max_facts=80, advance_at=0.8, floor_until=0.5, level=4)
+    for _ in range(50):
+        prefetched.update(1.0, progress=0.0, batch_level=3)  # made before the last level-up: ignored
+    assert prefetched.level == 4
+    stuck = Curriculum(max_facts=80, advance_at=0.8, floor_until=0.5)
+    stuck.update(0.0, progress=0.25)
+    assert 5 <= stuck.level <= 12  # the floor: geometric, 80 ** 0.5 ~ 9 halfway
+    stuck.update(0.0, progress=0.5)
+    assert stuck.level == 80
+
+
+def test_training_loss_counts_whole_answers_right():
+    import torch
+    from benchmarks.demo_model import train
+
+    encoder = train.Encoder()
+    facts = demo_task.make_document(random.Random(1), 3)
+    ids, answer, valid = (torch.from_numpy(a) for a in train.pad_rows([encoder.sequence(facts, facts[:2])], 0))
+
+    class Oracle(torch.nn.Module):  # predicts every next token, except one digit of the second answer
+        def forward(self, input_ids, use_cache):
+            logits = torch.nn.functional.one_hot(input_ids[:, 1:], 416).float()
+            logits = torch.cat([logits, logits[:, :1]], dim=1)
+            second = answer[0].nonzero().flatten()[8]
+            logits[0, second - 1] = logits[0, second - 1].roll(1)
+            return type("Out", (), {"logits": logits})
+
+    _, _, all_right, answers_right = train.losses(Oracle(), ids, answer, valid)
+    assert float(answers_right) == 0.5 and not bool(all_right[0])
+
+
 def test_training_writes_a_checkpoint_that_transformers_and_the_engine_agree_on(tmp_path):
     """A tiny run (2 steps) and its resume (1 more): both loaders give the same greedy tokens."""
     import torch
