@@ -133,7 +133,7 @@ def test_quantize_act_pads_rows_and_transposes_scales_for_cublas():
     q_ref, s_ref = quantize_act_reference(x)
     assert q.shape == (8, 512) and s.shape == (8, 4) and s.stride() == (1, 8)  # [G, R] buffer, viewed [R, G]
     assert torch.equal(_bits(q[:5]), _bits(q_ref)) and torch.equal(s[:5], s_ref)
-    assert torch.equal(q[5:].float(), torch.zeros(3, 512)) and torch.equal(s[5:], torch.ones(3, 4))
+    assert torch.equal(q[5:].float().cpu(), torch.zeros(3, 512)) and torch.equal(s[5:].cpu(), torch.ones(3, 4))
 
 
 def _fake_block_scaled_mm(calls):
