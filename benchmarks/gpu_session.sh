@@ -45,6 +45,8 @@ for part in "$@"; do
     prefill_profile) step prefill_profile 120 bash -c "python3 -m benchmarks.prefill_profile && python3 -m benchmarks.prefill_profile --prompts 1 --length 32768" ;;
     moe35)   step moe35 240 python3 -m benchmarks.engine_arms --preset qwen3.5-35b-a3b --arms replay+extra_buffer --hf --hf-prompts 32 --hf-batch 32 --json "$out/moe35.json" ;;
     bench_moe) step bench_moe 60 python3 -m benchmarks.bench_moe --json "$out/bench_moe.json" ;;
+    sampling) step sampling_tests 90 python3 -m pytest -q --tb=short tests/test_kernels_sampling.py tests/test_sampler.py
+              step bench_sampling 60 python3 -m benchmarks.bench_sampling ;;
     cold)    step cold_start 170 python3 -m benchmarks.cold_start --folder /tmp/cold --cold-libraries --no-load --json "$out/cold_start.json" ;;
     attn_tests) step attn_tests 120 python3 -m pytest -q -x --tb=short tests/test_kernels_attention.py tests/test_engine_precompile_gpu.py ;;
     long_track) step long_track 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --track-intervals 256,8192 --json "$out/long_track.json" ;;

@@ -15,6 +15,7 @@ Order of operations (as Hugging Face's processors): repetition penalty → banne
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -218,7 +219,16 @@ def _filter_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return scaled.masked_fill((scaled < floor) & (min_p[:, None] > 0), float("-inf"))
 
 
+def fused_sampler_enabled() -> bool:
+    """BATCHINFER_FUSED_SAMPLER=1: Gumbel-max through the one-pass Triton kernel on CUDA
+    (kernels/sampling); off by default until it is measured on the GPU."""
+    return os.environ.get("BATCHINFER_FUSED_SAMPLER", "0").strip() == "1"
+
+
 def _gumbel_argmax(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    if scaled.is_cuda and fused_sampler_enabled():
+        from batchinfer.kernels.sampling import gumbel_argmax
+        return gumbel_argmax(scaled.contiguous(), keys)
     rows = max(1, _NOISE_ELEMENTS_PER_CHUNK // scaled.shape[1])
     picks = []
     for start in range(0, scaled.shape[0], rows):
