@@ -72,3 +72,47 @@ def test_decode_kernels_compile_one_variant_for_every_bucket(tmp_path):
     assert counts["_attn_decode_merge_kernel"] == 1, counts
     # BLOCK_B (the batch's power of two) stays a constexpr: one variant per block, not per bucket.
     assert counts["replay_flush_kernel"] == result["flush_blocks"], counts
+
+
+KEYS_SCRIPT = textwrap.dedent("""
+    import glob, json, os
+    import torch
+    from batchinfer.engine import precompile as P
+    from batchinfer.kernels.attention import SharedPrefixLaunch, attention_decode
+    from tests.host_trace import host_driver
+
+    H, H_KV, D, CTX, B = 24, 4, 256, 2176, 16
+
+    def decode_step():  # the split kernel is hashed before the shared-prefix one, as in the engine
+        k = torch.empty(4096, H_KV, D, dtype=torch.bfloat16)
+        attention_decode(torch.empty(B, H, D, dtype=torch.bfloat16), k, k, torch.zeros(B * CTX, dtype=torch.int64),
+                         torch.arange(B + 1, dtype=torch.int32) * CTX, 0.1, num_splits=3,
+                         shared_with_prev=torch.zeros(B, dtype=torch.int32),
+                         shared_launch=SharedPrefixLaunch(num_splits=2))
+
+    if __name__ == "__main__":
+        with host_driver():
+            pending = P.start_precompile(decode_step)
+            entries = len(glob.glob(os.environ["TRITON_CACHE_DIR"] + "/*"))
+            report = pending.finish()  # waits for the workers, then preloads in this process
+        print(json.dumps({"compiled": report.compiled, "kernels": report.kernels,
+                          "recompiled_here": len(glob.glob(os.environ["TRITON_CACHE_DIR"] + "/*")) - entries}))
+""")
+
+
+@pytest.mark.slow
+def test_the_engine_finds_what_the_workers_compiled(tmp_path):
+    """Every kernel a worker compiled is a cache hit when the engine process preloads it: the
+    cache keys are settled in one order in both (else `_shared_prefix_kernel`, whose helpers the
+    engine hashed first through the split kernel, was compiled again at start-up)."""
+    script = tmp_path / "keys_child.py"
+    script.write_text(KEYS_SCRIPT)
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), BATCHINFER_PRECOMPILE="2",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600,
+                           cwd=REPO)
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["kernels"] == result["compiled"] == 3
+    assert result["recompiled_here"] == 0

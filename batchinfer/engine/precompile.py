@@ -169,9 +169,46 @@ def is_cached(spec: KernelSpecialisation, target: tuple) -> bool:
     return group.get(name) is not None
 
 
+KERNEL_PACKAGE = "batchinfer.kernels"
+_settled = False
+
+
+def settle_cache_keys(package: str = KERNEL_PACKAGE) -> int:
+    """Compute the cache key of every @triton.jit function under `package` now, in one fixed
+    order (module, then name); → how many. Triton 3.6 folds a called helper's global values into
+    a kernel's key only when the helper's own key was computed first, so a kernel's key depends on
+    which kernels sharing its helpers were hashed before it in the process: a worker that compiled
+    `_shared_prefix_kernel` first filed it under another key than the engine, which had hashed
+    `_attn_decode_split_kernel` first, and the engine compiled it again (five kernels, 11.5 s of
+    a fresh machine's start-up). Settled the same way in both processes, the keys agree."""
+    global _settled
+    if _settled:
+        return 0
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    root = importlib.import_module(package)
+    names = sorted([package] + [m.name for m in pkgutil.walk_packages(root.__path__, package + ".")])
+    count = 0
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # an optional kernel module that cannot import here: nothing of it runs
+            continue
+        for attr in sorted(vars(module)):
+            fn = getattr(module, attr)
+            if isinstance(fn, JITFunction) and fn.__module__ == name:
+                fn.cache_key  # noqa: B018 (computed and memoised)
+                count += 1
+    _settled = True
+    return count
+
+
 def _compile_in_worker(spec: KernelSpecialisation, target: tuple) -> tuple[Optional[str], Optional[str]]:
     """(compile error, launcher error), each None when it worked."""
     try:
+        settle_cache_keys()
         kernel = compile_specialisation(spec, target)
     except Exception as err:  # reported by the parent; the kernel then compiles at its first launch
         return f"{type(err).__name__}: {err}", None
@@ -343,6 +380,7 @@ def start_precompile(trace: Callable[[], None], spare_cpus: int = 0,
                  __import__("triton").__version__, ", ".join(SUPPORTED_TRITON))
         return None
     start = time.monotonic()
+    settle_cache_keys()  # before the trace hashes any kernel, as every worker does
     specs = trace_specialisations(trace)
     traced = time.monotonic()
     target = current_target()
