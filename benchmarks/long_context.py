@@ -19,7 +19,7 @@ import time
 from types import SimpleNamespace
 
 from benchmarks.attention_e2e import STEP_TOKENS, gemm_floor, label, parse_workload, prefill_rate
-from benchmarks.engine_arms import ARMS, Workload, _free, build_model, run_arm
+from benchmarks.engine_arms import Workload, _free, build_model, run_arm
 from batchinfer.kernels.attention import prefill_backends as apb
 
 
@@ -28,14 +28,11 @@ def generation_row(model, policy: apb.PrefillPolicy, count: int, length: int, ou
     prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
     args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=count,
                            max_batch_tokens=STEP_TOKENS, budget_bytes=None, preset=preset, floor=False)
-    arm = f"replay+extra_buffer+track{track_interval}"
-    ARMS.setdefault(arm, {**ARMS["replay+extra_buffer"], "track_interval": track_interval})
     with apb.prefill_policy(policy):
-        row = run_arm(model, arm, prompts, output, args)
-    total = row["prompt_tps"] * row["wall_s"] + row["output_tps"] * row["wall_s"]
+        row = run_arm(model, "replay+extra_buffer", prompts, output, args, {"track_interval": track_interval})
     return {"workload": f"{count}x{length} → {output}", "policy": f"{label(policy)}, track {track_interval}",
             "wall_s": row["wall_s"],
-            "total_tps": total / row["wall_s"], "prompt_tps": row["prompt_tps"], "output_tps": row["output_tps"],
+            "total_tps": row["prompt_tps"] + row["output_tps"], "prompt_tps": row["prompt_tps"], "output_tps": row["output_tps"],
             "decode_ms": row.get("decode_ms"), "peak_gib": row["peak_gib"]}
 
 

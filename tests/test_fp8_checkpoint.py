@@ -117,25 +117,27 @@ def test_random_fp8_model_has_the_written_checkpoint_layout(fp8_checkpoint):
     assert preset_config("qwen3.5-27b-fp8") == preset_config("qwen3.5-27b")
 
 
+def _copy_with_scales_edited(src, dst, edit) -> str:
+    """A copy of checkpoint `src` at `dst` whose first out_proj scale tensor `edit(tensors, name)`
+    changed; → that tensor's name."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    victim = next(n for n in tensors if n.endswith("out_proj.weight_scale_inv"))
+    edit(tensors, victim)
+    save_file(tensors, dst / "model.safetensors")
+    return victim
+
+
 def test_fp8_tensor_without_scales_names_it(fp8_checkpoint, tmp_path):
     dst = tmp_path / "broken"
-    dst.mkdir()
-    (dst / "config.json").write_text((fp8_checkpoint / "config.json").read_text())
-    tensors = load_file(fp8_checkpoint / "model.safetensors")
-    victim = next(n for n in tensors if n.endswith("out_proj.weight_scale_inv"))
-    del tensors[victim]
-    save_file(tensors, dst / "model.safetensors")
+    victim = _copy_with_scales_edited(fp8_checkpoint, dst, lambda tensors, name: tensors.pop(name))
     with pytest.raises(CheckpointError, match=victim.removesuffix("_scale_inv")):
         load_model(dst, torch.float32)
 
 
 def test_misshapen_scales_name_the_tensor(fp8_checkpoint, tmp_path):
     dst = tmp_path / "broken"
-    dst.mkdir()
-    (dst / "config.json").write_text((fp8_checkpoint / "config.json").read_text())
-    tensors = load_file(fp8_checkpoint / "model.safetensors")
-    victim = next(n for n in tensors if n.endswith("out_proj.weight_scale_inv"))
-    tensors[victim] = torch.ones(7, 7)
-    save_file(tensors, dst / "model.safetensors")
+    victim = _copy_with_scales_edited(fp8_checkpoint, dst, lambda tensors, name: tensors.update({name: torch.ones(7, 7)}))
     with pytest.raises(CheckpointError, match=victim):
         load_model(dst, torch.float32, fp8=True)

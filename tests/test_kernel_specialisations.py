@@ -105,7 +105,7 @@ KEYS_SCRIPT = textwrap.dedent("""
 def test_the_engine_finds_what_the_workers_compiled(tmp_path):
     """Every kernel a worker compiled is a cache hit when the engine process preloads it: the
     cache keys are settled in one order in both (else `_shared_prefix_kernel`, whose helpers the
-    engine hashed first through the split kernel, was compiled again at start-up)."""
+    engine hashed first through the split kernel, is compiled again at start-up)."""
     script = tmp_path / "keys_child.py"
     script.write_text(KEYS_SCRIPT)
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}

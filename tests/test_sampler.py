@@ -53,7 +53,7 @@ def test_uniform_noise_is_inside_the_unit_interval_and_flat():
 def test_the_top_hash_value_stays_below_one():
     """(2^24 - 1 + 0.5) / 2^24 rounds to 1.0 in fp32: its Gumbel noise would be +inf, and a
     masked (-inf) logit plus +inf is NaN, which argmax picks — at a 248k vocabulary about one
-    sampled token in 70 was a uniformly random one, grammar masks ignored."""
+    sampled token in 70 would be a uniformly random one, grammar masks ignored."""
     u = unit_interval(torch.tensor([0, 1, 2**24 - 2, 2**24 - 1]))
     assert float(u.min()) > 0 and float(u.max()) < 1
     noise = -torch.log(-torch.log(u))

@@ -177,10 +177,10 @@ def settle_cache_keys(package: str = KERNEL_PACKAGE) -> int:
     """Compute the cache key of every @triton.jit function under `package` now, in one fixed
     order (module, then name); → how many. Triton 3.6 folds a called helper's global values into
     a kernel's key only when the helper's own key was computed first, so a kernel's key depends on
-    which kernels sharing its helpers were hashed before it in the process: a worker that compiled
-    `_shared_prefix_kernel` first filed it under another key than the engine, which had hashed
-    `_attn_decode_split_kernel` first, and the engine compiled it again (five kernels, 11.5 s of
-    a fresh machine's start-up). Settled the same way in both processes, the keys agree."""
+    which kernels sharing its helpers were hashed before it in the process: a worker that compiles
+    `_shared_prefix_kernel` first files it under another key than an engine that hashed
+    `_attn_decode_split_kernel` first, and the engine compiles it again. Settled the same way in
+    both processes, the keys agree."""
     global _settled
     if _settled:
         return 0

@@ -267,8 +267,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tenso
     the top-k logprobs, then the top-k ids as int32 bit patterns (exact for any vocabulary)."""
     # logit - logsumexp instead of a materialised log_softmax: two reads of the [R, V] logits
     # (logsumexp, top-k) and no [R, V] write; no row gather when every row asks.
-    picked = logits if rows.numel() == logits.shape[0] else logits[rows]   # [R, V]
-    picked_tokens = tokens if rows.numel() == logits.shape[0] else tokens[rows]
+    every_row = rows.numel() == logits.shape[0]  # rows are distinct and sorted: then 0..N-1
+    picked = logits if every_row else logits[rows]                  # [R, V]
+    picked_tokens = tokens if every_row else tokens[rows]
     lse = torch.logsumexp(picked.float(), dim=1, keepdim=True)     # [R, 1]
     chosen = picked.gather(1, picked_tokens[:, None]).float() - lse  # [R, 1]
     if k == 0:

@@ -231,18 +231,22 @@ def attention_prefill_with(policy: PrefillPolicy, q, k_cache, v_cache, kv_indice
     if sequence_fn is None and policy.backend in SDPA_BACKENDS:
         def sequence_fn(q_i, k_i, v_i, scale_, policy_):
             return run_sdpa(policy.backend, q_i, k_i, v_i, scale_, policy_)
+    def run_short(seg: Segment) -> None:
+        t0, t1, c0 = cu[seg.lo], cu[seg.hi], indptr[seg.lo]
+        whole = seg.lo == 0 and seg.hi == B
+        # A slice of the batch: its tokens and context slots start at t0 / c0, so its
+        # boundary tables are the batch's shifted by those.
+        short_fn(q[t0:t1], k_cache, v_cache, kv_indices if whole else kv_indices[c0:indptr[seg.hi]],
+                 kv_indptr if whole else kv_indptr[seg.lo:seg.hi + 1] - c0,
+                 cu_seqlens if whole else cu_seqlens[seg.lo:seg.hi + 1] - t0, scale,
+                 out=o[t0:t1], max_seqlen=max(new_lens[seg.lo:seg.hi]))
+
     for seg in plan_segments(new_lens, policy):
         t0, t1, c0, c1 = cu[seg.lo], cu[seg.hi], indptr[seg.lo], indptr[seg.hi]
         if t0 == t1:
             continue
-        if seg.kind == "triton":
-            whole = seg.lo == 0 and seg.hi == B
-            # A slice of the batch: its tokens and context slots start at t0 / c0, so its
-            # boundary tables are the batch's shifted by those.
-            short_fn(q[t0:t1], k_cache, v_cache, kv_indices if whole else kv_indices[c0:c1],
-                     kv_indptr if whole else kv_indptr[seg.lo:seg.hi + 1] - c0,
-                     cu_seqlens if whole else cu_seqlens[seg.lo:seg.hi + 1] - t0, scale,
-                     out=o[t0:t1], max_seqlen=max(new_lens[seg.lo:seg.hi]))
+        if seg.kind == "triton" or policy.backend in _REFUSED:  # a refused backend: Triton from then on
+            run_short(seg)
             continue
         if policy.backend == "triton-fa":
             attention_prefill_fa(q, k_cache, v_cache, kv_indices, kv_indptr, cu_seqlens, scale, out=o,
@@ -255,14 +259,11 @@ def attention_prefill_with(policy: PrefillPolicy, q, k_cache, v_cache, kv_indice
             o.copy_(packed_fn(q, k_ctx, v_ctx, cu_seqlens.to(torch.int32), kv_indptr.to(torch.int32),
                               max(new_lens), max(ctx_lens), scale))
             continue
-        if policy.backend not in _REFUSED:
-            try:
-                o[t0:t1].copy_(sequence_fn(q[t0:t1], k_ctx, v_ctx, scale, policy))
-                continue
-            except RuntimeError as error:  # e.g. "No available kernel": this GPU / torch lacks the backend
-                _REFUSED.add(policy.backend)
-                log.warning("prefill attention: %s refused (%s); the Triton kernel runs instead",
-                            policy.backend, str(error).splitlines()[0] if str(error) else type(error).__name__)
-        short_fn(q[t0:t1], k_cache, v_cache, kv_indices[c0:c1], kv_indptr[seg.lo:seg.hi + 1] - c0,
-                 cu_seqlens[seg.lo:seg.hi + 1] - t0, scale, out=o[t0:t1], max_seqlen=max(new_lens[seg.lo:seg.hi]))
+        try:
+            o[t0:t1].copy_(sequence_fn(q[t0:t1], k_ctx, v_ctx, scale, policy))
+        except RuntimeError as error:  # e.g. "No available kernel": this GPU / torch lacks the backend
+            _REFUSED.add(policy.backend)
+            log.warning("prefill attention: %s refused (%s); the Triton kernel runs instead",
+                        policy.backend, str(error).splitlines()[0] if str(error) else type(error).__name__)
+            run_short(seg)
     return o

@@ -18,11 +18,9 @@ import triton.language as tl
 
 from batchinfer.kernels._common import LOOP_AS_WHILE
 from batchinfer.kernels.attention.attention import _load_query_block, _prefill_sequence
+from batchinfer.kernels.attention.shared_prefix import _dot  # fp32 operands under the interpreter
 
 LOG2E = 1.4426950408889634
-# Triton's interpreter (CPU tests) mis-computes tl.dot on bf16 operands: there they go to fp32
-# first (bf16 products are exact in fp32, as in the tensor-core dot).
-_DOTS_IN_FP32 = tl.constexpr(LOOP_AS_WHILE)
 
 
 @dataclass(frozen=True)
@@ -35,13 +33,6 @@ class FaLaunch:
 
 AUTOTUNE = [FaLaunch(128, 64, 8, 2), FaLaunch(128, 32, 8, 3), FaLaunch(128, 64, 8, 3), FaLaunch(64, 64, 4, 3),
             FaLaunch(64, 64, 8, 2), FaLaunch(64, 32, 4, 3), FaLaunch(128, 128, 8, 2)]
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr):
-    if _DOTS_IN_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit

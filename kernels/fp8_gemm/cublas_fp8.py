@@ -9,6 +9,7 @@ stride), M a multiple of 4 (rows are padded, then cut off), the weight scales as
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -29,7 +30,12 @@ def available(device: torch.device) -> bool:
     """This torch has the block-scaled `scaled_mm` and `device` is an sm_90 GPU not known broken."""
     if device.type != "cuda" or str(device) in _BROKEN or not hasattr(F, "scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(device) == (9, 0)
+    return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:  # asked at every FP8 projection call: once per device
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def padded_rows(M: int) -> int:
