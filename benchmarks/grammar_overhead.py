@@ -8,8 +8,10 @@ Model: random weights (`benchmarks.engine_arms.build_model`), prompts of random 
 sampling at temperature 1 in every arm, so the arms differ only in what they add:
 
     none        plain decode (one-step overlap on, as the engine runs)
-    json        every row under a JSON schema (nested objects, enums, arrays): the previous step read
-                and the masks filled on the host while the forward runs, applied on the device
+    json        every row under a JSON schema (nested objects, enums, arrays, strings with maxLength):
+                the previous step read and the masks filled on the host while the forward runs,
+                applied on the device
+    json_unbounded  the same schema without maxLength on its strings
     logprobs5   every row asks logprobs k=5 (computed on the device, downloaded with the tokens)
 
 Each arm runs `--reps` times, interleaved (none, json, logprobs5, none, ...) to cancel drift; a
@@ -34,6 +36,7 @@ import torch
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
+from batchinfer.engine.sampler import fused_sampler_enabled
 from batchinfer.engine.types import Request, SamplingParams
 from benchmarks.engine_arms import build_model
 from benchmarks.host_overhead import PhaseTimer
@@ -46,7 +49,16 @@ SCHEMA = {"type": "object", "properties": {
         "score": {"type": "integer", "minimum": 0, "maximum": 100}},
         "required": ["name", "kind", "score"], "additionalProperties": False}}},
     "required": ["title", "label", "entities"], "additionalProperties": False}
-TARGETS = {"json": 5.0, "logprobs5": 3.0}
+TARGETS = {"json": 5.0, "json_unbounded": 5.0, "logprobs5": 3.0}
+
+
+def unbounded_schema() -> dict:
+    """SCHEMA without its strings' maxLength: llguidance's slicer then covers string contents
+    (a bounded repetition defeats it, and each mask inside such a string costs ~30x more)."""
+    schema = json.loads(json.dumps(SCHEMA))
+    schema["properties"]["title"].pop("maxLength")
+    schema["properties"]["entities"]["items"]["properties"]["name"].pop("maxLength")
+    return schema
 
 
 def synthetic_tokenizer_json(vocab_size: int, seed: int = 0) -> tuple[str, int]:
@@ -90,12 +102,12 @@ def synthetic_tokenizer_json(vocab_size: int, seed: int = 0) -> tuple[str, int]:
     return tokenizer.to_str(), tokenizer.token_to_id("<|im_end|>")
 
 
-def compiled_schema(vocab_size: int, tokenizer_dir: Path | None):
+def compiled_schema(vocab_size: int, tokenizer_dir: Path | None, schema: dict = SCHEMA):
     import llguidance
 
     from batchinfer.jobs.structured import compile_source, grammar_source, grammar_tokenizer
 
-    source = grammar_source("json_schema", json.dumps(SCHEMA))
+    source = grammar_source("json_schema", json.dumps(schema))
     if tokenizer_dir is not None:
         from batchinfer.jobs.tokenizer import CheckpointTokenizer
 
@@ -106,10 +118,11 @@ def compiled_schema(vocab_size: int, tokenizer_dir: Path | None):
 
 def arm_requests(arm: str, batch: int, prompt_len: int, output_tokens: int, vocab: int, grammar, tag: str):
     rng = random.Random(1)
-    params = SamplingParams(max_tokens=output_tokens, temperature=1.0, seed=5, ignore_eos=arm != "json",
+    constrained = arm.startswith("json")
+    params = SamplingParams(max_tokens=output_tokens, temperature=1.0, seed=5, ignore_eos=not constrained,
                             logprobs=5 if arm == "logprobs5" else None)
     return [Request(f"{tag}{i}", tuple(rng.randrange(vocab) for _ in range(prompt_len)), params, seed_key=i,
-                    grammar=grammar if arm == "json" else None)
+                    grammar=grammar[arm] if constrained else None)
             for i in range(batch)]
 
 
@@ -143,7 +156,8 @@ def main() -> None:
             "tiny", None, 8, 16, 12, 1
     model, _ = build_model(args.preset, args.layers, device)
     vocab = model.config.vocab_size
-    grammar = compiled_schema(vocab, args.tokenizer)
+    grammar = {"json": compiled_schema(vocab, args.tokenizer),
+               "json_unbounded": compiled_schema(vocab, args.tokenizer, unbounded_schema())}
     cuda = device == "cuda"
     engine = Engine(model, EngineConfig(device=device, max_running=args.batch, cuda_graphs=cuda,
                                         **({} if cuda else {"memory_budget_bytes": 64 << 20})),
@@ -151,7 +165,7 @@ def main() -> None:
     if engine.pool_plan.max_running < args.batch:
         raise SystemExit(f"the memory budget fits {engine.pool_plan.max_running} running requests, not {args.batch}")
     timer = PhaseTimer(engine, engine.runner, "decode")  # no syncs: wall time per step as the engine runs
-    arms = ("none", "json", "logprobs5")
+    arms = ("none", "json", "json_unbounded", "logprobs5")
     for arm in arms:  # warm-up: compile, capture, llguidance's first masks
         run_arm(engine, timer, arm_requests(arm, min(args.batch, 8), args.prompt_len, 4, vocab, grammar, f"w{arm}"),
                 min(args.batch, 8))
@@ -174,7 +188,7 @@ def main() -> None:
     layers = args.layers or "all"
     print(f"\n{args.preset}, {layers} layers, {'bf16' if cuda else 'fp32'}, {device}, batch {args.batch}, "
           f"prompt {args.prompt_len}, {args.output_tokens} tokens, {args.reps} reps; grammar vocabulary: "
-          f"{args.tokenizer or 'synthetic'}")
+          f"{args.tokenizer or 'synthetic'}; fused sampler {'on' if fused_sampler_enabled() else 'off'}")
     print(f"{'arm':10s} {'ms/step':>9s} {'overhead':>9s} {'target':>7s}")
     for arm in arms:
         ms = statistics.median(results[arm])
