@@ -459,6 +459,13 @@ def engine_trace(model, caches, shapes: StepShapes, pad_state_slot: int, pad_kv_
                   for s, n in seqs]
         model.forward(build_forward_batch(chunks, is_decode=False, replay=False, device=device), caches)
 
+    def sample(vocab: int) -> None:  # the fused sampler: one compile per vocabulary size
+        from batchinfer.engine.sampler import fused_sampler_enabled
+        if fused_sampler_enabled():
+            from batchinfer.kernels.sampling import gumbel_argmax
+            gumbel_argmax(torch.zeros(1, vocab, dtype=torch.float32, device=device),
+                          torch.zeros(1, 2, dtype=torch.int64, device=device))
+
     @torch.inference_mode()
     def run() -> None:
         steps = [("decode", b) for b in reversed(list(shapes.decode_buckets))] + \
@@ -468,6 +475,7 @@ def engine_trace(model, caches, shapes: StepShapes, pad_state_slot: int, pad_kv_
                 decode(arg) if kind == "decode" else prefill(arg)
             except Exception as err:  # a shape the trace cannot run: its kernels compile lazily
                 log.warning("precompile trace of a %s step failed: %s: %s", kind, type(err).__name__, err)
+        sample(model.config.vocab_size)
         torch.cuda.synchronize(device)
 
     return run
