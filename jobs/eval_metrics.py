@@ -107,10 +107,25 @@ def accuracy(values: Iterable[Optional[bool]]) -> dict[str, Any]:
             "stderr_formula": "sqrt(p * (1 - p) / n)"}
 
 
-def eval_stats(evaluation: EvalSpec, parts: Iterable) -> dict[str, Any]:
-    """The `_stats.json` section: the accuracy over the `correct` column of every finished part."""
+EXAMPLES_SHOWN = 3  # judged rows the summary shows, so a run's first screen says what was generated
+
+
+def eval_stats(evaluation: EvalSpec, parts: Iterable, id_column: Optional[str] = None) -> dict[str, Any]:
+    """The `_stats.json` section: the accuracy over the `correct` column of every finished part,
+    and the first EXAMPLES_SHOWN rows of the first part (id, answer, generated text, correct)."""
+    parts = list(parts)
+
     def values() -> Iterable[Optional[bool]]:
         for path in parts:
             yield from pq.read_table(path, columns=[CORRECT_COLUMN])[CORRECT_COLUMN].to_pylist()
 
-    return {"metric": evaluation.metric, "answer_column": evaluation.answer_column, **accuracy(values())}
+    return {"metric": evaluation.metric, "answer_column": evaluation.answer_column, **accuracy(values()),
+            "examples": _examples(parts[0], evaluation.answer_column, id_column) if parts else []}
+
+
+def _examples(path, answer_column: str, id_column: Optional[str]) -> list[dict[str, Any]]:
+    names = set(pq.read_schema(path).names)
+    wanted = [c for c in (id_column, answer_column, "generated_text", CORRECT_COLUMN) if c and c in names]
+    rows = pq.read_table(path, columns=wanted).slice(0, EXAMPLES_SHOWN).to_pylist()
+    return [{"id": row.get(id_column) if id_column else None, "answer": row.get(answer_column),
+             "generated_text": row.get("generated_text"), "correct": row.get(CORRECT_COLUMN)} for row in rows]

@@ -261,7 +261,8 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         if parallel_report:
             stats["executor"] = getattr(parallel_report[0], "stats", {})
         if spec.task.eval is not None:
-            stats["eval"] = eval_stats(spec.task.eval, [path for path, _ in scan_parts(out_dir, verify=False).finished])
+            stats["eval"] = eval_stats(spec.task.eval, [path for path, _ in scan_parts(out_dir, verify=False).finished],
+                                       id_column=spec.id_column)
         write_stats(out_dir / STATS_NAME, stats)
         return stats
 

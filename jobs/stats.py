@@ -134,6 +134,11 @@ def render_summary(console: Console, stats: dict[str, Any]) -> None:
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+    for example in (stats.get("eval") or {}).get("examples", []):  # what the model answered, in its words
+        mark = {True: "right", False: "wrong", None: "not judged"}[example["correct"]]
+        label = f"{example['id']}: " if example["id"] is not None else ""
+        console.print(f"  {label}generated {example['generated_text']!r}, answer {example['answer']!r}: {mark}",
+                      highlight=False, markup=False)
 
 
 def _sampling_rows(sampling: Optional[dict[str, Any]]) -> list[tuple[str, str]]:

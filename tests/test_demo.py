@@ -261,3 +261,50 @@ def test_the_shipped_demo_answers_fresh_questions():
     rows = demo_task.held_out_rows(seed=99, n_docs=4, questions_per_doc=4)
     result = evaluate.evaluate(demo.shipped_demo_checkpoint(), rows, EngineConfig(device="cpu", dtype="float32"))
     assert result.correct >= 14, result.texts  # of 16; the model card's measured accuracy is ~0.95+
+
+
+@pytest.mark.skipif(demo.shipped_demo_checkpoint() is None, reason="the trained demo is not in the package")
+def test_batchinfer_run_on_fresh_questions_is_at_least_95_percent_right(tmp_path):
+    """The issue's bar, through the CLI: fresh documents (seed outside training and the example),
+    greedy, the job's exact-match accuracy from its _stats.json."""
+    import json
+    import subprocess
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = demo_task.held_out_rows(seed=4242, n_docs=12, questions_per_doc=8)
+    pq.write_table(pa.table({k: [r[k] for r in rows] for k in ("question_id", "document", "question", "answer")}),
+                   tmp_path / "q.parquet")
+    (tmp_path / "job.yaml").write_text(
+        "jobs:\n  - name: fresh\n    model: demo\n    input: q.parquet\n    id_column: question_id\n"
+        "    prompt: {template: \"{document}\\nQuestion: {question}\\nAnswer:\"}\n"
+        "    sampling: {max_tokens: 8, temperature: 0.0, stop: [\"\\n\"]}\n"
+        "    eval: {answer_column: answer}\n    output: {path: out}\n    engine: {device: cpu}\n")
+    done = subprocess.run([sys.executable, "-m", "batchinfer", "run", str(tmp_path / "job.yaml")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    evaluation = json.loads((tmp_path / "out" / "_stats.json").read_text())["eval"]
+    assert evaluation["judged"] == len(rows) == 96
+    assert evaluation["accuracy"] >= 0.95, evaluation
+    texts = pq.read_table(tmp_path / "out", columns=["generated_text", "answer"]).to_pylist()
+    assert sum(demo_task.is_correct(t["generated_text"], t["answer"]) for t in texts) >= 0.95 * len(rows)
+
+
+@pytest.mark.skipif(demo.shipped_demo_checkpoint() is None, reason="the trained demo is not in the package")
+def test_the_shipped_demo_loads_in_transformers_with_the_same_greedy_answers():
+    import torch
+    transformers = pytest.importorskip("transformers")
+    from batchinfer.engine.config import EngineConfig
+    from benchmarks.demo_model import evaluate
+
+    folder = demo.shipped_demo_checkpoint()
+    rows = demo_task.held_out_rows(seed=77, n_docs=2, questions_per_doc=2)
+    result = evaluate.evaluate(folder, rows, EngineConfig(device="cpu", dtype="float32"), max_tokens=5)
+    tokenizer = CheckpointTokenizer.from_checkpoint(folder)
+    reference = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for row in rows:
+        ids = tokenizer.encode_batch([demo_task.row_prompt(row)])[0]
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=0,
+                                      pad_token_id=0)[0, len(ids):].tolist()
+        assert list(result.completions[row["question_id"]]) == expected

@@ -96,6 +96,33 @@ def test_an_eval_job_writes_correct_per_row_and_accuracy_in_the_stats(tmp_path, 
     assert stats["eval"]["accuracy"] == pytest.approx(p) and stats["eval"]["judged"] == len(judged)
     assert stats["eval"]["stderr"] == pytest.approx(math.sqrt(p * (1 - p) / len(judged)))
     assert json.loads((tmp_path / "out" / "rag" / "_stats.json").read_text())["eval"] == stats["eval"]
+    examples = stats["eval"]["examples"]  # the summary's sample answers: rows of the output, as written
+    assert 0 < len(examples) <= 3
+    by_index = {row["row_index"]: row for row in out.to_pylist()}
+    for example in examples:
+        row = next(r for r in by_index.values() if r["generated_text"] == example["generated_text"]
+                   and r["answer"] == example["answer"] and r["correct"] == example["correct"])
+        assert row is not None
+
+
+def test_the_summary_shows_the_examples_it_was_given():
+    from io import StringIO
+
+    from batchinfer.jobs.stats import render_summary
+    console = Console(file=StringIO(), width=200)
+    stats = {"job": "j", "status": "done", "rows": 1, "samples": 1, "samples_written": 1, "samples_resumed": 0,
+             "errors": 0, "prompt_tokens": 3, "cached_tokens": 0, "theoretical_max_cached_tokens": 0,
+             "cache_hit_rate": 0.0, "ideal_cache_hit_rate": 0.0, "discarded_kv_tokens": 0, "states_tracked": 0,
+             "states_donated": 0, "states_evicted": 0, "replayssm_flushes": 0, "output_tokens": 1,
+             "prompt_tokens_per_second": 1.0, "output_tokens_per_second": 1.0, "wall_seconds": 1.0,
+             "peak_memory_bytes": 0,
+             "eval": {"metric": "exact_match", "accuracy": 0.5, "stderr": 0.5, "judged": 2,
+                      "examples": [{"id": "q7", "answer": "1046", "generated_text": " 1046", "correct": True},
+                                   {"id": None, "answer": "9", "generated_text": "8", "correct": False}]}}
+    render_summary(console, stats)
+    text = console.file.getvalue()
+    assert "q7: generated ' 1046', answer '1046': right" in text
+    assert "generated '8', answer '9': wrong" in text
 
 
 def error_of(text: str) -> str:
