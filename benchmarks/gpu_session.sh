@@ -39,7 +39,7 @@ for part in "$@"; do
     next80b) step next80b 170 python3 -m benchmarks.fp8_parity --parts next80b ;;
     grammar) step grammar 90 python3 -m benchmarks.grammar_overhead --layers 16 ;;
     demo_parity) step demo_parity 330 python3 -m benchmarks.demo_parity --device cuda --dtype bfloat16 ;;
-    grammar64_fused) step grammar64_fused 240 env BATCHINFER_FUSED_SAMPLER=1 python3 -m benchmarks.grammar_overhead --layers 64 ;;
+    grammar64) step grammar64 240 python3 -m benchmarks.grammar_overhead --layers 64 ;;
     floor_bf16) step floor_bf16 90 python3 -m benchmarks.engine_arms --layers 16 --arms replay+extra_buffer --json "$out/floor_bf16.json" ;;
     floor_fp8) step floor_fp8 90 python3 -m benchmarks.engine_arms --layers 16 --preset qwen3.5-27b-fp8 --arms replay+extra_buffer --json "$out/floor_fp8.json" ;;
     fp8gemm) step fp8gemm_tests 60 python3 -m pytest -q --tb=short tests/test_fp8_gemm.py

@@ -229,6 +229,11 @@ def _gumbel_argmax(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     if scaled.is_cuda and fused_sampler_enabled():
         from batchinfer.kernels.sampling import gumbel_argmax
         return gumbel_argmax(scaled.contiguous(), keys)
+    return gumbel_argmax_torch(scaled, keys)
+
+
+def gumbel_argmax_torch(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The Gumbel-max draw as torch ops (the fused kernel's reference): scaled [N, V], keys [N, 2] → [N]."""
     rows = max(1, _NOISE_ELEMENTS_PER_CHUNK // scaled.shape[1])
     picks = []
     for start in range(0, scaled.shape[0], rows):
@@ -267,6 +272,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tenso
     the top-k logprobs, then the top-k ids as int32 bit patterns (exact for any vocabulary)."""
     # logit - logsumexp instead of a materialised log_softmax: two reads of the [R, V] logits
     # (logsumexp, top-k) and no [R, V] write; no row gather when every row asks.
+    if logits.is_cuda and fused_sampler_enabled() and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        from batchinfer.kernels.sampling import row_logprobs
+        return row_logprobs(logits, tokens, rows, k)  # one pass per row (kernels/sampling)
+    return token_logprobs_torch(logits, tokens, rows, k)
+
+
+def token_logprobs_torch(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """`token_logprobs` as torch ops (the fused kernel's reference)."""
     every_row = rows.numel() == logits.shape[0]  # rows are distinct and sorted: then 0..N-1
     picked = logits if every_row else logits[rows]                  # [R, V]
     picked_tokens = tokens if every_row else tokens[rows]
