@@ -36,7 +36,7 @@ import torch
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
-from batchinfer.engine.sampler import fused_sampler_enabled
+from batchinfer.engine.sampler import fused_logprobs_enabled, fused_sampler_enabled
 from batchinfer.engine.types import Request, SamplingParams
 from benchmarks.engine_arms import build_model
 from benchmarks.host_overhead import PhaseTimer
@@ -188,7 +188,8 @@ def main() -> None:
     layers = args.layers or "all"
     print(f"\n{args.preset}, {layers} layers, {'bf16' if cuda else 'fp32'}, {device}, batch {args.batch}, "
           f"prompt {args.prompt_len}, {args.output_tokens} tokens, {args.reps} reps; grammar vocabulary: "
-          f"{args.tokenizer or 'synthetic'}; fused sampler {'on' if fused_sampler_enabled() else 'off'}")
+          f"{args.tokenizer or 'synthetic'}; fused sampler {'on' if fused_sampler_enabled() else 'off'}, "
+          f"fused logprobs {'on' if fused_logprobs_enabled() else 'off'}")
     print(f"{'arm':10s} {'ms/step':>9s} {'overhead':>9s} {'target':>7s}")
     for arm in arms:
         ms = statistics.median(results[arm])

@@ -225,6 +225,12 @@ def fused_sampler_enabled() -> bool:
     return os.environ.get("BATCHINFER_FUSED_SAMPLER", "1").strip() != "0"
 
 
+def fused_logprobs_enabled() -> bool:
+    """BATCHINFER_FUSED_LOGPROBS=1: `sampling.logprobs` through the one-pass Triton kernel on
+    CUDA (kernels/sampling/logprobs.py); opt-in until it is measured on the GPU."""
+    return os.environ.get("BATCHINFER_FUSED_LOGPROBS", "0").strip() == "1"
+
+
 def _gumbel_argmax(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     if scaled.is_cuda and fused_sampler_enabled():
         from batchinfer.kernels.sampling import gumbel_argmax
@@ -272,7 +278,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tenso
     the top-k logprobs, then the top-k ids as int32 bit patterns (exact for any vocabulary)."""
     # logit - logsumexp instead of a materialised log_softmax: two reads of the [R, V] logits
     # (logsumexp, top-k) and no [R, V] write; no row gather when every row asks.
-    if logits.is_cuda and fused_sampler_enabled() and logits.dtype == torch.float32 and logits.stride(1) == 1:
+    if logits.is_cuda and fused_logprobs_enabled() and logits.dtype == torch.float32 and logits.stride(1) == 1:
         from batchinfer.kernels.sampling import row_logprobs
         return row_logprobs(logits, tokens, rows, k)  # one pass per row (kernels/sampling)
     return token_logprobs_torch(logits, tokens, rows, k)
