@@ -53,7 +53,9 @@ def global_ideal(prompts: list[list[int]]) -> int:
 
 
 @pytest.fixture(autouse=True)
-def uses_the_demo_cache(demo_cache) -> Path:  # noqa: F811 - the jobs below name model: demo
+def uses_the_demo_cache(demo_cache, monkeypatch) -> Path:  # noqa: F811 - the jobs below name model: demo
+    # The random demo: POOL_BYTES is sized to its states (the trained one's are 4x larger).
+    monkeypatch.setenv("BATCHINFER_DEMO", "random")
     return demo_cache
 
 
@@ -64,6 +66,7 @@ def demo_model(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv("BATCHINFER_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "demo-cache"))  # as demo_cache
+        env.setenv("BATCHINFER_DEMO", "random")
         checkpoint = demo_checkpoint()
     return checkpoint, build_model(str(checkpoint), EngineConfig(dtype="fp32").resolved_dtype(), "cpu")
 
