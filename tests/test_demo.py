@@ -230,10 +230,8 @@ def test_training_loss_counts_whole_answers_right():
 
 def test_training_writes_a_checkpoint_that_transformers_and_the_engine_agree_on(tmp_path):
     """A tiny run (2 steps) and its resume (1 more): both loaders give the same greedy tokens."""
-    import torch
-    transformers = pytest.importorskip("transformers")
-    from batchinfer.engine.config import EngineConfig
-    from benchmarks.demo_model import evaluate, train
+    pytest.importorskip("transformers")
+    from benchmarks.demo_model import train
 
     out = tmp_path / "ckpt"
     train.main(["--tiny", "--steps", "2", "--minutes", "5", "--out", str(out), "--eval-size", "4"])
@@ -242,14 +240,24 @@ def test_training_writes_a_checkpoint_that_transformers_and_the_engine_agree_on(
     from safetensors import safe_open
     with safe_open(str(out / "train_state" / "exp_avg.safetensors"), "pt") as handle:
         assert '"step": 3' in handle.metadata()["meta"]
-    rows = demo_task.held_out_rows(seed=11, n_docs=2, questions_per_doc=2, max_facts=12)
-    result = evaluate.evaluate(out, rows, EngineConfig(device="cpu", dtype="float32"), max_tokens=5)
-    tokenizer = CheckpointTokenizer.from_checkpoint(out)
-    reference = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert_engine_and_transformers_agree(out, demo_task.held_out_rows(seed=11, n_docs=2, questions_per_doc=2,
+                                                                      max_facts=12))
+
+
+def assert_engine_and_transformers_agree(folder, rows, max_tokens: int = 5) -> None:
+    """Our engine (fp32, CPU) and transformers' generate give the same greedy tokens on `rows`."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    from batchinfer.engine.config import EngineConfig
+    from benchmarks.demo_model import evaluate
+
+    result = evaluate.evaluate(folder, rows, EngineConfig(device="cpu", dtype="float32"), max_tokens=max_tokens)
+    tokenizer = CheckpointTokenizer.from_checkpoint(folder)
+    reference = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for row in rows:
         ids = tokenizer.encode_batch([demo_task.row_prompt(row)])[0]
-        expected = reference.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=0,
-                                      pad_token_id=0)[0, len(ids):].tolist()
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                      eos_token_id=0, pad_token_id=0)[0, len(ids):].tolist()
         assert list(result.completions[row["question_id"]]) == expected
 
 
@@ -293,18 +301,5 @@ def test_batchinfer_run_on_fresh_questions_is_at_least_95_percent_right(tmp_path
 
 @pytest.mark.skipif(demo.shipped_demo_checkpoint() is None, reason="the trained demo is not in the package")
 def test_the_shipped_demo_loads_in_transformers_with_the_same_greedy_answers():
-    import torch
-    transformers = pytest.importorskip("transformers")
-    from batchinfer.engine.config import EngineConfig
-    from benchmarks.demo_model import evaluate
-
-    folder = demo.shipped_demo_checkpoint()
-    rows = demo_task.held_out_rows(seed=77, n_docs=2, questions_per_doc=2)
-    result = evaluate.evaluate(folder, rows, EngineConfig(device="cpu", dtype="float32"), max_tokens=5)
-    tokenizer = CheckpointTokenizer.from_checkpoint(folder)
-    reference = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    for row in rows:
-        ids = tokenizer.encode_batch([demo_task.row_prompt(row)])[0]
-        expected = reference.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=0,
-                                      pad_token_id=0)[0, len(ids):].tolist()
-        assert list(result.completions[row["question_id"]]) == expected
+    assert_engine_and_transformers_agree(demo.shipped_demo_checkpoint(),
+                                         demo_task.held_out_rows(seed=77, n_docs=2, questions_per_doc=2))

@@ -85,9 +85,9 @@ def test_fused_logprobs_match_log_softmax_and_topk(rows_asking, vocab, k, block)
     logits[1, vocab - 1] = 25.0                       # the best token in the last, partial block
     tokens = torch.randint(0, vocab, (5,), generator=g)
     rows = torch.tensor(rows_asking, dtype=torch.int64)
-    out = torch.full((len(rows_asking), 1 + 2 * k), float("nan"))  # poisoned: every entry must be written
+    poisoned = torch.full((len(rows_asking), 1 + 2 * k), float("nan"), device=DEVICE)  # every entry must be written
     out = row_logprobs(logits.to(DEVICE), tokens.to(DEVICE), rows.to(DEVICE), k,
-                       LogprobsLaunch(block_v=block, num_warps=4)).cpu()
+                       LogprobsLaunch(block_v=block, num_warps=4), out=poisoned).cpu()
     assert not out.isnan().any()
     chosen, top = _reference_logprobs(logits, tokens, rows, k)
     assert torch.allclose(out[:, 0].double(), chosen, atol=1e-5, rtol=0)

@@ -459,12 +459,10 @@ def engine_trace(model, caches, shapes: StepShapes, pad_state_slot: int, pad_kv_
                   for s, n in seqs]
         model.forward(build_forward_batch(chunks, is_decode=False, replay=False, device=device), caches)
 
-    def sample(vocab: int) -> None:  # the fused sampler: one compile per vocabulary size
-        from batchinfer.engine.sampler import fused_sampler_enabled
-        if fused_sampler_enabled():
-            from batchinfer.kernels.sampling import gumbel_argmax
-            gumbel_argmax(torch.zeros(1, vocab, dtype=torch.float32, device=device),
-                          torch.zeros(1, 2, dtype=torch.int64, device=device))
+    def sample(vocab: int) -> None:  # the sampler's draw as the engine dispatches it (the fused kernel: one compile)
+        from batchinfer.engine.sampler import _gumbel_argmax
+        _gumbel_argmax(torch.zeros(1, vocab, dtype=torch.float32, device=device),
+                       torch.zeros(1, 2, dtype=torch.int64, device=device))
 
     @torch.inference_mode()
     def run() -> None:

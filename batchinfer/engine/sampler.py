@@ -221,7 +221,7 @@ def _filter_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def fused_sampler_enabled() -> bool:
     """Gumbel-max through the one-pass Triton kernel on CUDA (kernels/sampling), unless
-    BATCHINFER_FUSED_SAMPLER=0: 53x the torch path at 256 x 248k, the same tokens."""
+    BATCHINFER_FUSED_SAMPLER=0 (the same tokens as the torch path; speed: docs/BENCHMARKS.md)."""
     return os.environ.get("BATCHINFER_FUSED_SAMPLER", "1").strip() != "0"
 
 

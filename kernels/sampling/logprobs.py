@@ -60,13 +60,15 @@ def _row_logprobs_kernel(logits_ptr, stride_row, rows_ptr, tokens_ptr, out_ptr, 
 
 
 def row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, k: int,
-                 launch: LogprobsLaunch | None = None) -> torch.Tensor:
+                 launch: LogprobsLaunch | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [N, V] fp32 (unit column stride), tokens [N] int64, rows [R] int64, k >= 0 →
-    [R, 1 + 2k] fp32: `batchinfer.engine.sampler.token_logprobs`' packing."""
+    [R, 1 + 2k] fp32 (into `out` when given): `batchinfer.engine.sampler.token_logprobs`' packing."""
     launch = launch or LogprobsLaunch()
     assert logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype == torch.float32
     V = logits.shape[1]
-    out = torch.empty(rows.numel(), 1 + 2 * k, dtype=torch.float32, device=logits.device)
+    if out is None:
+        out = torch.empty(rows.numel(), 1 + 2 * k, dtype=torch.float32, device=logits.device)
+    assert out.shape == (rows.numel(), 1 + 2 * k) and out.is_contiguous()
     if rows.numel():
         _row_logprobs_kernel[(rows.numel(),)](
             logits, logits.stride(0), rows.contiguous(), tokens.contiguous(), out, V, K=k,
