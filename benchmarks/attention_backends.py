@@ -12,6 +12,8 @@ its context, as `attention_prefill`'s contract says):
     4x8192          4 × 8,192 new
     1x32768         1 × 32,768 new
     prefix8x2k+2k   8 sequences × (2,048 cached + 2,048 new): lower-right causal
+    prefix1x8k+8k   a 32k prompt's second 8k chunk (8,192 cached + 8,192 new)
+    prefix1x24k+8k  its last chunk (24,576 cached + 8,192 new)
 
 K/V live in a token-granular paged pool [S_kv, H_kv, d] at shuffled slots (the engine's layout).
 Backends:
@@ -19,7 +21,8 @@ Backends:
     triton[bm,bn,w]   kernels/attention.py `attention_prefill` (reads the pool through the slot table)
     sdpa-<b>-<gqa>    torch SDPA with one backend forced (cudnn, flash, efficient) on [B, H, S, d]
                       views; GQA by enable_gqa=True ("gqa") or KV heads repeated ("rep"); causal by
-                      is_causal (no prefix) or causal_lower_right / a dense bool mask (prefix)
+                      is_causal (no prefix) or causal_lower_right / a dense bool mask / the cuDNN
+                      split (prefix and own keys as two calls merged by log-sum-exp) (prefix)
     varlen            torch.nn.attention.varlen.varlen_attn on the packed tokens (flash; causal is
                       bottom-right aligned, so the prefix case is native)
     flex              flex_attention (compiled on CUDA) with a block mask of packed causal documents
@@ -76,7 +79,8 @@ class Shape:
 
 
 SHAPES = [Shape("8x2048", 8, 2048), Shape("4x8192", 4, 8192), Shape("1x32768", 1, 32768),
-          Shape("prefix8x2k+2k", 8, 2048, 2048)]
+          Shape("prefix8x2k+2k", 8, 2048, 2048), Shape("prefix1x8k+8k", 1, 8192, 8192),
+          Shape("prefix1x24k+8k", 1, 8192, 24576)]
 QUICK_SHAPES = [Shape("2x64", 2, 64), Shape("prefix2x32+32", 2, 32, 32)]
 TRITON_LAUNCHES = [(64, 32, 8), (64, 64, 8), (128, 32, 8), (128, 64, 8)]  # block_m, block_n, num_warps
 
@@ -178,10 +182,13 @@ _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "effic
 
 def prepare_sdpa(case: Case, backend: str, gqa: str, mask: str) -> Prepared:
     """gqa: "gqa" (enable_gqa=True) or "rep" (KV heads repeated); mask: "causal" (is_causal,
-    no prefix only), "lower_right" (CausalBias) or "dense" (bool [n, ctx])."""
+    no prefix only), "lower_right" (CausalBias), "dense" (bool [n, ctx]) or "split" (cuDNN only:
+    prefix and own keys as two calls merged by log-sum-exp, kernels/attention/prefill_backends.py)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
+
+    from batchinfer.kernels.attention.prefill_backends import cudnn_attend, split_prefix_attention
 
     shape, heads = case.shape, case.heads
     B, n, ctx, H, H_kv, d = shape.batch, shape.new, shape.ctx, heads.q, heads.kv, heads.dim
@@ -194,6 +201,9 @@ def prepare_sdpa(case: Case, backend: str, gqa: str, mask: str) -> Prepared:
         kwargs["is_causal"] = True
     elif mask == "lower_right":
         kwargs["attn_mask"] = causal_lower_right(n, ctx)
+    elif mask == "split":
+        if backend != "cudnn" or not shape.cached:
+            raise ValueError("the split runs cuDNN after a cached prefix")
     else:
         pos = torch.arange(ctx, device=case.q.device)
         kwargs["attn_mask"] = pos[None, :] <= (shape.cached + torch.arange(n, device=case.q.device))[:, None]
@@ -211,14 +221,17 @@ def prepare_sdpa(case: Case, backend: str, gqa: str, mask: str) -> Prepared:
     k4, v4 = layout_kv(case.k_ctx, case.v_ctx)
     out = _nan_like(case.q)
 
-    def core():
+    def attend(kk, vv):  # → [B, H, n, d]
+        if mask == "split":
+            return split_prefix_attention(q4, kk, vv, case.scale, cudnn_attend)
         with sdpa_kernel([which]):
-            return F.scaled_dot_product_attention(q4, k4, v4, **kwargs)
+            return F.scaled_dot_product_attention(q4, kk, vv, **kwargs)
+
+    def core():
+        return attend(k4, v4)
 
     def e2e():
-        kk, vv = layout_kv(*_gather(case))
-        with sdpa_kernel([which]):
-            o = F.scaled_dot_product_attention(q4, kk, vv, **kwargs)  # [B, H, n, d]
+        o = attend(*layout_kv(*_gather(case)))  # [B, H, n, d]
         out.view(B, n, H, d).copy_(o.transpose(1, 2))
         return out
     return core, e2e
@@ -370,7 +383,7 @@ def backend_runs(case: Case, wanted: set[str], quick: bool, args):
         masks = ["lower_right", "dense"] if case.shape.cached else ["causal"]
         for backend in _SDPA_BACKENDS:
             for gqa in ("gqa", "rep"):
-                for mask in masks:
+                for mask in masks + (["split"] if backend == "cudnn" and case.shape.cached else []):
                     yield (f"sdpa-{backend}-{gqa}-{mask}",
                            lambda b=backend, g=gqa, m=mask: prepare_sdpa(case, b, g, m))
     if "varlen" in wanted:
@@ -417,11 +430,12 @@ def op_policies(args):
     policies = [PrefillPolicy(b, min_run=args.min_run) for b in BACKENDS]
     policies.append(PrefillPolicy("sdpa-cudnn", min_run=args.min_run, repeat_kv=True))
     policies.append(PrefillPolicy("sdpa-cudnn", min_run=args.min_run, prefix_mask="dense"))
+    policies.append(PrefillPolicy("sdpa-cudnn", min_run=args.min_run, prefix_mask="split"))
     return policies
 
 
 def policy_label(policy) -> str:
-    extra = ("+rep" if policy.repeat_kv else "") + ("+dense" if policy.prefix_mask == "dense" else "")
+    extra = ("+rep" if policy.repeat_kv else "") + (f"+{policy.prefix_mask}" if policy.prefix_mask != "lower_right" else "")
     return f"op[{policy.backend}{extra}]"
 
 

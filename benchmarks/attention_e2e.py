@@ -66,7 +66,7 @@ def prefill_rate(model, policy: apb.PrefillPolicy, count: int, length: int, devi
 def label(policy: apb.PrefillPolicy) -> str:
     if policy.backend == "triton":
         return "triton (old)"
-    extra = ("+rep" if policy.repeat_kv else "") + ("+dense" if policy.prefix_mask == "dense" else "")
+    extra = ("+rep" if policy.repeat_kv else "") + (f"+{policy.prefix_mask}" if policy.prefix_mask != "lower_right" else "")
     return f"{policy.backend}{extra} (min_run {policy.min_run})"
 
 

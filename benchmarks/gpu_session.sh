@@ -52,6 +52,9 @@ for part in "$@"; do
               step bench_sampling 60 python3 -m benchmarks.bench_sampling ;;
     cold)    step cold_start 170 python3 -m benchmarks.cold_start --folder /tmp/cold --cold-libraries --no-load --json "$out/cold_start.json" ;;
     attn_tests) step attn_tests 120 python3 -m pytest -q -x --tb=short tests/test_kernels_attention.py tests/test_engine_precompile_gpu.py ;;
+    attn_prefix) step attn_prefix_tests 120 python3 -m pytest -q --tb=short tests/test_attention_prefill_backends.py
+             step attn_prefix 150 python3 -m benchmarks.attention_backends --shapes prefix1x8k+8k,prefix1x24k+8k --backends sdpa,op --reps 5 ;;
+    long_split) step long_split 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --policies sdpa-cudnn:lower_right,sdpa-cudnn:split --track-intervals 8192 --gen '' --json "$out/long_split.json" ;;
     long_track) step long_track 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --track-intervals 256,8192 --json "$out/long_track.json" ;;
   esac
 done

@@ -23,6 +23,12 @@ from benchmarks.engine_arms import Workload, _free, build_model, run_arm
 from batchinfer.kernels.attention import prefill_backends as apb
 
 
+def parse_policy(text: str, min_run: int) -> apb.PrefillPolicy:
+    """"backend" or "backend:prefix_mask" (e.g. sdpa-cudnn:split)."""
+    backend, _, mask = text.partition(":")
+    return apb.PrefillPolicy(backend, min_run=min_run, prefix_mask=mask or "lower_right")
+
+
 def generation_row(model, policy: apb.PrefillPolicy, count: int, length: int, output: int, device: str,
                    preset: str, track_interval: int) -> dict:
     prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
@@ -40,7 +46,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-27b")
     p.add_argument("--layers", type=int, default=None, help="default: the preset's (4 with --quick)")
-    p.add_argument("--policies", default="triton,sdpa-cudnn")
+    p.add_argument("--policies", default="triton,sdpa-cudnn:lower_right,sdpa-cudnn:split",
+                   help="backend[:prefix_mask], comma-separated")
     p.add_argument("--min-run", type=int, default=1024)
     p.add_argument("--prefill", default="16x8192,2x32768", help="prompts x tokens, comma-separated")
     p.add_argument("--gen", default="48x8192x1024", help="prompts x tokens x output tokens ('' to skip)")
@@ -57,7 +64,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     model, raw = build_model(preset, args.layers, device)
     print(f"{preset}, {raw['num_hidden_layers']} layers, built in {time.perf_counter() - start:.1f} s", flush=True)
-    policies = [apb.PrefillPolicy(name, min_run=args.min_run) for name in args.policies.split(",")]
+    policies = [parse_policy(text, args.min_run) for text in args.policies.split(",")]
     rows = []
     intervals = [int(v) for v in args.track_intervals.split(",")]
     for count, length in (parse_workload(w) for w in args.prefill.split(",") if w):

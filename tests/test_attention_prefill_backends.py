@@ -115,6 +115,66 @@ def test_run_sdpa_on_cpu_matches_reference(policy):
     torch.testing.assert_close(out, reference(batch), **FP32_TOL)
 
 
+@pytest.mark.parametrize("cached,new", [(37, 29), (1, 16), (64, 1)])
+def test_split_prefix_attention_is_the_lower_right_causal_attention(cached, new):
+    """The cuDNN split's maths (prefix unmasked + own keys causal, merged by log-sum-exp) with the
+    fp32 stand-in for each call, against the definition in fp64 over fresh random inputs, GQA 6 / 2."""
+    gen = torch.Generator().manual_seed(cached * 100 + new)
+    q4 = torch.randn(1, 6, new, 16, generator=gen)
+    k4, v4 = torch.randn(2, 1, 2, cached + new, 16, generator=gen).unbind(0)
+    scale = 16 ** -0.5 * 1.3
+    out = apb.split_prefix_attention(q4, k4, v4, scale, apb.math_attend)  # [1, H, n, d]
+    keys, values = k4.double().repeat_interleave(3, 1), v4.double().repeat_interleave(3, 1)
+    scores = q4.double() @ keys.transpose(-1, -2) * scale
+    scores = scores.masked_fill(~apb.causal_mask(new, cached + new, "cpu"), float("-inf"))
+    expected = torch.softmax(scores, dim=-1) @ values
+    assert out.shape == q4.shape and not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), expected, **FP32_TOL)
+
+
+def test_merge_by_lse_weights_each_part_by_its_share_of_the_mass():
+    """Two key sets whose log-sum-exps differ by log 3: the merged output is ¾ / ¼ of the parts."""
+    o1, o2 = torch.full((1, 1, 2, 4), 1.0), torch.full((1, 1, 2, 4), 5.0)
+    lse1 = torch.tensor([[[torch.log(torch.tensor(3.0)), 0.0]]])
+    lse2 = torch.zeros(1, 1, 2)
+    merged, lse = apb.merge_by_lse(o1, lse1, o2, lse2)
+    torch.testing.assert_close(merged[0, 0, :, 0], torch.tensor([0.75 * 1 + 0.25 * 5, 3.0]))
+    torch.testing.assert_close(lse[0, 0], torch.tensor([torch.log(torch.tensor(4.0)), torch.log(torch.tensor(2.0))]))
+
+
+def test_split_needs_the_cudnn_backend():
+    with pytest.raises(ValueError, match="split"):
+        PrefillPolicy("sdpa-flash", prefix_mask="split")
+    assert apb.DEFAULT_POLICY.prefix_mask == "split"
+
+
+def test_run_sdpa_split_on_cpu_matches_reference():
+    """run_sdpa's split path end to end (layout in and out; the fp32 stand-in off CUDA)."""
+    batch = make_batch([40], [24], heads=6, kv_heads=2, seed=31)
+    ctx = batch.kv_indices[:40]
+    out = apb.run_sdpa("sdpa-cudnn", batch.q, batch.k_cache[ctx], batch.v_cache[ctx], batch.scale,
+                       PrefillPolicy("sdpa-cudnn", prefix_mask="split"))
+    torch.testing.assert_close(out, reference(batch), **FP32_TOL)
+
+
+@interpreter_only
+def test_a_refused_split_is_not_tried_again_and_the_run_is_still_right(monkeypatch):
+    """Where the split's op raises, the lower-right path is taken (on the CPU it too refuses, so
+    the run ends on the Triton kernel) and the split is marked refused for later runs."""
+    monkeypatch.setattr(apb, "_REFUSED", set())
+
+    def refusing(*args):
+        raise RuntimeError("cuDNN: no engine for this layout")
+
+    monkeypatch.setattr(apb, "math_attend", refusing)
+    batch = make_batch([20, 5, 30], [9, 5, 10], seed=32)  # long runs after a cached prefix first
+    out = attention_prefill_with(PrefillPolicy("sdpa-cudnn", min_run=MIN_RUN, prefix_mask="split"), batch.q,
+                                 batch.k_cache, batch.v_cache, batch.kv_indices, batch.kv_indptr, batch.cu_seqlens,
+                                 batch.scale, out=torch.full_like(batch.q, float("nan")))
+    torch.testing.assert_close(out, reference(batch), **FP32_TOL)
+    assert "split" in apb._REFUSED
+
+
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_public_op_off_cuda_runs_triton_whatever_the_policy(dtype):
@@ -203,7 +263,8 @@ GPU_NEW = [300, 2048, 64, 2048, 1024]
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", [PrefillPolicy(b, min_run=1024) for b in apb.BACKENDS]
                          + [PrefillPolicy("sdpa-cudnn", min_run=1024, repeat_kv=True),
-                            PrefillPolicy("sdpa-cudnn", min_run=1024, prefix_mask="dense")], ids=str)
+                            PrefillPolicy("sdpa-cudnn", min_run=1024, prefix_mask="dense"),
+                            PrefillPolicy("sdpa-cudnn", min_run=1024, prefix_mask="split")], ids=str)
 def test_backend_matches_reference_on_gpu(policy, monkeypatch):
     monkeypatch.setattr(apb, "_REFUSED", set())  # a refusal is reported below, not hidden by the fallback
     batch = make_batch(GPU_CONTEXTS, GPU_NEW, heads=24, kv_heads=4, d=256, dtype=torch.bfloat16, device="cuda")
@@ -215,8 +276,8 @@ def test_backend_matches_reference_on_gpu(policy, monkeypatch):
                                   batch.scale, out=out)
     except (RuntimeError, NotImplementedError, TypeError) as exc:  # this torch lacks the backend / case
         pytest.skip(f"{policy.backend} refused: {str(exc).splitlines()[0][:200]}")
-    if policy.backend in apb._REFUSED:
-        pytest.skip(f"{policy.backend} refused on this GPU / torch (its runs fell back to Triton)")
+    if policy.backend in apb._REFUSED or (policy.prefix_mask == "split" and "split" in apb._REFUSED):
+        pytest.skip(f"{policy} refused on this GPU / torch (its runs fell back)")
     expected = reference(batch)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -14,8 +14,11 @@ which reads K/V straight from the pool. `PREFILL_POLICY` says which backend take
   reads the pool through the slot table: no gather).
 - `sdpa-<cudnn|flash|efficient>`: each sequence whose run reaches `min_run` is one SDPA call
   ([1, H, n, d] over its gathered [1, H_kv, ctx, d]; `is_causal` without a cached prefix, else
-  the policy's lower-right mask), the consecutive short sequences between them one Triton call
-  each over their slice of the batch.
+  the policy's `prefix_mask`), the consecutive short sequences between them one Triton call
+  each over their slice of the batch. After a cached prefix, cuDNN's default is "split": torch's
+  lower-right CausalBias never dispatches to cuDNN (it calls flash or memory-efficient, or
+  materialises the mask), so the run is two cuDNN calls, its queries over the prefix (no mask)
+  and over its own keys (`is_causal`), merged by their log-sum-exps (`merge_by_lse`).
 
 The backend paths need host-side lengths: one device sync per batch, shared by all layers of a
 step (`host_lengths` caches the last batch's; the Triton-only path needs it only for
@@ -39,6 +42,7 @@ PACKED_BACKENDS = ("varlen", "triton-fa")
 SDPA_BACKENDS = {"sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-flash": "FLASH_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION"}
 BACKENDS = ("triton",) + PACKED_BACKENDS + tuple(SDPA_BACKENDS)
+PREFIX_MASKS = ("lower_right", "dense", "split")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,8 @@ class PrefillPolicy:
     backend: one of BACKENDS. min_run: a run of at least this many new tokens is long.
     repeat_kv: expand KV heads to the query heads before SDPA (for a backend refusing
     enable_gqa). prefix_mask: how SDPA masks a run after a cached prefix, "lower_right"
-    (CausalBias) or "dense" (a bool [n, ctx] mask)."""
+    (CausalBias), "dense" (a bool [n, ctx] mask) or "split" (prefix and own keys as two calls
+    merged by log-sum-exp; sdpa-cudnn only)."""
 
     backend: str = "triton"
     min_run: int = 1024
@@ -58,14 +63,17 @@ class PrefillPolicy:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"prefill attention backend {self.backend!r}; one of {', '.join(BACKENDS)}")
-        if self.prefix_mask not in ("lower_right", "dense"):
-            raise ValueError(f"prefix_mask {self.prefix_mask!r}; one of lower_right, dense")
+        if self.prefix_mask not in PREFIX_MASKS:
+            raise ValueError(f"prefix_mask {self.prefix_mask!r}; one of {', '.join(PREFIX_MASKS)}")
+        if self.prefix_mask == "split" and self.backend != "sdpa-cudnn":
+            raise ValueError("prefix_mask 'split' needs the sdpa-cudnn backend (the one whose log-sum-exp it reads)")
 
 
 # The model's prefill: cuDNN's fused attention for runs of >= 1,024 new tokens, measured ahead of
 # the Triton kernel at 8k / 32k context on the H200 (docs/BENCHMARKS.md, "Long prompts without
-# sharing"); where cuDNN refuses (another GPU, another torch) the Triton kernel runs instead.
-DEFAULT_POLICY = PrefillPolicy("sdpa-cudnn", min_run=1024)
+# sharing"); after a cached prefix (the later chunks of a long prompt) as the split pair of cuDNN
+# calls; where cuDNN refuses (another GPU, another torch) the Triton kernel runs instead.
+DEFAULT_POLICY = PrefillPolicy("sdpa-cudnn", min_run=1024, prefix_mask="split")
 PREFILL_POLICY = DEFAULT_POLICY
 _REFUSED: set[str] = set()  # SDPA backends that raised once here: their runs go to Triton from then on
 
@@ -185,13 +193,65 @@ def run_sdpa(backend: str, q, k, v, scale: float, policy: PrefillPolicy) -> torc
         kwargs["enable_gqa"] = True
     if n == ctx:
         kwargs["is_causal"] = True
-    elif policy.prefix_mask == "lower_right":
+    elif policy.prefix_mask == "split" and "split" not in _REFUSED:
+        attend = cudnn_attend if q.is_cuda else math_attend
+        try:
+            return split_prefix_attention(q4, k4, v4, scale, attend)[0].transpose(0, 1)  # [n, H, d]
+        except RuntimeError as error:  # this torch / cuDNN lacks the op or a layout: the lower-right path
+            _REFUSED.add("split")
+            log.warning("prefill attention: cuDNN split refused (%s); lower-right CausalBias instead",
+                        str(error).splitlines()[0] if str(error) else type(error).__name__)
+            kwargs["attn_mask"] = causal_lower_right(n, ctx)
+    elif policy.prefix_mask in ("lower_right", "split"):
         kwargs["attn_mask"] = causal_lower_right(n, ctx)
     else:
         kwargs["attn_mask"] = causal_mask(n, ctx, q.device)
     with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])]):
         o = F.scaled_dot_product_attention(q4, k4, v4, **kwargs)  # [1, H, n, d]
     return o[0].transpose(0, 1)  # [n, H, d]
+
+
+# (q [1, H, n, d], k [1, H_kv, m, d], v, scale, causal) → (o [1, H, n, d] in q.dtype, lse [1, H, n] fp32):
+# attention with its natural-log log-sum-exp; `causal` is top-left (only used with n == m).
+AttendWithLse = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def cudnn_attend(q4, k4, v4, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's fused attention with its log-sum-exp (torch's private op: the public SDPA drops it)."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False, scale=scale)
+    return out[0], out[1].reshape(q4.shape[:3]).float()
+
+
+def math_attend(q4, k4, v4, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 reference of `cudnn_attend` (CPU, tests)."""
+    group = q4.shape[1] // k4.shape[1]
+    k, v = k4.repeat_interleave(group, 1).float(), v4.repeat_interleave(group, 1).float()  # [1, H, m, d]
+    scores = q4.float() @ k.transpose(-1, -2) * scale  # [1, H, n, m]
+    if causal:
+        n, m = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q4.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [1, H, n]
+    return (torch.softmax(scores, dim=-1) @ v).to(q4.dtype), lse
+
+
+def merge_by_lse(o1, lse1, o2, lse2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two key sets from each set's (o [.., n, d], lse [.., n]):
+    o = Σ o_i · exp(lse_i − lse), lse = logaddexp(lse1, lse2); in fp32, returned in o1's dtype."""
+    lse = torch.logaddexp(lse1, lse2)
+    merged = o1.float().mul_(torch.exp(lse1 - lse).unsqueeze(-1))
+    merged.add_(o2.float().mul_(torch.exp(lse2 - lse).unsqueeze(-1)))
+    return merged.to(o1.dtype), lse
+
+
+def split_prefix_attention(q4, k4, v4, scale: float, attend: AttendWithLse) -> torch.Tensor:
+    """Lower-right causal attention of n queries over ctx keys (the last n are theirs) as two
+    `attend` calls, the cached prefix unmasked and the own keys causal, merged: both run in
+    cuDNN's fused kernel, which the lower-right mask cannot reach. → o [1, H, n, d]."""
+    n, ctx = q4.shape[2], k4.shape[2]
+    cached = ctx - n
+    o_prefix, lse_prefix = attend(q4, k4[:, :, :cached], v4[:, :, :cached], scale, False)
+    o_own, lse_own = attend(q4, k4[:, :, cached:], v4[:, :, cached:], scale, True)
+    return merge_by_lse(o_prefix, lse_prefix, o_own, lse_own)[0]
 
 
 def causal_mask(n: int, ctx: int, device) -> torch.Tensor:
