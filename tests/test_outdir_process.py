@@ -57,10 +57,10 @@ def test_two_runs_started_together_one_runs_the_other_exits_2_and_nothing_is_sto
 
 
 def test_a_second_run_even_with_overwrite_leaves_a_busy_folder_alone(tmp_path, demo_cache):
-    rows = 7
+    rows = 61
     # Row 0 has no prompt: its error row is the first part, on disk as soon as the engine starts;
-    # the other rows decode long enough (2,000 tokens; the run is interrupted) for two more processes
-    # to start and be refused, also on a fast quiet machine.
+    # the other rows decode long enough (20 rounds of 3 rows × 2,000 tokens; the run is interrupted)
+    # for two more processes to start and be refused, also on a fast quiet machine with a fast model.
     out_dir = write_demo_job(tmp_path, rows, table=rag_table(rows, null_rows=(0,)),
                              sampling={"max_tokens": 2000, "ignore_eos": True},
                              output={"path": "out/rag", "flush_rows": 1})
