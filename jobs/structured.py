@@ -21,6 +21,7 @@ literal strings. The EOS token is allowed exactly when the text so far is comple
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -158,11 +159,27 @@ def new_bitmask(batch: int, vocab_size: int) -> np.ndarray:
 _EXECUTOR: Optional[llguidance.LLExecutor] = None
 
 
+def mask_threads() -> Optional[int]:
+    """Threads of the mask pool: `BATCHINFER_GRAMMAR_THREADS`, else None (llguidance's default,
+    80% of the CPUs up to 32)."""
+    value = os.environ.get("BATCHINFER_GRAMMAR_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise GrammarError(f"BATCHINFER_GRAMMAR_THREADS must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def set_mask_threads(threads: Optional[int]) -> None:
+    """Rebuild the mask pool with `threads` (None: llguidance's default); benchmarks compare sizes."""
+    global _EXECUTOR
+    _EXECUTOR = llguidance.LLExecutor(threads)
+
+
 def fill_masks(matchers: Sequence[SequenceMatcher], bitmask: np.ndarray) -> None:
     """Row i of `bitmask` [B, W] ← matchers[i]'s allowed tokens, on llguidance's thread pool."""
-    global _EXECUTOR
     if _EXECUTOR is None:
-        _EXECUTOR = llguidance.LLExecutor()
+        set_mask_threads(mask_threads())
     llg_numpy.fill_next_token_bitmask_par(_EXECUTOR, [(m.handle, i) for i, m in enumerate(matchers)], bitmask)
 
 

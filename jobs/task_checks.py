@@ -50,6 +50,13 @@ def check_task(spec: JobSpec, schema: pa.Schema, tokenizer: CheckpointTokenizer,
         if CORRECT_COLUMN in schema.names:
             raise fail("eval", f"input column {CORRECT_COLUMN!r} has the name of the eval's output column")
     grammar = task.grammar
+    if grammar is not None:
+        from batchinfer.jobs.structured import GrammarError, mask_threads  # llguidance loads only for grammar jobs
+
+        try:
+            mask_threads()
+        except GrammarError as exc:  # the environment, not the job file: said before anything runs
+            raise fail(f"sampling.{grammar.kind}", str(exc)) from None
     if grammar is not None and grammar.kind == "json_schema_column":
         dtype = require(str(grammar.value), "sampling.json_schema_column")
         if not is_text(dtype):

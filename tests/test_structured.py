@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from batchinfer.jobs import structured
 from batchinfer.jobs.structured import (GrammarError, allowed_tokens, compile_grammar, fill_masks, new_bitmask)
 from batchinfer.jobs.task_spec import GrammarSpec
 from batchinfer.jobs.tokenizer import CheckpointTokenizer
@@ -101,6 +102,32 @@ def test_the_batch_fill_equals_one_row_at_a_time(tokenizer):
     assert not np.array_equal(batch[0], batch[1])
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_batch_fill_is_the_same_for_any_pool_size(tokenizer, threads, monkeypatch):
+    """BATCHINFER_GRAMMAR_THREADS sizes the mask pool (read when it is first built)."""
+    monkeypatch.setenv("BATCHINFER_GRAMMAR_THREADS", str(threads))
+    monkeypatch.setattr(structured, "_EXECUTOR", None)
+    grammar = compile_grammar(GrammarSpec("json_schema", json.dumps(SCHEMA)), tokenizer, VOCAB)
+    matchers = [grammar.matcher() for _ in range(5)]
+    for token in tokenizer.encode_batch(['{"name":"ab'])[0]:
+        assert matchers[2].accept(token)
+    batch = new_bitmask(5, VOCAB)
+    fill_masks(matchers, batch)
+    assert structured._EXECUTOR is not None
+    for row, matcher in enumerate(matchers):
+        single = new_bitmask(1, VOCAB)
+        matcher.fill_mask(single[0])
+        assert np.array_equal(single[0], batch[row])
+    assert structured.mask_threads() == threads
+
+
+@pytest.mark.parametrize("value", ["0", "many", "-2"])
+def test_a_bad_thread_count_is_one_line(value, monkeypatch):
+    monkeypatch.setenv("BATCHINFER_GRAMMAR_THREADS", value)
+    with pytest.raises(GrammarError, match="BATCHINFER_GRAMMAR_THREADS must be a positive integer"):
+        structured.mask_threads()
+
+
 @pytest.mark.parametrize("spec, message", [
     (GrammarSpec("json_schema", json.dumps({"type": "objectx"})), "objectx"),
     (GrammarSpec("regex", "[a-"), "unclosed character class"),
@@ -168,3 +195,9 @@ def test_prepare_compiles_the_grammar_and_refuses_what_the_engine_lacks(tmp_path
                                                                          where, what):
     message = prepare_error(tmp_path, tokenizer_checkpoint, **entry)
     assert f"jobs.rag.{where}:" in message and what in message and "\n" not in message
+
+
+def test_prepare_refuses_a_bad_mask_thread_count_before_anything_runs(tmp_path, tokenizer_checkpoint, monkeypatch):
+    monkeypatch.setenv("BATCHINFER_GRAMMAR_THREADS", "lots")
+    message = prepare_error(tmp_path, tokenizer_checkpoint, sampling={"regex": "[a-z]+"})
+    assert "jobs.rag.sampling.regex:" in message and "BATCHINFER_GRAMMAR_THREADS" in message and "\n" not in message
