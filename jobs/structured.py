@@ -159,19 +159,21 @@ def new_bitmask(batch: int, vocab_size: int) -> np.ndarray:
 _EXECUTOR: Optional[llguidance.LLExecutor] = None
 
 
-def mask_threads() -> Optional[int]:
-    """Threads of the mask pool: `BATCHINFER_GRAMMAR_THREADS`, else None (llguidance's default,
-    80% of the CPUs up to 32)."""
+def mask_threads() -> int:
+    """Threads of the mask pool: `BATCHINFER_GRAMMAR_THREADS`, else every CPU this process may run
+    on, up to 32. llguidance's own default is 80% of them; the masks of a step run while the host
+    waits on the forward pass, and the last 20% took a schema with maxLength from +5.3% to +2.0%
+    of the decode step (docs/BENCHMARKS.md, "Structured output and logprobs overhead")."""
     value = os.environ.get("BATCHINFER_GRAMMAR_THREADS", "").strip()
     if not value:
-        return None
+        return max(1, min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     if not value.isdigit() or int(value) < 1:
         raise GrammarError(f"BATCHINFER_GRAMMAR_THREADS must be a positive integer, got {value!r}")
     return int(value)
 
 
-def set_mask_threads(threads: Optional[int]) -> None:
-    """Rebuild the mask pool with `threads` (None: llguidance's default); benchmarks compare sizes."""
+def set_mask_threads(threads: int) -> None:
+    """Rebuild the mask pool with `threads`; benchmarks compare sizes."""
     global _EXECUTOR
     _EXECUTOR = llguidance.LLExecutor(threads)
 

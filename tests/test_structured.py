@@ -121,6 +121,13 @@ def test_the_batch_fill_is_the_same_for_any_pool_size(tokenizer, threads, monkey
     assert structured.mask_threads() == threads
 
 
+def test_the_mask_pool_defaults_to_every_usable_cpu(monkeypatch):
+    import os
+
+    monkeypatch.delenv("BATCHINFER_GRAMMAR_THREADS", raising=False)
+    assert structured.mask_threads() == min(32, len(os.sched_getaffinity(0)))
+
+
 @pytest.mark.parametrize("value", ["0", "many", "-2"])
 def test_a_bad_thread_count_is_one_line(value, monkeypatch):
     monkeypatch.setenv("BATCHINFER_GRAMMAR_THREADS", value)

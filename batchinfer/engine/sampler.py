@@ -226,9 +226,14 @@ def fused_sampler_enabled() -> bool:
 
 
 def fused_logprobs_enabled() -> bool:
-    """BATCHINFER_FUSED_LOGPROBS=1: `sampling.logprobs` through the one-pass Triton kernel on
-    CUDA (kernels/sampling/logprobs.py); opt-in until it is measured on the GPU."""
-    return os.environ.get("BATCHINFER_FUSED_LOGPROBS", "0").strip() == "1"
+    """`sampling.logprobs` through the one-pass Triton kernel on CUDA (kernels/sampling/logprobs.py),
+    unless BATCHINFER_FUSED_LOGPROBS=0 (the same values as the torch path; speed: docs/BENCHMARKS.md)."""
+    return os.environ.get("BATCHINFER_FUSED_LOGPROBS", "1").strip() != "0"
+
+
+# The kernel runs one program per row: below this many rows most SMs idle and the torch ops are
+# faster (H200, 248k vocabulary: 0.36 vs 0.19 ms at 16 rows, 0.36 vs 0.45 at 64, 0.42 vs 1.32 at 256).
+FUSED_LOGPROBS_MIN_ROWS = 64
 
 
 def _gumbel_argmax(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -278,7 +283,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tenso
     the top-k logprobs, then the top-k ids as int32 bit patterns (exact for any vocabulary)."""
     # logit - logsumexp instead of a materialised log_softmax: two reads of the [R, V] logits
     # (logsumexp, top-k) and no [R, V] write; no row gather when every row asks.
-    if logits.is_cuda and fused_logprobs_enabled() and logits.dtype == torch.float32 and logits.stride(1) == 1:
+    if (logits.is_cuda and rows.numel() >= FUSED_LOGPROBS_MIN_ROWS and fused_logprobs_enabled()
+            and logits.dtype == torch.float32 and logits.stride(1) == 1):
         from batchinfer.kernels.sampling import row_logprobs
         return row_logprobs(logits, tokens, rows, k)  # one pass per row (kernels/sampling)
     return token_logprobs_torch(logits, tokens, rows, k)
