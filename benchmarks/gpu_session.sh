@@ -40,6 +40,7 @@ for part in "$@"; do
     grammar) step grammar 90 python3 -m benchmarks.grammar_overhead --layers 16 ;;
     demo_parity) step demo_parity 330 python3 -m benchmarks.demo_parity --device cuda --dtype bfloat16 ;;
     grammar64) step grammar64 240 python3 -m benchmarks.grammar_overhead --layers 64 ;;
+    grammar64_defaults) step grammar64_defaults 200 python3 -m benchmarks.grammar_overhead --layers 64 --arms none,json,logprobs5,logprobs5@torch ;;
     grammar64_lp) step grammar64_lp 200 env BATCHINFER_FUSED_LOGPROBS=1 python3 -m benchmarks.grammar_overhead --layers 64 --reps 2 ;;
     floor_bf16) step floor_bf16 90 python3 -m benchmarks.engine_arms --layers 16 --arms replay+extra_buffer --json "$out/floor_bf16.json" ;;
     floor_fp8) step floor_fp8 90 python3 -m benchmarks.engine_arms --layers 16 --preset qwen3.5-27b-fp8 --arms replay+extra_buffer --json "$out/floor_fp8.json" ;;

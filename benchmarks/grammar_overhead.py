@@ -42,7 +42,7 @@ import torch
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
-from batchinfer.engine.sampler import fused_sampler_enabled
+from batchinfer.engine.sampler import fused_logprobs_enabled, fused_sampler_enabled
 from batchinfer.engine.types import Request, SamplingParams
 from batchinfer.jobs.structured import mask_threads, set_mask_threads
 from benchmarks.engine_arms import build_model
@@ -179,14 +179,18 @@ def main() -> None:
     if "none" not in arms:
         raise SystemExit("--arms must include none (the baseline)")
 
-    logprobs_path = os.environ.get("BATCHINFER_FUSED_LOGPROBS", "0")
+    logprobs_env = os.environ.get("BATCHINFER_FUSED_LOGPROBS")  # None: the engine's default
 
     def start(arm: str) -> str:
         """Set up the arm's variant and return its kind: json@N → an N-thread mask pool;
         logprobs5@fused / @torch → that logprobs path; no suffix: the defaults of this process."""
         kind, _, variant = arm.partition("@")
         set_mask_threads(int(variant) if variant.isdigit() else mask_threads())
-        os.environ["BATCHINFER_FUSED_LOGPROBS"] = {"fused": "1", "torch": "0"}.get(variant, logprobs_path)
+        chosen = {"fused": "1", "torch": "0"}.get(variant, logprobs_env)
+        if chosen is None:
+            os.environ.pop("BATCHINFER_FUSED_LOGPROBS", None)
+        else:
+            os.environ["BATCHINFER_FUSED_LOGPROBS"] = chosen
         return kind
 
     for arm in arms:  # warm-up: compile, capture, llguidance's first masks
@@ -207,12 +211,13 @@ def main() -> None:
                   + (f" ({early} rows stopped early)" if early else ""), flush=True)
             if early:
                 notes[arm] = f"{early} rows stopped before {args.output_tokens} tokens"
+    start("none")  # the process's own settings again, for the header below
     base = statistics.median(results["none"])
     layers = args.layers or "all"
     print(f"\n{args.preset}, {layers} layers, {'bf16' if cuda else 'fp32'}, {device}, batch {args.batch}, "
           f"prompt {args.prompt_len}, {args.output_tokens} tokens, {args.reps} reps; grammar vocabulary: "
           f"{args.tokenizer or 'synthetic'}; fused sampler {'on' if fused_sampler_enabled() else 'off'}, "
-          f"fused logprobs {'on' if logprobs_path == '1' else 'off'} (unless an arm says)")
+          f"fused logprobs {'on' if fused_logprobs_enabled() else 'off'} (unless an arm says)")
     print(f"{'arm':16s} {'ms/step':>9s} {'overhead':>9s} {'target':>7s}")
     for arm in arms:
         ms = statistics.median(results[arm])
