@@ -58,6 +58,8 @@ for part in "$@"; do
     long_split) step long_split 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --policies sdpa-cudnn:lower_right,sdpa-cudnn:split --track-intervals 8192 --gen '' --json "$out/long_split.json" ;;
     split_test) step split_test 90 python3 -m pytest -q -rA --tb=short tests/test_attention_prefill_backends.py -k "gpu and split" ;;
     grammar64_ab) step grammar64_ab 330 python3 -m benchmarks.grammar_overhead --layers 64 --reps 3 --arms none,json,json@16,json_unbounded,logprobs5@torch,logprobs5@fused ;;
+    gen_floor) step gen_floor 120 python3 -m benchmarks.decode_floor --batch 48 --context 8704
+             step gen8k 240 python3 -m benchmarks.long_context --prefill '' --policies sdpa-cudnn:split --track-intervals 8192 --gen 48x8192x1024 --json "$out/gen8k.json" ;;
     long_track) step long_track 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --track-intervals 256,8192 --json "$out/long_track.json" ;;
   esac
 done
