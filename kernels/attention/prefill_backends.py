@@ -191,21 +191,20 @@ def run_sdpa(backend: str, q, k, v, scale: float, policy: PrefillPolicy) -> torc
         k4, v4 = k4.repeat_interleave(group, 1), v4.repeat_interleave(group, 1)  # [1, H, ctx, d]
     else:
         kwargs["enable_gqa"] = True
-    if n == ctx:
-        kwargs["is_causal"] = True
-    elif policy.prefix_mask == "split" and "split" not in _REFUSED:
-        attend = cudnn_attend if q.is_cuda else math_attend
+    if n != ctx and policy.prefix_mask == "split" and "split" not in _REFUSED:
         try:
+            attend = cudnn_attend if q.is_cuda else math_attend
             return split_prefix_attention(q4, k4, v4, scale, attend)[0].transpose(0, 1)  # [n, H, d]
-        except RuntimeError as error:  # this torch / cuDNN lacks the op or a layout: the lower-right path
+        except RuntimeError as error:  # this torch / cuDNN lacks the op or a layout: lower-right below
             _REFUSED.add("split")
             log.warning("prefill attention: cuDNN split refused (%s); lower-right CausalBias instead",
                         str(error).splitlines()[0] if str(error) else type(error).__name__)
-            kwargs["attn_mask"] = causal_lower_right(n, ctx)
-    elif policy.prefix_mask in ("lower_right", "split"):
-        kwargs["attn_mask"] = causal_lower_right(n, ctx)
-    else:
+    if n == ctx:
+        kwargs["is_causal"] = True
+    elif policy.prefix_mask == "dense":
         kwargs["attn_mask"] = causal_mask(n, ctx, q.device)
+    else:  # lower_right, or a refused split
+        kwargs["attn_mask"] = causal_lower_right(n, ctx)
     with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])]):
         o = F.scaled_dot_product_attention(q4, k4, v4, **kwargs)  # [1, H, n, d]
     return o[0].transpose(0, 1)  # [n, H, d]
@@ -236,7 +235,8 @@ def math_attend(q4, k4, v4, scale: float, causal: bool) -> tuple[torch.Tensor, t
 
 def merge_by_lse(o1, lse1, o2, lse2) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the union of two key sets from each set's (o [.., n, d], lse [.., n]):
-    o = Σ o_i · exp(lse_i − lse), lse = logaddexp(lse1, lse2); in fp32, returned in o1's dtype."""
+    o = Σ o_i · exp(lse_i − lse), lse = logaddexp(lse1, lse2); in fp32, returned in o1's dtype
+    (an fp32 o1 or o2 is scaled in place)."""
     lse = torch.logaddexp(lse1, lse2)
     merged = o1.float().mul_(torch.exp(lse1 - lse).unsqueeze(-1))
     merged.add_(o2.float().mul_(torch.exp(lse2 - lse).unsqueeze(-1)))
