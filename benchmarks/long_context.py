@@ -2,12 +2,14 @@
 
     python -m benchmarks.long_context                                   # H200: qwen3.5-27b, 64 layers, bf16
     python -m benchmarks.long_context --policies triton,sdpa-cudnn --prefill 16x8192,2x32768 --gen 48x8192x1024
+    python -m benchmarks.long_context --prefill '' --gen 48x8192x1024,96x8192x1024@96   # the batch size
     python -m benchmarks.long_context --quick                           # CPU smoke run (tiny preset)
 
 One random-weight model, a fresh engine per row (benchmarks/attention_e2e.py `prefill_rate`:
 1 output token, max_batch_tokens 8,192, so a 32k prompt runs as four chunks after its own
 cached prefix). Then `--gen`: N prompts of L tokens generating O tokens each (ignore_eos, CUDA
-graphs, everything admitted at once), under the policy with the best 8k prefill rate; total
+graphs; max_running N, everything admitted at once, or R with `@R`: a job larger than the batch
+runs in waves as rows finish), under the policy with the best 8k prefill rate; total
 tokens/s = (prompt + output tokens) / wall, the figure SGLang's cookbook publishes. Last the
 cuBLAS floor of one 8,192-token prefill step's projection GEMMs. Short table last.
 """
@@ -29,14 +31,23 @@ def parse_policy(text: str, min_run: int) -> apb.PrefillPolicy:
     return apb.PrefillPolicy(backend, min_run=min_run, prefix_mask=mask or "lower_right")
 
 
+def parse_generation(text: str) -> tuple[int, int, int, int | None]:
+    """"NxLxO" or "NxLxO@R": N prompts of L tokens, O output tokens each, max_running R
+    (default: N, everything admitted at once)."""
+    spec, _, running = text.partition("@")
+    count, length, output = (int(v) for v in spec.lower().split("x"))
+    return count, length, output, int(running) if running else None
+
+
 def generation_row(model, policy: apb.PrefillPolicy, count: int, length: int, output: int, device: str,
-                   preset: str, track_interval: int) -> dict:
+                   preset: str, track_interval: int, max_running: int | None = None) -> dict:
     prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
-    args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=count,
+    args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=max_running or count,
                            max_batch_tokens=STEP_TOKENS, budget_bytes=None, preset=preset, floor=False)
     with apb.prefill_policy(policy):
         row = run_arm(model, "replay+extra_buffer", prompts, output, args, {"track_interval": track_interval})
     return {"workload": f"{count}x{length} → {output}", "policy": f"{label(policy)}, track {track_interval}",
+            "max_running": row["max_running"], "preemptions": row["preemptions"],
             "wall_s": row["wall_s"],
             "total_tps": row["prompt_tps"] + row["output_tps"], "prompt_tps": row["prompt_tps"], "output_tps": row["output_tps"],
             "decode_ms": row.get("decode_ms"), "peak_gib": row["peak_gib"]}
@@ -50,7 +61,8 @@ def main(argv=None) -> None:
                    help="backend[:prefix_mask], comma-separated")
     p.add_argument("--min-run", type=int, default=1024)
     p.add_argument("--prefill", default="16x8192,2x32768", help="prompts x tokens, comma-separated")
-    p.add_argument("--gen", default="48x8192x1024", help="prompts x tokens x output tokens ('' to skip)")
+    p.add_argument("--gen", default="48x8192x1024",
+                   help="prompts x tokens x output tokens[@max_running], comma-separated ('' to skip)")
     p.add_argument("--track-intervals", default="256",
                    help="engine track_interval values (a prefill chunk ends at each multiple inside the prompt)")
     p.add_argument("--gemm-reps", type=int, default=10)
@@ -60,7 +72,8 @@ def main(argv=None) -> None:
     device = "cpu" if args.quick else "cuda"
     preset = "tiny" if args.quick else args.preset
     if args.quick:
-        args.prefill, args.gen, args.layers = "2x256,1x1024", "4x128x8", args.layers or 4
+        args.prefill, args.layers = "2x256,1x1024", args.layers or 4
+        args.gen = "4x128x8" if args.gen == p.get_default("gen") else args.gen
     start = time.perf_counter()
     model, raw = build_model(preset, args.layers, device)
     print(f"{preset}, {raw['num_hidden_layers']} layers, built in {time.perf_counter() - start:.1f} s", flush=True)
@@ -77,12 +90,12 @@ def main(argv=None) -> None:
                 print(f"{rows[-1]['workload']:<10} {rows[-1]['policy']:<40} {rows[-1]['prefill_tps']:10,.0f} tok/s",
                       flush=True)
     gen_rows = []
-    if args.gen:
-        count, length, output = (int(v) for v in args.gen.lower().split("x"))
-        at_8k = [r for r in rows if r["workload"].endswith("x8192")] or rows
-        best = max(at_8k, key=lambda r: r["prefill_tps"]) if at_8k else {"_policy": policies[0], "_interval": intervals[0]}
+    at_8k = [r for r in rows if r["workload"].endswith("x8192")] or rows
+    best = max(at_8k, key=lambda r: r["prefill_tps"]) if at_8k else {"_policy": policies[0], "_interval": intervals[0]}
+    for spec in (s for s in args.gen.split(",") if s):
+        count, length, output, running = parse_generation(spec)
         gen_rows.append(generation_row(model, best["_policy"], count, length, output, device, preset,
-                                       best["_interval"]))
+                                       best["_interval"], running))
         print(f"{gen_rows[-1]['workload']:<18} {gen_rows[-1]['policy']:<40} {gen_rows[-1]['total_tps']:10,.0f} total tok/s",
               flush=True)
     gemms = gemm_floor(model, device, 256 if args.quick else STEP_TOKENS, args.gemm_reps)
@@ -97,9 +110,9 @@ def main(argv=None) -> None:
         print(f"{r['workload']:<12} {r['policy']:<40} {r['prefill_tps']:14,.0f} {r['step_ms']:11.1f} "
               f"{r['step_ms'] / floor:13.2f}")
     for r in gen_rows:
-        print(f"{r['workload']:<18} {r['policy']:<40} total {r['total_tps']:,.0f} tok/s (prompt {r['prompt_tps']:,.0f}, "
-              f"output {r['output_tps']:,.0f}), wall {r['wall_s']:.1f} s, decode {r['decode_ms'] or float('nan'):.1f} "
-              f"ms/step, peak {r['peak_gib']:.1f} GiB")
+        print(f"{r['workload']:<18} max_running {r['max_running']:<4} total {r['total_tps']:,.0f} tok/s "
+              f"(prompt {r['prompt_tps']:,.0f}, output {r['output_tps']:,.0f}), wall {r['wall_s']:.1f} s, decode "
+              f"{r['decode_ms'] or float('nan'):.1f} ms/step, {r['preemptions']} preemptions, peak {r['peak_gib']:.1f} GiB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"prefill": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], "generate": gen_rows, "gemms": gemms, "gemm_floor_ms": floor}, f, indent=2)
