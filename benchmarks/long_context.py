@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 from benchmarks.attention_e2e import STEP_TOKENS, gemm_floor, label, parse_workload, prefill_rate
 from benchmarks.engine_arms import Workload, _free, build_model, run_arm
+from batchinfer.engine.config import EngineConfig
 from batchinfer.kernels.attention import prefill_backends as apb
 
 
@@ -31,22 +32,32 @@ def parse_policy(text: str, min_run: int) -> apb.PrefillPolicy:
     return apb.PrefillPolicy(backend, min_run=min_run, prefix_mask=mask or "lower_right")
 
 
-def parse_generation(text: str) -> tuple[int, int, int, int | None]:
-    """"NxLxO" or "NxLxO@R": N prompts of L tokens, O output tokens each, max_running R
-    (default: N, everything admitted at once)."""
-    spec, _, running = text.partition("@")
+def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
+    """"NxLxO[@R][/field=int...]": N prompts of L tokens, O output tokens each, max_running R
+    (default: N, everything admitted at once), EngineConfig integer / boolean fields set after
+    the slashes (e.g. `/reserve_decode_kv=0`)."""
+    spec, *settings = text.split("/")
+    spec, _, running = spec.partition("@")
     count, length, output = (int(v) for v in spec.lower().split("x"))
-    return count, length, output, int(running) if running else None
+    overrides = {}
+    for item in settings:
+        key, _, value = item.partition("=")
+        default = getattr(EngineConfig(), key)  # AttributeError names a wrong field
+        overrides[key] = type(default)(int(value))
+    return count, length, output, int(running) if running else None, overrides
 
 
 def generation_row(model, policy: apb.PrefillPolicy, count: int, length: int, output: int, device: str,
-                   preset: str, track_interval: int, max_running: int | None = None) -> dict:
+                   preset: str, track_interval: int, max_running: int | None = None,
+                   overrides: dict | None = None) -> dict:
     prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
     args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=max_running or count,
                            max_batch_tokens=STEP_TOKENS, budget_bytes=None, preset=preset, floor=False)
     with apb.prefill_policy(policy):
-        row = run_arm(model, "replay+extra_buffer", prompts, output, args, {"track_interval": track_interval})
-    return {"workload": f"{count}x{length} → {output}", "policy": f"{label(policy)}, track {track_interval}",
+        row = run_arm(model, "replay+extra_buffer", prompts, output, args,
+                      {"track_interval": track_interval, **(overrides or {})})
+    settings = "".join(f" {k}={int(v)}" for k, v in (overrides or {}).items())
+    return {"workload": f"{count}x{length} → {output}{settings}", "policy": f"{label(policy)}, track {track_interval}",
             "max_running": row["max_running"], "preemptions": row["preemptions"],
             "wall_s": row["wall_s"],
             "total_tps": row["prompt_tps"] + row["output_tps"], "prompt_tps": row["prompt_tps"], "output_tps": row["output_tps"],
@@ -93,9 +104,9 @@ def main(argv=None) -> None:
     at_8k = [r for r in rows if r["workload"].endswith("x8192")] or rows
     best = max(at_8k, key=lambda r: r["prefill_tps"]) if at_8k else {"_policy": policies[0], "_interval": intervals[0]}
     for spec in (s for s in args.gen.split(",") if s):
-        count, length, output, running = parse_generation(spec)
+        count, length, output, running, overrides = parse_generation(spec)
         gen_rows.append(generation_row(model, best["_policy"], count, length, output, device, preset,
-                                       best["_interval"], running))
+                                       best["_interval"], running, overrides))
         print(f"{gen_rows[-1]['workload']:<18} {gen_rows[-1]['policy']:<40} {gen_rows[-1]['total_tps']:10,.0f} total tok/s",
               flush=True)
     gemms = gemm_floor(model, device, 256 if args.quick else STEP_TOKENS, args.gemm_reps)
@@ -110,7 +121,7 @@ def main(argv=None) -> None:
         print(f"{r['workload']:<12} {r['policy']:<40} {r['prefill_tps']:14,.0f} {r['step_ms']:11.1f} "
               f"{r['step_ms'] / floor:13.2f}")
     for r in gen_rows:
-        print(f"{r['workload']:<18} max_running {r['max_running']:<4} total {r['total_tps']:,.0f} tok/s "
+        print(f"{r['workload']:<20} max_running {r['max_running']:<4} total {r['total_tps']:,.0f} tok/s "
               f"(prompt {r['prompt_tps']:,.0f}, output {r['output_tps']:,.0f}), wall {r['wall_s']:.1f} s, decode "
               f"{r['decode_ms'] or float('nan'):.1f} ms/step, {r['preemptions']} preemptions, peak {r['peak_gib']:.1f} GiB")
     if args.json:
