@@ -63,7 +63,7 @@ for part in "$@"; do
     gen_batch) step gen_floor48 60 python3 -m benchmarks.decode_floor --batch 48 --context 8704
              step gen_floor96 60 python3 -m benchmarks.decode_floor --batch 96 --context 8704
              step gen_batch 430 python3 -m benchmarks.long_context --prefill '' --policies sdpa-cudnn:split --track-intervals 8192 --gen 48x8192x1024,96x8192x1024@96,104x8192x1024@104 --json "$out/gen_batch.json" ;;
-    gen_default) step gen_default 560 python3 -m benchmarks.long_context --prefill '' --policies sdpa-cudnn:split --track-intervals 8192 --gen 96x8192x1024@256/reserve_decode_kv=0,96x8192x1024@256,192x8192x1024@96 --json "$out/gen_default.json" ;;
+    gen_default) step gen_default 400 python3 -m benchmarks.long_context --prefill '' --policies sdpa-cudnn:split --track-intervals 8192 --gen 96x8192x1024@256,192x8192x1024@96 --json "$out/gen_default.json" ;;
     long_track) step long_track 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --track-intervals 256,8192 --json "$out/long_track.json" ;;
   esac
 done

@@ -35,7 +35,7 @@ def parse_policy(text: str, min_run: int) -> apb.PrefillPolicy:
 def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
     """"NxLxO[@R][/field=int...]": N prompts of L tokens, O output tokens each, max_running R
     (default: N, everything admitted at once), EngineConfig integer / boolean fields set after
-    the slashes (e.g. `/reserve_decode_kv=0`)."""
+    the slashes (e.g. `/track_interval=256`)."""
     spec, *settings = text.split("/")
     spec, _, running = spec.partition("@")
     count, length, output = (int(v) for v in spec.lower().split("x"))

@@ -112,10 +112,6 @@ class StateCache:
         self._counts["states_evicted"] += len(evicted.state_slots)
         return evicted.kv_indices.numel(), len(evicted.state_slots)
 
-    def kv_room(self) -> int:
-        """KV slots admissions and appends could have now: free, or evictable from the tree."""
-        return self.kv_pool.num_free + self.tree.evictable()[0]
-
     def can_admit(self, tokens: Sequence[int]) -> bool:
         """Whether `admit(tokens)` would succeed now (it may evict to find out)."""
         match = self.match(tokens)
@@ -127,10 +123,8 @@ class StateCache:
 
     # ---- request lifecycle -----------------------------------------------------------------
     def admit(self, key: Hashable, tokens: Sequence[int], planned_resume: int = 0,
-              max_resume: Optional[int] = None, keep_kv: int = 0) -> Optional[SeqHandle]:
+              max_resume: Optional[int] = None) -> Optional[SeqHandle]:
         """Match, lock the reused prefix, allocate slots, set the working state; None if no room.
-        `keep_kv`: None too unless at least that many KV slots stay free or evictable after
-        it (room the running sequences' decode tokens will take); nothing is evicted for them.
 
         `planned_resume` > 0: this admission is one of the followers the plan expected to resume
         at that depth (`expect_followers`); once admitted it no longer holds that state back.
@@ -140,9 +134,6 @@ class StateCache:
         match = self.match(tokens if max_resume is None else tokens[:max_resume + 1])
         node, resume = match.state_node, match.resume_len
         self._hold(node)  # lock (KV for good) and pin the state until it is copied below
-        if keep_kv and self.kv_room() - (len(tokens) - resume) < keep_kv:
-            self._let_go(node)
-            return None
         if not self.ensure_free(len(tokens) - resume, num_states=1):  # its working slot
             self._let_go(node)
             return None

@@ -121,7 +121,7 @@ ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
     "dtype": check.choice("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
     "prefix_cache": check.boolean, "state_cache": check.choice(*get_args(StateCacheMode)), "replayssm": check.boolean,
     "ring_len": check.integer(1), "track_interval": check.integer(1), "max_running": check.integer(1),
-    "max_batch_tokens": check.integer(1), "reserve_decode_kv": check.boolean, "max_model_len": check.integer(2, optional=True),
+    "max_batch_tokens": check.integer(1), "max_model_len": check.integer(2, optional=True),
     "memory_fraction": check.number(0.0, 1.0, low_open=True), "plan": check.choice("global", "window"),
 }
 PROMPT_KEYS = {"template": check.text(), "column": check.text(), "token_ids_column": check.text()}

@@ -93,3 +93,17 @@ def test_run_arm_releases_its_engine_before_freeing_memory(monkeypatch):
     result = engine_arms.run_arm(model, "replay+extra_buffer", prompts, 3, args)
     assert result["samples"] == 4
     assert alive_at_free == [0]
+
+
+def test_generation_spec_parses_batch_and_engine_overrides_and_names_a_wrong_field():
+    import pytest
+
+    from benchmarks.long_context import parse_generation
+
+    assert parse_generation("48x8192x1024") == (48, 8192, 1024, None, {})
+    count, length, output, running, overrides = parse_generation("96x8192x1024@96/track_interval=256/cuda_graphs=0")
+    assert (count, length, output, running) == (96, 8192, 1024, 96)
+    assert overrides == {"track_interval": 256, "cuda_graphs": False}
+    assert type(overrides["cuda_graphs"]) is bool
+    with pytest.raises(AttributeError, match="no_such_field"):
+        parse_generation("1x8x8/no_such_field=1")

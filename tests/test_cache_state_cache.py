@@ -422,20 +422,3 @@ def test_expected_followers_keep_a_branch_state_until_admitted():
     cache.finish(second)
     cache.audit()
     assert branch.state_slot is not None and cache.tree.evictable(spare_expected=True)[1] == cache.tree.num_states
-
-
-def test_admit_keeps_kv_room_counting_the_evictable_tree_and_evicting_nothing_for_it():
-    cache = _cache(kv_slots=32)
-    done = cache.admit("done", list(range(10)))
-    cache.finish(done)                                   # 10 KV slots in the tree, evictable
-    running = cache.admit("run", [50, 51, 52, 53])       # 4 slots: 18 free + 10 evictable = 28 room
-    assert cache.kv_room() == 28
-    assert cache.admit("big", [60] * 20, keep_kv=9) is None    # 28 - 20 = 8 < 9: refused
-    assert cache.kv_pool.num_used == 14 and _tree_kv(cache, list(range(10))).numel() == 10  # nothing evicted
-    fits = cache.admit("fits", [60] * 20, keep_kv=8)     # 28 - 20 = 8: admitted, evicting 2 tree slots
-    assert fits is not None and cache.kv_room() == 8
-    reused = cache.admit("reuse", [50, 51, 52, 53, 54, 55], keep_kv=7)  # needs 6: 8 - 6 < 7
-    assert reused is None and cache.kv_room() == 8
-    cache.abort(fits)
-    cache.abort(running)
-    cache.audit()

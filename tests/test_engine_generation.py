@@ -107,8 +107,7 @@ def test_memory_pressure_forces_eviction_and_preemption():
     requests = [replace(r, sampling=sampled) if r.request_id else r
                 for r in requests_for(shared_prefix_prompts(seed=5), greedy)]
     reference = tokens_of(run(make_engine(model, prefix_cache=False, replayssm=False, overlap_decode=False), requests))
-    # Without the decode reserve, admission fills the KV with prompts and decode must preempt.
-    engine = make_engine(model, memory_budget_bytes=540_000, max_running=64, reserve_decode_kv=False)
+    engine = make_engine(model, memory_budget_bytes=540_000, max_running=64)
     drains, schedule_rest = [], engine.scheduler.schedule_rest  # called once the step in flight was read
     engine.scheduler.schedule_rest = lambda plan: drains.append(engine.overlap.step is None) or schedule_rest(plan)
     assert engine.pool_plan.kv_slots < 300
@@ -246,52 +245,3 @@ def test_branch_gating_never_stalls_nested_plans(model, workload, reference):
     engine._step = counted_step
     assert tokens_of(run(engine, requests)) == reference
     assert engine.stats.cached_tokens == engine.stats.theoretical_max_cached_tokens > 0
-
-
-def test_the_decode_reserve_admits_only_what_can_finish_without_preemption():
-    """The memory-pressure workload above with the reserve on (the default): rows wait for KV
-    instead of being preempted, and the tokens are the recompute's."""
-    config = model_config_from_dict({**PRESETS["tiny"], "full_attention_interval": 2})
-    model = random_model(config, torch.float32, "cpu", seed=3)
-    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
-    requests = requests_for(shared_prefix_prompts(seed=5), greedy)
-    reference = tokens_of(run(make_engine(model, prefix_cache=False, replayssm=False, overlap_decode=False), requests))
-    engine = make_engine(model, memory_budget_bytes=540_000, max_running=64)
-    assert engine.pool_plan.kv_slots < 300
-    assert tokens_of(run(engine, requests)) == reference
-    stats = engine.stats
-    assert stats.preemptions == 0 and stats.recomputed_tokens == 0
-    assert engine.scheduler.reserve_ratio == 1.0  # every row ran to max_tokens
-
-
-def test_the_reserve_ratio_learns_from_finished_rows_and_doubles_on_preemption():
-    from batchinfer.engine.scheduler import DECODE_RESERVE_CAP, Scheduler
-    from batchinfer.engine.sequence import Sequence
-    from batchinfer.engine.stats import StatsTally
-    from batchinfer.engine.types import Request
-
-    scheduler = Scheduler(None, max_running=4, max_batch_tokens=64, track_interval=32, wait_for_leaders=False,
-                          tally=StatsTally(), reserve_decode_kv=True)
-
-    def row(max_tokens: int, outputs: int) -> Sequence:
-        seq = Sequence(Request("r", (1, 2, 3), SamplingParams(max_tokens=max_tokens)), 0, (0, 0), planned_reuse=0,
-                       checkpoints=frozenset(), leader=None)
-        for t in range(outputs):
-            seq.append_token(t)
-        return seq
-
-    assert scheduler.decode_tokens_ahead(row(100, 30)) == 70
-    assert scheduler.decode_tokens_ahead(row(10 * DECODE_RESERVE_CAP, 0)) == DECODE_RESERVE_CAP
-    for _ in range(40):  # rows that stop (EOS) after a tenth of their max_tokens
-        scheduler._learn_reserve(row(100, 10))
-    assert 0.1 <= scheduler.reserve_ratio < 0.12
-    ratio = scheduler.reserve_ratio
-    scheduler._learn_reserve(row(100, 100))
-    assert scheduler.reserve_ratio == pytest.approx(ratio + 0.1 * (1 - ratio))
-    ratio = scheduler.reserve_ratio
-    scheduler.cache = type("Cache", (), {"abort": lambda self, handle: None})()
-    victim = row(100, 5)
-    victim.admitted(type("Handle", (), {"resume_len": 0})())
-    scheduler.running.append(victim)
-    scheduler.preempt(victim)  # the reserve was too small: doubled
-    assert scheduler.reserve_ratio == pytest.approx(2 * ratio) and scheduler.running == []

@@ -178,7 +178,7 @@ def test_host_ring_cursors_mirror_the_device_through_preemption():
     """A preempted sequence is re-admitted on a fresh working slot: both cursors start at 0."""
     config = model_config_from_dict({**PRESETS["tiny"], "full_attention_interval": 2})
     model = random_model(config, torch.float32, "cpu", seed=3)
-    engine = make_engine(model, memory_budget_bytes=540_000, max_running=64, ring_len=3, reserve_decode_kv=False)
+    engine = make_engine(model, memory_budget_bytes=540_000, max_running=64, ring_len=3)
     checked = _checking_ring_mirrors(engine)
     run(engine, requests_for(shared_prefix_prompts(seed=5), SamplingParams(max_tokens=40, ignore_eos=True)))
     assert engine.stats.preemptions > 0 and set(checked) == {0, 1, 2, 3}

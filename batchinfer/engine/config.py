@@ -24,7 +24,6 @@ class EngineConfig:
                                          # each multiple ends a prefill chunk, so small values cut long prompts short
     max_running: int = 256               # sequences decoding at once
     max_batch_tokens: int = 8192         # prefill tokens per step
-    reserve_decode_kv: bool = True       # admit a row only while KV stays for the running rows' decode tokens
     max_model_len: Optional[int] = None  # None → the model's max_position_embeddings
     memory_fraction: float = 0.9         # share of the free device memory for the pools (at most free − a step's activations)
     memory_budget_bytes: Optional[int] = None  # explicit pool budget (tests force eviction with it)

@@ -115,7 +115,7 @@ class Engine:
             self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.max_batch_tokens,
             track_interval=config.track_interval, wait_for_leaders=cache_config.tracks, tally=self.tally,
             state_slots=self.pool_plan.state_slots, branch_state_capacity=self.pool_plan.cache_state_slots,
-            max_model_len=self.max_model_len, reserve_decode_kv=config.reserve_decode_kv)
+            max_model_len=self.max_model_len)
         self._windows = itertools.count()
         self.overlap = DecodeOverlap()  # the decode step whose tokens the host has not read yet
         self.token_logprobs: dict[Sequence, list[TokenLogprob]] = {}  # sequences with sampling.logprobs set

@@ -24,17 +24,9 @@ eviction under memory pressure can still take a live state (the KV goes first); 
 `planned_reuse_lost_tokens`. When a decode token finds no KV slot even after eviction, the
 youngest running sequence is preempted: all its slots are freed, and it is re-admitted later
 to recompute prompt + generated tokens (resuming from whatever the cache still holds).
-
-Decode room: admission keeps KV free (or evictable) for the decode tokens the running rows
-and the new one may still take (`reserve_decode_kv`): each row's remaining max_tokens, capped
-at `DECODE_RESERVE_CAP`, times a ratio learnt from finished rows (how much of max_tokens they
-used; 1 until the first finish, doubled on a preemption). Without it a job of long prompts
-fills the KV with prompts and then preempts rows whose whole prefill is lost (docs/BENCHMARKS.md,
-"Long prompts without sharing").
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from batchinfer.engine.sequence import Sequence
@@ -42,11 +34,6 @@ from batchinfer.engine.stats import StatsTally
 from batchinfer.engine.wait_queue import WaitQueue
 
 _ADMISSION_SCAN_FACTOR = 4  # waiting entries inspected per free running place, per step
-# Decode tokens reserved per row at most: a huge max_tokens must not stall admission (rows that
-# outgrow the reserve preempt, as without one).
-DECODE_RESERVE_CAP = 4096
-_RATIO_WEIGHT = 0.1       # each finished row's weight in the learnt share of max_tokens used
-_MIN_RESERVE_RATIO = 0.05
 
 
 @dataclass
@@ -63,7 +50,7 @@ class Scheduler:
     def __init__(self, cache, *, max_running: int, max_batch_tokens: int, track_interval: int,
                  wait_for_leaders: bool, tally: StatsTally, state_slots: int = 1 << 30,
                  branch_state_capacity: int = 1 << 30,
-                 max_model_len: int = 1 << 62, reserve_decode_kv: bool = False) -> None:
+                 max_model_len: int = 1 << 62) -> None:
         self.cache = cache                    # cache.StateCache
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
@@ -76,10 +63,6 @@ class Scheduler:
         # the pace of admission, how many branch states leaders other than the head may open.
         self.branch_state_capacity = branch_state_capacity
         self.max_model_len = max_model_len
-        self.reserve_decode_kv = reserve_decode_kv
-        # Share of its remaining max_tokens a running row is expected to decode (see the module doc).
-        self.reserve_ratio = 1.0
-        self._reserved = 0  # during admission: decode tokens reserved for the running rows
         # Live branch states: (leader, depth) → planned followers not yet admitted (sequences
         # hash by identity). Counted from the leader's first admission, before the state exists.
         self._live_branches: dict[tuple[Sequence, int], int] = {}
@@ -152,7 +135,6 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------------
     def _admit(self, plan: StepPlan) -> None:
         self.waiting.tidy()
-        self._reserved = sum(self.decode_tokens_ahead(seq) for seq in self.running) if self.reserve_decode_kv else 0
         free_places = self.max_running - len(self.running)
         self._scan(plan, limit=max(1, free_places) * _ADMISSION_SCAN_FACTOR)
         if self.wait_for_leaders and not self.running and self.waiting:
@@ -183,11 +165,9 @@ class Scheduler:
         `dropped`: branch depths it leads whose states the pool cannot hold (nothing expects them)."""
         first = seq.cached_tokens is None
         scored = seq.request.score_tokens  # its continuation's positions need logits: never resumed past them
-        ahead = self.decode_tokens_ahead(seq) if self.reserve_decode_kv else 0
-        keep = math.ceil(self.reserve_ratio * (self._reserved + ahead)) if self.running else 0
         handle = self.cache.admit(id(seq), seq.tokens,
                                   planned_resume=seq.planned_reuse if first and seq.leader is not None else 0,
-                                  max_resume=len(seq.tokens) - scored - 1 if scored else None, keep_kv=keep)
+                                  max_resume=len(seq.tokens) - scored - 1 if scored else None)
         if handle is None:
             if self.running:
                 return False
@@ -199,24 +179,9 @@ class Scheduler:
             return True
         self.waiting.take(position)
         self._start(seq, handle)
-        self._reserved += ahead
         if first:
             self._note_first_admission(seq, handle, dropped)
         return True
-
-    def decode_tokens_ahead(self, seq: Sequence) -> int:
-        """KV slots `seq` may still take by decoding: its remaining max_tokens within
-        max_model_len, at most DECODE_RESERVE_CAP (0 for scoring: it generates nothing)."""
-        if seq.request.score_tokens:
-            return 0
-        left = min(seq.request.sampling.max_tokens - seq.num_outputs, self.max_model_len - len(seq.tokens))
-        return max(0, min(left, DECODE_RESERVE_CAP))
-
-    def _learn_reserve(self, seq: Sequence) -> None:
-        """Move the reserve ratio toward the share of its max_tokens `seq` used."""
-        cap = min(seq.request.sampling.max_tokens, DECODE_RESERVE_CAP)
-        used = min(1.0, seq.num_outputs / cap) if cap > 0 else 1.0
-        self.reserve_ratio = max(_MIN_RESERVE_RATIO, self.reserve_ratio + _RATIO_WEIGHT * (used - self.reserve_ratio))
 
     def _fits(self, seq: Sequence, head: bool) -> bool:
         """Whether admitting `seq` keeps every live branch state within the state pool.
@@ -335,7 +300,6 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self._drop(seq, recompute=True)
-        self.reserve_ratio = min(1.0, 2 * self.reserve_ratio)  # the reserve was too small
         self.waiting.insert(seq)
         self.tally.add(preemptions=1)
 
@@ -348,8 +312,6 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """`seq` stopped: the KV and state of every token fed (a token in flight too) go to the tree."""
         self.cache.finish(seq.handle, seq.computed)
-        if not seq.request.score_tokens and seq.finish_reason != "error":
-            self._learn_reserve(seq)
         seq.released()
         self.running.remove(seq)
 
