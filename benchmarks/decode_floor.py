@@ -19,7 +19,7 @@ copy bandwidth measured in the same run (a large device-to-device copy, read + w
            state, silu_mul, the attention gate, the embedding gather, the sampler's one read of
            the logits), at the bytes the model's kernels move
 
-GEMM timings are medians of `reps` after warm-up (CUDA events, L2 flushed before each rep; on
+GEMM timings are medians of `reps` after warm-up (CUDA events, L2 evicted by a read before each rep; on
 the CPU perf_counter). MoE experts run as one grouped GEMM of the B·top_k routed rows spread
 evenly over the experts (random routing touches nearly all of them at B = 256); the router is
 timed in fp32 as the model runs it. Not in the floor: kernel launch gaps, the attention's split
@@ -179,8 +179,9 @@ def decode_bytes_breakdown(config: ModelConfig, contexts: Sequence[int], *, repl
 
 # ---- timing --------------------------------------------------------------------------------
 
-def _timed_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int) -> float:
-    """Median ms of fn() after `warmup` calls; on CUDA by events, with L2 flushed before each."""
+def _timed_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int, evict: str = "read") -> float:
+    """Median ms of fn() after `warmup` calls; on CUDA by events, with L2 evicted before each by
+    reading a large buffer (`evict="write"`: by writing it, which leaves dirty lines for fn to write back)."""
     if device.type != "cuda":
         for _ in range(warmup):
             fn()
@@ -190,12 +191,15 @@ def _timed_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup:
             fn()
             times.append(1e3 * (time.perf_counter() - start))
         return statistics.median(times)
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # > the H200's 50 MB L2
+    flush = torch.ones(256 * 2**20, dtype=torch.uint8, device=device)  # > the H200's 50 MB L2
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        flush.zero_()  # weights come from HBM in the step; timed alone they would stay in L2
+        # Weights come from HBM in the step; timed alone they would stay in L2. Evicted by a read:
+        # a write would leave ~50 MB of dirty lines for the timed op to write back (+14% on a
+        # 356-MB decode GEMM, more on small ones), which no kernel of the step inherits.
+        flush.amax() if evict == "read" else flush.zero_()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -282,6 +286,7 @@ class FloorMeter:
     gemm_fn: GemmBuilder = matmul_gemm
     reps: int = 20
     warmup: int = 5
+    evict: str = "read"                 # _timed_ms: how L2 is emptied before each GEMM rep
     _gemm_ms: dict = field(default_factory=dict)
     _bandwidth: Optional[float] = None
 
@@ -296,7 +301,7 @@ class FloorMeter:
         key = (gemm.name, gemm.m, gemm.k, gemm.n, gemm.groups, gemm.fp32, gemm.out_fp32, dtype)
         if key not in self._gemm_ms:
             op = self.gemm_fn(gemm, dtype, self.device)
-            self._gemm_ms[key] = _timed_ms(op, self.device, self.reps, self.warmup)
+            self._gemm_ms[key] = _timed_ms(op, self.device, self.reps, self.warmup, self.evict)
             del op
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the lm_head's operands alone are GBs
@@ -394,6 +399,38 @@ def print_floor(floor: dict) -> None:
     print("  GEMMs, ms per step: " + ", ".join(f"{name} {ms:.3f}" for name, ms in floor["gemms"].items()))
 
 
+def step_gemms_in_order_ms(model, batch: int, reps: int = 10) -> float:
+    """ms of one step's dense GEMMs on the model's own weights, in layer order, as one CUDA-graph
+    replay: no flush between them, each weight streamed from HBM as the step streams it. A check
+    on the per-GEMM timings the floor sums (bf16 models; the lm_head with fp32 output)."""
+    import torch.nn.functional as F
+
+    weights = [(name, p) for name, p in model.named_parameters()
+               if p.dim() == 2 and p.dtype in (torch.bfloat16, torch.float16) and name != "embed"
+               and not name.endswith("conv_weight")]
+    inputs = {k: torch.randn(batch, k, dtype=model.dtype, device=model.device) for k in {p.shape[1] for _, p in weights}}
+
+    def step():
+        for name, w in weights:
+            if name == "lm_head":
+                torch.mm(inputs[w.shape[1]], w.t(), out_dtype=torch.float32)
+            else:
+                F.linear(inputs[w.shape[1]], w)
+
+    replay = graphed(step)
+    for _ in range(3):
+        replay()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
 def main() -> None:
     from benchmarks.engine_arms import build_model
 
@@ -406,10 +443,19 @@ def main() -> None:
     parser.add_argument("--group-rows", type=int, default=32)
     parser.add_argument("--replayssm", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--check-gemms", action="store_true",
+                        help="also time the step's GEMMs in layer order as one graph (CUDA, bf16 models)")
     args = parser.parse_args()
     model, _ = build_model(args.preset, args.layers, args.device)
     contexts, hints = grouped_contexts(args.batch, args.context, args.shared_prefix, args.group_rows)
-    print_floor(decode_floor(model, contexts, replay=args.replayssm, shared_with_prev=hints))
+    floor = decode_floor(model, contexts, replay=args.replayssm, shared_with_prev=hints)
+    print_floor(floor)
+    if args.check_gemms and args.device == "cuda":  # graphs and the in-order replay are CUDA-only
+        in_order = step_gemms_in_order_ms(model, args.batch)
+        written = FloorMeter(torch.device(args.device), evict="write").floor(model, contexts, replay=args.replayssm,
+                                                                            shared_with_prev=hints)
+        print(f"the step's GEMMs: in layer order as one graph {in_order:.2f} ms; summed alone, L2 evicted by a read "
+              f"{floor['gemm_ms']:.2f}, by a write {written['gemm_ms']:.2f}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ for part in "$@"; do
     floor64_bf16) step floor64_bf16 250 python3 -m benchmarks.engine_arms --arms replay+extra_buffer --json "$out/floor64_bf16.json" ;;
     floor64_fp8) step floor64_fp8 250 python3 -m benchmarks.engine_arms --preset qwen3.5-27b-fp8 --arms replay+extra_buffer --json "$out/floor64_fp8.json" ;;
     gen96)   step gen96 200 python3 -m benchmarks.long_context --prefill '' --policies sdpa-cudnn:split --track-intervals 8192 --gen 96x8192x1024@96 --json "$out/gen96.json" ;;
+    floor_check) step floor_check96 90 python3 -m benchmarks.decode_floor --batch 96 --context 8704 --check-gemms
+             step floor_check256 90 python3 -m benchmarks.decode_floor --batch 256 --context 2208 --check-gemms ;;
     long_track) step long_track 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --track-intervals 256,8192 --json "$out/long_track.json" ;;
   esac
 done
