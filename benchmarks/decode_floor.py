@@ -399,15 +399,22 @@ def print_floor(floor: dict) -> None:
     print("  GEMMs, ms per step: " + ", ".join(f"{name} {ms:.3f}" for name, ms in floor["gemms"].items()))
 
 
+def step_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """The 16-bit matrices one decode step multiplies by, in layer order (the embedding is a
+    gather and conv1d's taps are not a GEMM)."""
+    weights = [(name, p) for name, p in model.named_parameters()
+               if p.dim() == 2 and p.dtype in (torch.bfloat16, torch.float16) and name != "embed"
+               and not name.endswith("conv_weight")]
+    return sorted(weights, key=lambda item: item[0] == "lm_head")  # registered first, runs last
+
+
 def step_gemms_in_order_ms(model, batch: int, reps: int = 10) -> float:
     """ms of one step's dense GEMMs on the model's own weights, in layer order, as one CUDA-graph
     replay: no flush between them, each weight streamed from HBM as the step streams it. A check
     on the per-GEMM timings the floor sums (bf16 models; the lm_head with fp32 output)."""
     import torch.nn.functional as F
 
-    weights = [(name, p) for name, p in model.named_parameters()
-               if p.dim() == 2 and p.dtype in (torch.bfloat16, torch.float16) and name != "embed"
-               and not name.endswith("conv_weight")]
+    weights = step_weights(model)
     inputs = {k: torch.randn(batch, k, dtype=model.dtype, device=model.device) for k in {p.shape[1] for _, p in weights}}
 
     def step():

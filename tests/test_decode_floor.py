@@ -191,3 +191,14 @@ def test_fp8_floor_times_the_fp8_gemm_for_dense_projections_only(monkeypatch):
     assert tuple(fp8_gemm_builder(Gemm("lm_head", 4, 256, 300, out_fp32=True), torch.float32, cpu)().shape) == (4, 300)
     fp8_gemm_builder(Gemm("moe.experts_down", 8, 128, 128, groups=4), torch.float32, cpu)()
     assert len(calls) == 1
+
+
+def test_in_order_check_multiplies_by_exactly_the_dense_step_gemms_in_layer_order():
+    model = random_model(model_config_from_dict(PRESETS["tiny"]), torch.bfloat16, "cpu", seed=0)
+    weights = df.step_weights(model)
+    listed = Counter()
+    for g in df.decode_gemms(model.config, 4):
+        listed[(g.k, g.n)] += g.count
+    assert Counter((w.shape[1], w.shape[0]) for _, w in weights) == listed
+    names = [name for name, _ in weights]
+    assert names[-1] == "lm_head" and names.index("layers.1.mixer.in_proj") < names.index("layers.2.mixer.in_proj")
