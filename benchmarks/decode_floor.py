@@ -19,7 +19,7 @@ copy bandwidth measured in the same run (a large device-to-device copy, read + w
            state, silu_mul, the attention gate, the embedding gather, the sampler's one read of
            the logits), at the bytes the model's kernels move
 
-GEMM timings are medians of `reps` after warm-up (CUDA events, L2 evicted by a read before each rep; on
+GEMM timings are medians of `reps` after warm-up (CUDA events, L2 emptied by writing a large buffer before each rep; on
 the CPU perf_counter). MoE experts run as one grouped GEMM of the B·top_k routed rows spread
 evenly over the experts (random routing touches nearly all of them at B = 256); the router is
 timed in fp32 as the model runs it. Not in the floor: kernel launch gaps, the attention's split
@@ -179,9 +179,9 @@ def decode_bytes_breakdown(config: ModelConfig, contexts: Sequence[int], *, repl
 
 # ---- timing --------------------------------------------------------------------------------
 
-def _timed_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int, evict: str = "read") -> float:
-    """Median ms of fn() after `warmup` calls; on CUDA by events, with L2 evicted before each by
-    reading a large buffer (`evict="write"`: by writing it, which leaves dirty lines for fn to write back)."""
+def _timed_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int, evict: str = "write") -> float:
+    """Median ms of fn() after `warmup` calls; on CUDA by events, with L2 emptied before each by
+    writing a large buffer (`evict="read"`: by reading it)."""
     if device.type != "cuda":
         for _ in range(warmup):
             fn()
@@ -196,10 +196,9 @@ def _timed_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup:
         fn()
     times = []
     for _ in range(reps):
-        # Weights come from HBM in the step; timed alone they would stay in L2. Evicted by a read:
-        # a write would leave ~50 MB of dirty lines for the timed op to write back (+14% on a
-        # 356-MB decode GEMM, more on small ones), which no kernel of the step inherits.
-        flush.amax() if evict == "read" else flush.zero_()
+        # Weights come from HBM in the step; timed alone they would stay in L2. A write leaves
+        # dirty lines that the timed op may have to write back, which a read does not.
+        flush.zero_() if evict == "write" else flush.amax()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -286,7 +285,7 @@ class FloorMeter:
     gemm_fn: GemmBuilder = matmul_gemm
     reps: int = 20
     warmup: int = 5
-    evict: str = "read"                 # _timed_ms: how L2 is emptied before each GEMM rep
+    evict: str = "write"                # _timed_ms: how L2 is emptied before each GEMM rep
     _gemm_ms: dict = field(default_factory=dict)
     _bandwidth: Optional[float] = None
 
@@ -459,10 +458,10 @@ def main() -> None:
     print_floor(floor)
     if args.check_gemms and args.device == "cuda":  # graphs and the in-order replay are CUDA-only
         in_order = step_gemms_in_order_ms(model, args.batch)
-        written = FloorMeter(torch.device(args.device), evict="write").floor(model, contexts, replay=args.replayssm,
-                                                                            shared_with_prev=hints)
-        print(f"the step's GEMMs: in layer order as one graph {in_order:.2f} ms; summed alone, L2 evicted by a read "
-              f"{floor['gemm_ms']:.2f}, by a write {written['gemm_ms']:.2f}")
+        read = FloorMeter(torch.device(args.device), evict="read").floor(model, contexts, replay=args.replayssm,
+                                                                        shared_with_prev=hints)
+        print(f"the step's GEMMs: in layer order as one graph {in_order:.2f} ms; summed alone, L2 emptied by a write "
+              f"{floor['gemm_ms']:.2f} (the floor's), by a read {read['gemm_ms']:.2f}")
 
 
 if __name__ == "__main__":
