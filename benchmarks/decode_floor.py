@@ -19,8 +19,8 @@ copy bandwidth measured in the same run (a large device-to-device copy, read + w
            state, silu_mul, the attention gate, the embedding gather, the sampler's one read of
            the logits), at the bytes the model's kernels move
 
-GEMM timings are medians of `reps` after warm-up (CUDA events, L2 emptied by writing a large buffer before each rep; on
-the CPU perf_counter). MoE experts run as one grouped GEMM of the B·top_k routed rows spread
+GEMM timings are medians of `reps` after warm-up (CUDA events, L2 emptied by writing a large
+buffer before each rep; on the CPU perf_counter). MoE experts run as one grouped GEMM of the B·top_k routed rows spread
 evenly over the experts (random routing touches nearly all of them at B = 256); the router is
 timed in fp32 as the model runs it. Not in the floor: kernel launch gaps, the attention's split
 partials and merge, and host work — what the step spends beyond the floor is those plus each
@@ -181,7 +181,7 @@ def decode_bytes_breakdown(config: ModelConfig, contexts: Sequence[int], *, repl
 
 def _timed_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int, evict: str = "write") -> float:
     """Median ms of fn() after `warmup` calls; on CUDA by events, with L2 emptied before each by
-    writing a large buffer (`evict="read"`: by reading it)."""
+    writing a large buffer (`evict="read"`: by reading it; `"none"`: left as fn left it)."""
     if device.type != "cuda":
         for _ in range(warmup):
             fn()
@@ -198,7 +198,10 @@ def _timed_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup:
     for _ in range(reps):
         # Weights come from HBM in the step; timed alone they would stay in L2. A write leaves
         # dirty lines that the timed op may have to write back, which a read does not.
-        flush.zero_() if evict == "write" else flush.amax()
+        if evict == "write":
+            flush.zero_()
+        elif evict == "read":
+            flush.amax()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -423,18 +426,7 @@ def step_gemms_in_order_ms(model, batch: int, reps: int = 10) -> float:
             else:
                 F.linear(inputs[w.shape[1]], w)
 
-    replay = graphed(step)
-    for _ in range(3):
-        replay()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return _timed_ms(graphed(step), model.device, reps, warmup=3, evict="none")
 
 
 def main() -> None:
@@ -458,10 +450,10 @@ def main() -> None:
     print_floor(floor)
     if args.check_gemms and args.device == "cuda":  # graphs and the in-order replay are CUDA-only
         in_order = step_gemms_in_order_ms(model, args.batch)
-        read = FloorMeter(torch.device(args.device), evict="read").floor(model, contexts, replay=args.replayssm,
-                                                                        shared_with_prev=hints)
+        read = FloorMeter(torch.device(args.device), evict="read")
+        read_ms = sum(g.count * read.gemm_ms(g, model.dtype) for g in decode_gemms(model.config, args.batch))
         print(f"the step's GEMMs: in layer order as one graph {in_order:.2f} ms; summed alone, L2 emptied by a write "
-              f"{floor['gemm_ms']:.2f} (the floor's), by a read {read['gemm_ms']:.2f}")
+              f"{floor['gemm_ms']:.2f} (the floor's), by a read {read_ms:.2f}")
 
 
 if __name__ == "__main__":
