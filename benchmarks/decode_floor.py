@@ -448,7 +448,9 @@ def main() -> None:
     contexts, hints = grouped_contexts(args.batch, args.context, args.shared_prefix, args.group_rows)
     floor = decode_floor(model, contexts, replay=args.replayssm, shared_with_prev=hints)
     print_floor(floor)
-    if args.check_gemms and args.device == "cuda":  # graphs and the in-order replay are CUDA-only
+    if args.check_gemms and args.device != "cuda":
+        print("--check-gemms: skipped, it replays a CUDA graph")
+    elif args.check_gemms:
         in_order = step_gemms_in_order_ms(model, args.batch)
         read = FloorMeter(torch.device(args.device), evict="read")
         read_ms = sum(g.count * read.gemm_ms(g, model.dtype) for g in decode_gemms(model.config, args.batch))
