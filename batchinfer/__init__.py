@@ -1,9 +1,9 @@
-"""batchinfer: offline batch inference for GDN-hybrid language models."""
+"""batchinfer: offline batch inference for GDN-hybrid language models.
+
+`kernels/`, `cache/` and `jobs/` sit at the top of the checkout; `batchinfer/kernels` etc. are links
+to them, so they import as `batchinfer.kernels` etc. through the ordinary import system, installed or
+not. They have no `__init__.py` of their own (namespace packages): from the checkout root a folder
+without one never shadows an installed package of the same name (PyPI's `kernels`, which
+transformers imports).
+"""
 __version__ = "0.1.0"
-
-from batchinfer._layers import install_checkout_layers
-
-# kernels/, cache/ and jobs/ sit beside this folder in a checkout and are installed inside it
-# (setup.py's package_dir), so they import as batchinfer.kernels etc. in both cases and never
-# collide with PyPI's top-level `kernels` / `cache` / `jobs`.
-install_checkout_layers(__name__, __path__)

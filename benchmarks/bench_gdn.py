@@ -188,7 +188,7 @@ def _prefill_sweeps(quick: bool, big: bool):
 def bench_prefill(num_seqs: int, seq_len: int, fla, quick: bool):
     """(row at the default launch, sweep closure returning the row with its tuned time)."""
     from batchinfer.kernels import gdn_prefill as ours
-    from batchinfer.kernels import ChunkTables
+    from batchinfer.kernels.public import ChunkTables
     from batchinfer.kernels.ref import gdn as ref
 
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.cache import GdnStateShape, KVShape, build_pools, memory_budget, plan_pools, shapes_from_model_config
+from batchinfer.cache.budget import build_pools, memory_budget, plan_pools
+from batchinfer.cache.shapes import GdnStateShape, KVShape, shapes_from_model_config
 from batchinfer.models.config import model_config_from_dict
 
 TINY_CONFIG = {

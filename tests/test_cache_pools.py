@@ -5,7 +5,10 @@ import pytest
 import torch
 
 from batchinfer.models.forward_batch import ModelCaches
-from batchinfer.cache import DoubleFreeError, FreeList, GdnStatePool, GdnStateShape, KVPool, KVShape
+from batchinfer.cache.kv_pool import KVPool
+from batchinfer.cache.shapes import GdnStateShape, KVShape
+from batchinfer.cache.slot_owner import DoubleFreeError, FreeList
+from batchinfer.cache.state_pool import GdnStatePool
 from batchinfer.kernels.ref.replay import replay_state
 from tests.conftest import requires_cuda
 

@@ -15,7 +15,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from batchinfer.cache import CacheConfig, GdnStatePool, GdnStateShape, KVPool, KVShape, StateCache
+from batchinfer.cache.cache_config import CacheConfig
+from batchinfer.cache.kv_pool import KVPool
+from batchinfer.cache.shapes import GdnStateShape, KVShape
+from batchinfer.cache.state_cache import StateCache
+from batchinfer.cache.state_pool import GdnStatePool
 
 pytestmark = pytest.mark.slow  # a stateful hypothesis search over the cache
 

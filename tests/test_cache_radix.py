@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.cache import RadixTree
+from batchinfer.cache.radix_tree import RadixTree
 
 
 def _kv(start: int, n: int) -> torch.Tensor:

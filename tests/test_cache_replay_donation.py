@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.cache import CacheConfig, GdnStatePool, GdnStateShape, KVPool, KVShape, StateCache
+from batchinfer.cache.cache_config import CacheConfig
+from batchinfer.cache.kv_pool import KVPool
+from batchinfer.cache.shapes import GdnStateShape, KVShape
+from batchinfer.cache.state_cache import StateCache
+from batchinfer.cache.state_pool import GdnStatePool
 from batchinfer.kernels import ops
 from batchinfer.kernels.ref.gdn import gdn_decode as gdn_decode_ref
 

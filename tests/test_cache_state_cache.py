@@ -4,7 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.cache import CacheConfig, GdnStatePool, GdnStateShape, KVPool, KVShape, StateCache
+from batchinfer.cache.cache_config import CacheConfig
+from batchinfer.cache.kv_pool import KVPool
+from batchinfer.cache.shapes import GdnStateShape, KVShape
+from batchinfer.cache.state_cache import StateCache
+from batchinfer.cache.state_pool import GdnStatePool
 
 RING = 4
 

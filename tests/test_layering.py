@@ -4,7 +4,7 @@ A module may import its own layer and any layer below it (skipping layers is fin
 the engine and the cache may import each other; the cache and the model sit side by side under
 the engine (the cache owns the pools' tensors, the model reads them through `ModelCaches`, which
 the model side builds). Lazy imports inside functions count: ast sees every import statement.
-Outside `kernels/`, kernel helpers come through the package (`from batchinfer.kernels import ChunkTables`),
+Outside `kernels/`, kernel helpers come through `batchinfer.kernels.public` (`ChunkTables` etc.),
 never through its private modules.
 """
 from __future__ import annotations
@@ -77,6 +77,9 @@ def import_graph(root: Path, top_packages=SCANNED) -> dict[str, set[str]]:
     graph = {}
     for top in top_packages:
         for path in sorted((root / top).rglob("*.py")):
+            parts = path.relative_to(root).parts
+            if parts[0] == "batchinfer" and parts[1] in INSTALLED_UNDER_BATCHINFER:
+                continue  # batchinfer/kernels etc. link to the top-level folders, scanned as themselves
             name = module_name(path, root)
             graph[name] = imported_modules(path.read_text(), name, path.name == "__init__.py")
     return graph
@@ -145,3 +148,4 @@ def test_the_checker_reports_an_upward_edge(tmp_path):
     (tmp_path / "jobs" / "old.py").write_text("import kernels.ops\nfrom cache import pool\n")
     assert top_level_layer_imports(import_graph(tmp_path)) == ["batchinfer.jobs.old -> cache",
                                                                "batchinfer.jobs.old -> kernels.ops"]
+

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from batchinfer.kernels import PREFILL_CHUNK
+from batchinfer.kernels.public import PREFILL_CHUNK
 
 
 def _bytes_per_step_token(config, item: int) -> int:

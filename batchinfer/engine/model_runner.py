@@ -15,7 +15,7 @@ import torch
 from batchinfer.engine.cuda_graphs import DecodeGraphs, select_tokens
 from batchinfer.engine.host_copy import upload_packed
 from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
-from batchinfer.kernels import ChunkTables
+from batchinfer.kernels.public import ChunkTables
 
 
 @dataclass(frozen=True)

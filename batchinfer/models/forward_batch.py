@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from batchinfer.models.config import ModelConfig
-from batchinfer.kernels import ChunkTables
+from batchinfer.kernels.public import ChunkTables
 from batchinfer.kernels.ref.conv1d import conv_state_zeros
 
 

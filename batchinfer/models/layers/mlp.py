@@ -22,7 +22,8 @@ from torch import nn
 from batchinfer.models.config import ModelConfig
 from batchinfer.models.layers.fp8_linear import Fp8Weight, block_aligned, dense_weight, linear, projection
 from batchinfer.models.layers.params import empty_param
-from batchinfer.kernels import cuda_capability, ops
+from batchinfer.kernels import ops
+from batchinfer.kernels.public import cuda_capability
 
 
 def swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:

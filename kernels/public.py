@@ -1,9 +1,10 @@
-"""GPU kernels: each op a package beside its torch reference, run through `kernels.ops`.
-
-Besides the ops, the layers above use these helpers, exported here so that they never import the
+"""The kernel helpers the layers above use besides `kernels.ops`, so that they never import the
 private `kernels._common`: `ChunkTables` (a step's shared prefill chunk tables), `cuda_capability`,
-`PREFILL_CHUNK` (the GDN prefill's chunk length). They resolve on first use: importing `kernels`
-(for `kernels.ops` or `kernels.ref`, which the CPU path runs) does not import Triton.
+`PREFILL_CHUNK` (the GDN prefill's chunk length). They resolve on first use, so importing this module
+does not import Triton.
+
+`kernels/` itself has no `__init__.py`: from the checkout root it must not shadow PyPI's `kernels`
+(which transformers imports), and a folder without one loses to any installed package of its name.
 """
 from __future__ import annotations
 
@@ -19,6 +20,6 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+        raise AttributeError(f"module 'batchinfer.kernels.public' has no attribute {name!r}")
     module, attribute = _EXPORTS[name]
     return getattr(importlib.import_module(module), attribute)
