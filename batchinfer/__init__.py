@@ -7,3 +7,13 @@ without one never shadows an installed package of the same name (PyPI's `kernels
 transformers imports).
 """
 __version__ = "0.1.0"
+
+__all__ = ["LLM", "run"]
+
+
+def __getattr__(name: str):
+    # `import batchinfer` stays light (no torch): the API loads on first use.
+    if name in __all__:
+        from batchinfer import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'batchinfer' has no attribute {name!r}")

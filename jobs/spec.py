@@ -279,6 +279,13 @@ def parse_job_file(text: str, path: Path) -> JobFile:
         line = f"line {mark.line + 1}" if mark is not None else "yaml"
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise checker.fail(line, f"malformed YAML: {problem}") from None
+    return parse_job_document(document, path)
+
+
+def parse_job_document(document: Any, path: Path) -> JobFile:
+    """Validate a job file's content (YAML already read, or a dict from Python: `batchinfer.run`);
+    `path` locates relative paths and names errors."""
+    checker = Checker(path)
     if document is None:
         raise checker.fail("jobs", "empty job file")
     checker.mapping(document, "(top level)", TOP_KEYS)
