@@ -160,9 +160,56 @@ def test_tiny_fp8_moe_logits_grouped_fp8_vs_dequantized(monkeypatch):
 
 
 @requires_cuda
-def test_layer_runs_the_grouped_kernel_on_cuda():
+def test_fp8_moe_layer_runs_the_grouped_kernel_in_a_cuda_graph():
+    """On CUDA the FP8 MoE layer calls the kernel, needs no host sync (a decode step is a graph)
+    and stays near its dequantized path."""
     from batchinfer.models.layers import mlp
 
-    x = torch.zeros(2, H, device="cuda", dtype=torch.bfloat16)
-    if torch.cuda.get_device_capability() >= (8, 9):
-        assert mlp._grouped_fp8_op(x) is triton_moe_fp8
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    block = _tiny_fp8_moe().layers[0].mlp.cuda()
+    x = torch.randn(64, block.router.shape[1], device="cuda")
+    assert mlp._grouped_fp8_op(x) is triton_moe_fp8
+    experts, weights = block.route(x)
+    out = torch.full((64, x.shape[1]), float("nan"), device="cuda")
+    run = lambda: out.copy_(block._run_experts(x, experts, weights))  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(block.num_experts, dtype=torch.int64, device="cuda").index_add_(0, flat, torch.ones_like(flat))
+    dequantized = block._expert_rows(x, order // block.top_k, counts).float() * weights.reshape(-1)[order, None]
+    ref = torch.zeros_like(out).index_add_(0, order // block.top_k, dequantized)
+    assert out.isfinite().all()
+    assert (out - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+SM90_CHILD = """
+import re
+from benchmarks.moe_fp8_sm90 import compile_sm90
+for kernel, block_m in (("gate_up", 16), ("down", 16), ("gate_up", 64), ("down", 64)):
+    ptx = compile_sm90(kernel, block_m).asm["ptx"]
+    print("wgmma-e4m3" if re.search(r"wgmma\\.mma_async\\S*e4m3", ptx) else "mma" if "mma.sync" in ptx else "none")
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs code the compiler refuses: compile both kernels for sm_90a offline at
+    the decode and prefill row tiles, in a child without the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.sm90_compile import PTXAS
+    if not os.path.exists(PTXAS):
+        pytest.skip("Triton ships no ptxas here")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-c", SM90_CHILD], capture_output=True, text=True, env=env, timeout=600)
+    assert child.returncode == 0, child.stderr[-2000:]
+    # e4m3 tensor-core products at the prefill tile; below 64 rows Triton's f16 mma on exactly converted e4m3.
+    assert child.stdout.split() == ["mma", "mma", "wgmma-e4m3", "wgmma-e4m3"]
