@@ -32,6 +32,7 @@ OPS: dict[str, tuple[str, str]] = {
     "store_kv": ("batchinfer.kernels.attention", "batchinfer.kernels.ref.attention"),
     "attention_prefill": ("batchinfer.kernels.attention.prefill_backends", "batchinfer.kernels.ref.attention"),
     "attention_decode": ("batchinfer.kernels.attention", "batchinfer.kernels.ref.attention"),
+    "moe_fp8": ("batchinfer.kernels.moe_fp8", "batchinfer.kernels.ref.moe_fp8"),
 }
 
 
@@ -86,3 +87,4 @@ replay_fold = _dispatch("replay_fold")
 store_kv = _dispatch("store_kv")
 attention_prefill = _dispatch("attention_prefill")
 attention_decode = _dispatch("attention_decode")
+moe_fp8 = _dispatch("moe_fp8")

@@ -108,5 +108,6 @@ def test_presets_have_the_published_sizes(name, billions):
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ModelConfigError, match="tiny"):
         preset_config("nope")
-    assert set(PRESETS) == {"tiny", "qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "qwen3.5-27b-fp8",
-                            "qwen3-next-80b-a3b-fp8"}
+    assert set(PRESETS) == {"tiny", "qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b",
+                            "qwen3.5-27b-fp8", "qwen3-next-80b-a3b-fp8", "qwen3.5-35b-a3b-fp8",
+                            "qwen3.5-122b-a10b-fp8"}

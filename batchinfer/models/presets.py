@@ -5,8 +5,9 @@ as a checkpoint); weights are drawn on the target device in the target dtype, de
 by seed. `build_model` takes a preset name or a checkpoint directory.
 
 Sizes in bf16: qwen3.5-27b ≈ 54 GB (fits one H200); qwen3.5-35b-a3b ≈ 70 GB (fits; ~3B parameters
-active per token); qwen3-next-80b-a3b ≈ 160 GB, which does not fit one GPU (no tensor parallelism
-here) — it is useful for shapes and cache budgeting.
+active per token); qwen3-next-80b-a3b ≈ 160 GB and qwen3.5-122b-a10b ≈ 244 GB, which do not fit
+one GPU (no tensor parallelism here) — they are useful for shapes and cache budgeting, and their
+FP8 twins fit (80 GB, 124 GB).
 """
 from __future__ import annotations
 
@@ -52,6 +53,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         "tie_word_embeddings": False, "max_position_embeddings": 262144,
     },
+    # Qwen/Qwen3.5-122B-A10B's text model: 48 layers (36 GDN + 12 attention), every layer MoE.
+    "qwen3.5-122b-a10b": {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320, "hidden_size": 3072, "num_hidden_layers": 48,
+        "full_attention_interval": 4, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 1024,
+        "shared_expert_intermediate_size": 1024, "norm_topk_prob": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "max_position_embeddings": 262144,
+    },
     "qwen3-next-80b-a3b": {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
@@ -67,11 +80,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # FP8 twins (Qwen's block-quantized format): random weights quantized on the device. ~28 GB
-# (27B) and ~80 GB (80B-A3B, fits one H200). On the CPU their weights are dequantized.
+# (27B), ~36 GB (35B-A3B), ~80 GB (80B-A3B) and ~124 GB (122B-A10B): each fits one H200.
+# On the CPU their weights are dequantized.
 FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128], "modules_to_not_convert": []}
 PRESETS["qwen3.5-27b-fp8"] = {**PRESETS["qwen3.5-27b"], "quantization_config": FP8_QUANTIZATION}
 PRESETS["qwen3-next-80b-a3b-fp8"] = {**PRESETS["qwen3-next-80b-a3b"], "quantization_config": FP8_QUANTIZATION}
+PRESETS["qwen3.5-35b-a3b-fp8"] = {**PRESETS["qwen3.5-35b-a3b"], "quantization_config": FP8_QUANTIZATION}
+PRESETS["qwen3.5-122b-a10b-fp8"] = {**PRESETS["qwen3.5-122b-a10b"], "quantization_config": FP8_QUANTIZATION}
 
 
 def preset_config(name: str) -> ModelConfig:

@@ -12,6 +12,10 @@ MLP's (transformers combines in the activation dtype; fp32 parity is unaffected)
 
 Every `silu(gate) · up` (dense MLP, shared expert, routed experts) is one `ops.silu_mul` over
 the fused gate|up projection: fp32 inside, one rounding (exactly torch's result in fp32).
+
+FP8 routed experts (both stacks `Fp8Weight`) run on CUDA as grouped FP8 GEMMs with their block
+scales (`ops.moe_fp8`: activations quantized per token group, SiLU·mul fused between the two
+GEMMs); on the CPU (and with BATCHINFER_KERNELS=ref) they are dequantized for the grouped GEMM.
 """
 from __future__ import annotations
 
@@ -44,6 +48,14 @@ class DenseMLP(nn.Module):
         return swiglu(x, self.gate_up, self.down)  # [T, hidden]
 
 
+def _grouped_fp8_op(x: torch.Tensor):
+    """`ops.moe_fp8`'s Triton kernel where it runs (CUDA with FP8 tensor cores, sm_89+, unless
+    BATCHINFER_KERNELS=ref), else None: FP8 experts are then dequantized (the reference path)."""
+    if not ops.uses_triton(x) or cuda_capability(x.device) < (8, 9):
+        return None
+    return ops.implementation("moe_fp8", True)
+
+
 def _grouped_mm_supported(x: torch.Tensor) -> bool:
     # CUDA's grouped GEMM is bf16-only and needs Hopper (sm90) or newer; the CPU
     # implementation takes any float dtype.
@@ -63,8 +75,8 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = E, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.router = empty_param(E, H, dtype=dtype, device=device)
-        # FP8 experts stay FP8 in memory (they are most of an MoE model's bytes) and are
-        # dequantized per layer call for the grouped GEMM (no grouped FP8 kernel here).
+        # FP8 experts stay FP8 in memory (they are most of an MoE model's bytes): grouped FP8
+        # GEMMs on CUDA, dequantized per layer call elsewhere.
         if "experts_gate_up" in fp8 and block_aligned(I, I):
             self.experts_gate_up = Fp8Weight(E, 2 * I, H, device=device)
         else:
@@ -100,11 +112,33 @@ class SparseMoE(nn.Module):
         flat_experts = experts.reshape(-1)  # [T·k]
         order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert
         token_of = order // k  # [T·k] source token of each sorted assignment
-        x_sorted = x[token_of]  # [T·k, hidden]
         # Fixed-size count (bincount's output size depends on the data: a host sync, which
         # would break CUDA-graph capture of decode steps).
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))  # [E]
+        y = self._fp8_expert_rows(x, token_of, counts)
+        if y is None:
+            y = self._expert_rows(x, token_of, counts)
+        # fp32 products and sum (a transient [T·k, hidden] fp32: one prefill chunk's worth).
+        y = y.float() * weights.reshape(-1)[order, None]  # [T·k, hidden]
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, y)
+
+    def _fp8_expert_rows(self, x: torch.Tensor, token_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Expert outputs of the sorted rows [T·k, hidden] by the grouped FP8 kernel (the tokens
+        gathered inside it), or None where it does not run (unquantized experts, or no kernel)."""
+        gate_up, down = self.experts_gate_up, self.experts_down
+        if not (isinstance(gate_up, Fp8Weight) and isinstance(down, Fp8Weight)):
+            return None
+        op = _grouped_fp8_op(x)
+        if op is None:
+            return None
+        ends = counts.cumsum(0).to(torch.int32)  # end of each expert's rows
+        return op(x.contiguous(), token_of, ends, gate_up.weight, gate_up.scale_inv, down.weight, down.scale_inv)
+
+    def _expert_rows(self, x: torch.Tensor, token_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert outputs of the sorted rows [T·k, hidden] by grouped (or per-expert) matmuls in
+        the model dtype, FP8 experts dequantized first."""
+        x_sorted = x[token_of]  # [T·k, hidden]
         experts_gate_up = dense_weight(self.experts_gate_up, self.dtype)  # [E, 2I, hidden]
         experts_down = dense_weight(self.experts_down, self.dtype)  # [E, hidden, I]
         if _grouped_mm_supported(x):
@@ -120,6 +154,4 @@ class SparseMoE(nn.Module):
                     rows = slice(start, start + count)
                     y[rows] = swiglu(x_sorted[rows], experts_gate_up[expert], experts_down[expert])
                     start += count
-        # fp32 products and sum (a transient [T·k, hidden] fp32: one prefill chunk's worth).
-        y = y.float() * weights.reshape(-1)[order, None]  # [T·k, hidden]
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, y)
+        return y

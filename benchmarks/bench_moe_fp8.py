@@ -1,0 +1,147 @@
+"""FP8 routed experts of one MoE layer: the grouped FP8 GEMMs (kernels/moe_fp8) against dequantize + `_grouped_mm`.
+
+    python -m benchmarks.bench_moe_fp8            # GPU: qwen3.5-35b-a3b expert shapes, 256 / 512 / 1024 tokens
+    python -m benchmarks.bench_moe_fp8 --quick    # CPU smoke run (Triton interpreter, tiny shapes)
+    python -m benchmarks.bench_moe_fp8 --sm90     # no GPU: compile both kernels for sm_90a, print resources
+
+Per token count T (routed top-k over E experts by a random router, as `SparseMoE.route` does):
+CUDA-graph replay milliseconds of `SparseMoE._fp8_expert_rows` (activation quant, tile table,
+gate|up with SiLU·mul and re-quantization fused, down) and of `SparseMoE._expert_rows` on the same
+FP8 block (both stacks dequantized to bf16, gather, `_grouped_mm`, silu_mul, `_grouped_mm`: the
+path before the grouped FP8 kernel). Both produce the same [T·k, hidden] rows. The byte floor is
+the experts the batch routes to (their e4m3 weights and scales read once) plus the activations
+(x read, the rows written, bf16); "GB/s" is that floor's bytes over the measured time and
+"x floor" the time over the floor at copy bandwidth. The last column is the FP8 path's max error
+against the dequantized path, relative to its max.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+# Without a GPU the kernels run in Triton's interpreter, which must be on before any kernel module
+# defines its @triton.jit functions; --sm90 compiles them instead, which the interpreter forbids.
+if not torch.cuda.is_available() and "--sm90" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from batchinfer.models.config import model_config_from_dict  # noqa: E402
+from batchinfer.models.layers.fp8_linear import Fp8Weight  # noqa: E402
+from batchinfer.models.layers.mlp import SparseMoE  # noqa: E402
+from batchinfer.models.presets import PRESETS  # noqa: E402
+
+COPY_BANDWIDTH = 4.28e12  # B/s, device-to-device copy measured on the H200 (as benchmarks.engine_arms)
+FP8_EXPERTS = frozenset({"experts_gate_up", "experts_down"})
+
+
+def make_block(preset: str, device: str, quick: bool) -> SparseMoE:
+    """The preset's MoE block with FP8 routed experts (random weights, block-quantized here)."""
+    raw = dict(PRESETS[preset])
+    if quick:
+        raw.update(hidden_size=256, num_experts=8, moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    config = model_config_from_dict(raw)
+    block = SparseMoE(config, torch.bfloat16, device, FP8_EXPERTS)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        block.router.copy_(torch.randn(block.router.shape, device=device, generator=generator))
+        for weight in (block.experts_gate_up, block.experts_down):
+            fan_in = weight.shape[-1]
+            for e in range(weight.shape[0]):  # one expert at a time: the fp32 staging stays small
+                w = torch.randn(weight.shape[1:], device=device, generator=generator) * fan_in ** -0.5
+                sub = Fp8Weight(*weight.shape[1:], device=device)
+                sub.quantize_from_(w)
+                weight.weight[e].copy_(sub.weight)
+                weight.scale_inv[e].copy_(sub.scale_inv)
+    return block
+
+
+def time_ms(fn: Callable[[], object], device: str) -> float:
+    if device != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
+    from triton.testing import do_bench
+
+    from benchmarks.bench_replay_attn import capture_graph
+    replay, _ = capture_graph(fn)  # decode steps are graphs: no launch overhead in either arm
+    return do_bench(replay or fn, warmup=10, rep=100)
+
+
+def floor_bytes(block: SparseMoE, counts: torch.Tensor, tokens: int) -> int:
+    hit = int((counts > 0).sum())
+    per_expert = sum(w.weight[0].numel() + 4 * w.scale_inv[0].numel()
+                     for w in (block.experts_gate_up, block.experts_down))
+    H = block.experts_down.shape[1]
+    return hit * per_expert + 2 * H * (tokens + tokens * block.top_k)  # weights + x read + rows written
+
+
+@torch.inference_mode()
+def measure(block: SparseMoE, tokens: int, device: str) -> dict:
+    H = block.experts_down.shape[1]
+    generator = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, H, device=device, generator=generator).bfloat16()
+    experts, _ = block.route(x)
+    flat = experts.reshape(-1)
+    token_of = torch.argsort(flat, stable=True) // block.top_k
+    counts = torch.zeros(block.num_experts, dtype=torch.int64, device=device).index_add_(0, flat, torch.ones_like(flat))
+    from batchinfer.kernels import ops
+    from batchinfer.models.layers import mlp
+    kernel = ops.implementation("moe_fp8", True)
+    fp8_path = lambda: block._fp8_expert_rows(x, token_of, counts)  # noqa: E731
+    dequant_path = lambda: block._expert_rows(x, token_of, counts)  # noqa: E731
+    original, mlp._grouped_fp8_op = mlp._grouped_fp8_op, (lambda _: kernel)  # the kernel on the CPU too
+    try:
+        fp8_rows, dequant_rows = fp8_path().float(), dequant_path().float()
+        fp8_ms, dequant_ms = time_ms(fp8_path, device), time_ms(dequant_path, device)
+    finally:
+        mlp._grouped_fp8_op = original
+    nbytes = floor_bytes(block, counts, tokens)
+    floor_ms = 1e3 * nbytes / COPY_BANDWIDTH
+    return {"tokens": tokens, "rows": tokens * block.top_k, "experts_hit": int((counts > 0).sum()),
+            "floor_mb": nbytes / 1e6, "floor_ms": floor_ms, "fp8_ms": fp8_ms, "dequant_ms": dequant_ms,
+            "fp8_gbs": nbytes / fp8_ms / 1e6, "dequant_gbs": nbytes / dequant_ms / 1e6,
+            "rel_err": ((fp8_rows - dequant_rows).abs().max() / dequant_rows.abs().max()).item()}
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'T':>5} {'rows':>6} {'E hit':>5} {'floor MB':>8} {'floor ms':>8} | {'fp8 ms':>7} {'GB/s':>6} "
+              f"{'x floor':>7} | {'deq+gmm ms':>10} {'GB/s':>6} {'x floor':>7} | {'speedup':>7} {'rel err':>8}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['tokens']:>5} {r['rows']:>6} {r['experts_hit']:>5} {r['floor_mb']:8.1f} {r['floor_ms']:8.3f} | "
+              f"{r['fp8_ms']:7.3f} {r['fp8_gbs']:6.0f} {r['fp8_ms'] / r['floor_ms']:6.2f}x | "
+              f"{r['dequant_ms']:10.3f} {r['dequant_gbs']:6.0f} {r['dequant_ms'] / r['floor_ms']:6.2f}x | "
+              f"{r['dequant_ms'] / r['fp8_ms']:6.2f}x {r['rel_err']:8.1e}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3.5-35b-a3b")
+    parser.add_argument("--tokens", default="256,512,1024")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, 4 and 16 tokens")
+    parser.add_argument("--sm90", action="store_true", help="no GPU: compile for sm_90a and print resources")
+    args = parser.parse_args(argv)
+    if args.sm90:
+        from benchmarks.moe_fp8_sm90 import print_sm90
+        print_sm90()
+        return 0
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    block = make_block(args.preset, device, args.quick)
+    counts = [4, 16] if args.quick else [int(t) for t in args.tokens.split(",")]
+    rows = [measure(block, t, device) for t in counts]
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    print(f"{args.preset} FP8 routed experts: {block.num_experts} experts top-{block.top_k}, hidden "
+          f"{block.experts_down.shape[1]}, expert intermediate {block.experts_down.shape[2]}; {name}, "
+          f"floor at {COPY_BANDWIDTH / 1e12:.2f} TB/s")
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

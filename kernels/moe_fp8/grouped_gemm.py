@@ -1,0 +1,170 @@
+"""Triton grouped FP8 GEMMs of the routed experts: gate|up with SiLU·mul and re-quantization fused, then down.
+
+Rows are (token, expert) assignments sorted by expert (`SparseMoE`'s layout); a program owns
+one row tile of one expert (`tiles.py`) and one slice of the output columns, so it streams only
+that expert's weight slice. Operands are e4m3: the tokens quantized once per (token, 128-column
+group) and gathered by `token_of` inside the kernel (no [T·k, H] copy), weights with one fp32
+scale per 128 × 128 block; each 128-deep K step is an fp8 tensor-core dot accumulated in fp32
+with its two scales: acc += dot(a, b) · a_scale[row] · b_scale.
+
+The gate|up program owns 128 gate and the matching 128 up columns: its epilogue forms
+silu(gate) · up in fp32 and quantizes it per (row, 128-column group), which is exactly one group
+of the down GEMM's activations, so the [T·k, 2I] intermediate is never written. Reference:
+kernels/ref/moe_fp8.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP
+from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3, quantize_act
+from batchinfer.kernels.moe_fp8.tiles import expert_tiles
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
+
+@dataclass(frozen=True)
+class MoeFp8Launch:
+    """Row tile (rows of one expert per program), the down GEMM's column tile, warps, stages."""
+
+    block_m: int
+    block_n_down: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
+    """By rows per expert: decode (a few to tens of rows each) wants small row tiles, so a tile
+    is rarely mostly padding; prefill wants wider ones for weight reuse."""
+    per_expert = num_rows / max(num_experts, 1)
+    if per_expert <= 16:
+        return MoeFp8Launch(block_m=16, num_warps=4, num_stages=4)
+    if per_expert <= 32:
+        return MoeFp8Launch(block_m=32, num_warps=4, num_stages=4)
+    return MoeFp8Launch(block_m=64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _gate_up_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,
+                    tile_expert_ptr, tile_start_ptr, tile_end_ptr, K, I,
+                    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn,
+                    stride_hm, stride_hsm,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr):
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    if end <= start:  # an unused tail tile of the table
+        return
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    tokens = tl.load(token_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    cols = pid_n * BLOCK_K + tl.arange(0, BLOCK_K)  # this program's gate rows of w; up rows are I below
+    a_ptrs = xq_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    w_base = w_ptr + expert * stride_we
+    g_ptrs = w_base + cols[None, :] * stride_wn + offs_k[:, None]  # [BK, BN] view of the [2I, K] weight
+    u_ptrs = g_ptrs + I * stride_wn
+    xs_ptrs = xs_ptr + tokens * stride_xsm
+    gs_ptr = ws_ptr + expert * stride_wse + pid_n * stride_wsn
+    us_ptr = gs_ptr + (I // BLOCK_K) * stride_wsn
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for kb in range(0, K_TILES):  # constexpr trip count: the interpreter cannot loop to a runtime int
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        a_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)  # [BM]
+        acc_g += tl.dot(a, g) * (a_s * tl.load(gs_ptr + kb))[:, None]
+        acc_u += tl.dot(a, u) * (a_s * tl.load(us_ptr + kb))[:, None]
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+
+    h = acc_g * tl.sigmoid(acc_g) * acc_u  # [BM, 128]: one quantization group of the down GEMM's input
+    amax = tl.maximum(tl.max(tl.abs(h), axis=1), _AMAX_FLOOR)
+    scale = tl.math.div_rn(amax, _FP8_MAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -_FP8_MAX), _FP8_MAX)
+    rows64 = rows.to(tl.int64)
+    tl.store(hq_ptr + rows64[:, None] * stride_hm + cols[None, :], _round_to_e4m3(q).to(tl.float8e4nv),
+             mask=row_ok[:, None])
+    tl.store(hs_ptr + rows64 * stride_hsm + pid_n, scale, mask=row_ok)
+
+
+@triton.jit
+def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K,
+                 stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr):
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    if end <= start:
+        return
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < end
+    offs_k = tl.arange(0, BLOCK_K)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    a_ptrs = hq_ptr + rows[:, None] * stride_hm + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    hs_ptrs = hs_ptr + rows * stride_hsm
+    ws_ptr_n = ws_ptr + expert * stride_wse + ((pid_n * BLOCK_N) // BLOCK_K) * stride_wsn  # BLOCK_N divides 128
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K_TILES):  # K = I, a whole number of 128-column groups
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        a_s = tl.load(hs_ptrs + kb, mask=row_ok, other=0.0)
+        acc += tl.dot(a, b) * (a_s * tl.load(ws_ptr_n + kb))[:, None]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
+            w2: torch.Tensor, s2: torch.Tensor, launch: MoeFp8Launch | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H] (unit column stride); token_of [M] (sorted row → token); ends [E] (cumulative rows
+    per expert, int); w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I],
+    s2 fp32 [E, ceil(H/128), I/128] → [M, H] in x's dtype (into `out`, unit column stride, when
+    given), rows in sorted order. No host sync."""
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    M = token_of.shape[0]
+    assert I % GROUP == 0, "the fused epilogue quantizes whole 128-column groups of silu(gate)·up"
+    assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I) and ends.shape == (E,)
+    assert s13.shape == (E, 2 * I // GROUP, triton.cdiv(H, GROUP)) and s2.shape == (E, triton.cdiv(H, GROUP), I // GROUP)
+    assert w13.stride(2) == 1 and w2.stride(2) == 1 and s13.stride(2) == 1 and s2.stride(2) == 1
+    y = torch.empty((M, H), dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (M, H) and y.stride(1) == 1
+    if M == 0:
+        return y
+    launch = launch or default_launch(M, E)
+    assert GROUP % launch.block_n_down == 0
+    xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
+    tiles = expert_tiles(ends, M, launch.block_m)
+    token_of = token_of.to(torch.int32)
+    hq = torch.empty((M, I), dtype=FP8_DTYPE, device=x.device)
+    hs = torch.empty((M, I // GROUP), dtype=torch.float32, device=x.device)
+    knobs = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+    _gate_up_kernel[(tiles.capacity, I // GROUP)](
+        xq, xs, token_of, w13, s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
+        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        hq.stride(0), hs.stride(0),
+        BLOCK_M=launch.block_m, BLOCK_K=GROUP, K_TILES=triton.cdiv(H, GROUP), **knobs)
+    _down_kernel[(tiles.capacity, triton.cdiv(H, launch.block_n_down))](
+        hq, hs, w2, s2, y, tiles.expert, tiles.start, tiles.end, H, I,
+        hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP, K_TILES=I // GROUP, **knobs)
+    return y

@@ -1,0 +1,38 @@
+"""Reference FP8 routed experts (plain torch, fp32 math): what `kernels/moe_fp8/` computes.
+
+Rows are routed (token, expert) assignments sorted by expert, the layout `SparseMoE` builds for
+the grouped GEMM: row r reads token `token_of[r]`, expert e owns rows [ends[e-1], ends[e]).
+Per expert: the token rows quantized per (token, 128-column group) as the dense FP8 GEMM does,
+times the dequantized gate|up block; `silu(gate) · up` in fp32; that quantized per 128-column
+group again; times the dequantized down block. Products in fp32, output rounded once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchinfer.kernels.fp8_gemm.reference import GROUP, block_dequantize, quantize_act_reference
+
+
+def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] through per-(row, 128-column group) e4m3 and back, in fp32."""
+    q, s = quantize_act_reference(x)
+    return q.float() * s.repeat_interleave(GROUP, dim=1)[:, :x.shape[1]]
+
+
+def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
+            w2: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; token_of [M]; ends [E] (cumulative rows per expert); w13 e4m3 [E, 2I, H] with
+    s13 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I] with s2 [E, ceil(H/128), I/128] → [M, H] in x's dtype."""
+    M, H = token_of.shape[0], x.shape[1]
+    y = torch.zeros(M, H, dtype=torch.float32, device=x.device)
+    a = quantize_dequantize(x)[token_of.long()]  # [M, H]: per-row quantization commutes with the gather
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
+            rows = slice(start, end)
+            gate, up = (a[rows] @ block_dequantize(w13[expert], s13[expert]).t()).chunk(2, dim=-1)
+            h = quantize_dequantize(F.silu(gate) * up)  # [rows, I]
+            y[rows] = h @ block_dequantize(w2[expert], s2[expert]).t()
+        start = end
+    return y.to(x.dtype)

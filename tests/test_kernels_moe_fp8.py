@@ -1,0 +1,215 @@
+"""FP8 routed experts as grouped FP8 GEMMs (kernels/moe_fp8): the row tiles, the Triton kernel
+(the interpreter on the CPU) against the fp32 reference at tiny shapes, and a tiny FP8 MoE
+model's logits with the grouped FP8 path against its dequantized path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchinfer.kernels import ops
+from batchinfer.kernels.fp8_gemm.reference import block_dequantize, block_quantize
+from batchinfer.kernels.moe_fp8.grouped_gemm import MoeFp8Launch, default_launch
+from batchinfer.kernels.moe_fp8.grouped_gemm import moe_fp8 as triton_moe_fp8
+from batchinfer.kernels.moe_fp8.tiles import expert_tiles
+from batchinfer.kernels.ref.moe_fp8 import moe_fp8 as reference_moe_fp8
+from tests.conftest import interpreter_only, requires_cuda
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E, H, I = 4, 256, 128  # gate|up is [E, 256, 256]: N = K = 256
+# Rows per expert: uneven, a zero-token expert inside and at either end, tiles with padding.
+COUNTS = [[17, 0, 5, 18], [0, 9, 31, 0], [1, 1, 1, 1]]
+LAUNCHES = [MoeFp8Launch(block_m=16, block_n_down=64, num_warps=4, num_stages=1),
+            MoeFp8Launch(block_m=32, block_n_down=128, num_warps=4, num_stages=1)]
+
+
+def _inputs(counts: list[int], seed: int, T: int = 23, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H, generator=g) * 2).to(dtype)
+    w13, s13 = block_quantize(torch.randn(E, 2 * I, H, generator=g) * H ** -0.5)
+    w2, s2 = block_quantize(torch.randn(E, H, I, generator=g) * I ** -0.5)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    token_of = torch.randint(0, T, (sum(counts),), generator=g)
+    return tuple(t.to(DEVICE) for t in (x, token_of, ends, w13, s13, w2, s2))
+
+
+def _unquantized(x, token_of, ends, w13, s13, w2, s2) -> torch.Tensor:
+    """The same experts in fp32 without any activation quantization: what FP8 approximates."""
+    y = torch.zeros(token_of.shape[0], H)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        a = x.float().cpu()[token_of.cpu()[start:end]]
+        gate, up = (a @ block_dequantize(w13[e], s13[e]).cpu().t()).chunk(2, dim=-1)
+        y[start:end] = (torch.nn.functional.silu(gate) * up) @ block_dequantize(w2[e], s2[e]).cpu().t()
+        start = end
+    return y
+
+
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_tiles_cover_every_row_once_within_one_expert(counts, block_m):
+    ends = torch.tensor(counts).cumsum(0)
+    tiles = expert_tiles(ends, sum(counts), block_m)
+    seen = []
+    starts = [0] + ends.tolist()[:-1]
+    for expert, start, end in zip(tiles.expert.tolist(), tiles.start.tolist(), tiles.end.tolist()):
+        if end <= start:
+            continue
+        assert starts[expert] <= start < end == ends[expert], (expert, start, end)
+        seen += range(start, min(start + block_m, end))
+    assert seen == list(range(sum(counts)))
+
+
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["m16n64", "m32n128"])
+def test_kernel_matches_the_fp32_reference(counts, launch):
+    args = _inputs(counts, seed=sum(counts) + launch.block_m)
+    out = torch.full((sum(counts), H), float("nan"), device=DEVICE)
+    result = triton_moe_fp8(*args, launch=launch, out=out)
+    assert result is out and out.isfinite().all()  # every routed row written
+    ref = reference_moe_fp8(*args)
+    # The same quantized operands on both sides; the kernel's fp32 sums run in another order, which
+    # rarely moves a silu·up value across an e4m3 rounding boundary (one e4m3 step, 2^-3 relative).
+    torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+    # And FP8 is near the unquantized experts (e4m3: ~2^-4 relative per operand).
+    exact = _unquantized(*args)
+    assert (ref.cpu() - exact).abs().max() <= 0.1 * exact.abs().max()
+
+
+def test_kernel_reads_only_routed_experts_and_writes_x_dtype():
+    x, token_of, ends, w13, s13, w2, s2 = _inputs([12, 0, 20, 7], seed=5, dtype=torch.bfloat16)
+    s13[1], s2[1] = float("nan"), float("nan")  # the zero-token expert: never read
+    out = triton_moe_fp8(x, token_of, ends, w13, s13, w2, s2, launch=LAUNCHES[0])
+    assert out.dtype == torch.bfloat16 and out.shape == (39, H) and out.isfinite().all()
+    ref = reference_moe_fp8(x, token_of, ends, w13, s13, w2, s2)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2 * ref.float().abs().max().item())
+
+
+def test_no_routed_rows_launches_nothing():
+    x, _, _, w13, s13, w2, s2 = _inputs([1, 1, 1, 1], seed=0)
+    out = triton_moe_fp8(x, torch.zeros(0, dtype=torch.int64, device=DEVICE),
+                         torch.zeros(E, dtype=torch.int32, device=DEVICE), w13, s13, w2, s2)
+    assert out.shape == (0, H)
+
+
+def test_default_launch_tiles_decode_rows_small():
+    # Qwen3.5-35B-A3B decode: 256 / 1024 tokens x top-8 over 256 experts; a prefill chunk.
+    assert default_launch(256 * 8, 256).block_m == 16
+    assert default_launch(1024 * 8, 256).block_m == 32
+    assert default_launch(8192 * 8, 256).block_m == 64
+
+
+def test_ops_dispatches_moe_fp8():
+    assert ops.implementation("moe_fp8", True) is triton_moe_fp8
+    assert ops.implementation("moe_fp8", False) is reference_moe_fp8
+
+
+# -- the model: a tiny FP8 MoE (every layer MoE, 4 experts top-2, hidden 128, experts 128 wide).
+
+def _tiny_fp8_moe():
+    from batchinfer.models.config import model_config_from_dict
+    from batchinfer.models.fp8_model import random_fp8_model
+    from batchinfer.models.presets import PRESETS
+
+    raw = {**PRESETS["tiny"], "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+           "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+           "linear_value_head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+           "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    raw.pop("rope_parameters")
+    return random_fp8_model(model_config_from_dict(raw), torch.float32, "cpu", seed=1)
+
+
+def _logits(model) -> torch.Tensor:
+    from tests.model_utils import PackedDriver
+
+    driver = PackedDriver(model, num_state_slots=2, num_kv_slots=64)
+    driver.add(0, 1)
+    driver.add(1, 0)
+    prefill = driver.prefill({0: [5, 17, 200, 3, 99, 42, 7], 1: [1, 2, 3]}, all_logits=True)
+    decode = driver.decode({0: 11, 1: 12})
+    return torch.cat([prefill[0], prefill[1], decode[0][None], decode[1][None]])
+
+
+@interpreter_only
+def test_tiny_fp8_moe_logits_grouped_fp8_vs_dequantized(monkeypatch):
+    from batchinfer.models.layers import mlp
+    from batchinfer.models.layers.fp8_linear import Fp8Weight
+
+    model = _tiny_fp8_moe()
+    moe = model.layers[0].mlp
+    assert isinstance(moe.experts_gate_up, Fp8Weight) and isinstance(moe.experts_down, Fp8Weight)
+    # The shared expert's projections run the dense FP8 GEMM.
+    assert isinstance(moe.shared_expert.gate_up, Fp8Weight) and isinstance(moe.shared_expert.down, Fp8Weight)
+    assert mlp._grouped_fp8_op(torch.empty(1)) is None  # the CPU path stays the dequantized one
+    dequantized = _logits(model)
+
+    calls = []
+    kernel = ops.implementation("moe_fp8", True)
+    monkeypatch.setattr(mlp, "_grouped_fp8_op", lambda x: lambda *a: calls.append(1) or kernel(*a))
+    grouped = _logits(model)
+    monkeypatch.setattr(mlp, "_grouped_fp8_op", lambda x: ops.implementation("moe_fp8", False))
+    reference = _logits(model)
+
+    assert len(calls) == 2 * model.config.num_layers  # one prefill and one decode call per layer
+    assert grouped.isfinite().all() and not torch.equal(grouped, dequantized)
+    # Only the activations' e4m3 rounding (~3% per element) separates FP8 from the dequantized path.
+    assert (grouped - dequantized).abs().max() / dequantized.abs().max() < 0.05
+    torch.testing.assert_close(grouped, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+    assert (grouped.argmax(-1) == dequantized.argmax(-1)).float().mean() >= 0.8
+
+
+@requires_cuda
+def test_fp8_moe_layer_runs_the_grouped_kernel_in_a_cuda_graph():
+    """On CUDA the FP8 MoE layer calls the kernel, needs no host sync (a decode step is a graph)
+    and stays near its dequantized path."""
+    from batchinfer.models.layers import mlp
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    block = _tiny_fp8_moe().layers[0].mlp.cuda()
+    x = torch.randn(64, block.router.shape[1], device="cuda")
+    assert mlp._grouped_fp8_op(x) is triton_moe_fp8
+    experts, weights = block.route(x)
+    out = torch.full((64, x.shape[1]), float("nan"), device="cuda")
+    run = lambda: out.copy_(block._run_experts(x, experts, weights))  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(block.num_experts, dtype=torch.int64, device="cuda").index_add_(0, flat, torch.ones_like(flat))
+    dequantized = block._expert_rows(x, order // block.top_k, counts).float() * weights.reshape(-1)[order, None]
+    ref = torch.zeros_like(out).index_add_(0, order // block.top_k, dequantized)
+    assert out.isfinite().all()
+    assert (out - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+SM90_CHILD = """
+import re
+from benchmarks.moe_fp8_sm90 import compile_sm90
+for kernel, block_m in (("gate_up", 16), ("down", 16), ("gate_up", 64), ("down", 64)):
+    ptx = compile_sm90(kernel, block_m).asm["ptx"]
+    print("wgmma-e4m3" if re.search(r"wgmma\\.mma_async\\S*e4m3", ptx) else "mma" if "mma.sync" in ptx else "none")
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs code the compiler refuses: compile both kernels for sm_90a offline at
+    the decode and prefill row tiles, in a child without the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.sm90_compile import PTXAS
+    if not os.path.exists(PTXAS):
+        pytest.skip("Triton ships no ptxas here")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-c", SM90_CHILD], capture_output=True, text=True, env=env, timeout=600)
+    assert child.returncode == 0, child.stderr[-2000:]
+    # e4m3 tensor-core products at the prefill tile; below 64 rows Triton's f16 mma on exactly converted e4m3.
+    assert child.stdout.split() == ["mma", "mma", "wgmma-e4m3", "wgmma-e4m3"]
