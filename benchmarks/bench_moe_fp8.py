@@ -126,6 +126,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tokens", default="256,512,1024")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, 4 and 16 tokens")
     parser.add_argument("--sm90", action="store_true", help="no GPU: compile for sm_90a and print resources")
+    parser.add_argument("--launches", default="", help="also time fixed launches BLOCK_M:WARPS:STAGES,... "
+                                                       "(e.g. 16:4:4,32:4:3) in place of default_launch")
     args = parser.parse_args(argv)
     if args.sm90:
         from benchmarks.moe_fp8_sm90 import print_sm90
@@ -140,7 +142,28 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{block.experts_down.shape[1]}, expert intermediate {block.experts_down.shape[2]}; {name}, "
           f"floor at {COPY_BANDWIDTH / 1e12:.2f} TB/s")
     print_table(rows)
+    if args.launches:
+        sweep_launches(block, counts, device, args.launches)
     return 0
+
+
+def sweep_launches(block: SparseMoE, counts: list[int], device: str, launches: str) -> None:
+    """The FP8 path's time per fixed launch (default_launch replaced), per token count."""
+    from batchinfer.kernels.moe_fp8 import grouped_gemm
+    default = grouped_gemm.default_launch
+    print("\nlaunch (block_m:warps:stages) | " + " | ".join(f"T={t} fp8 ms (x floor)" for t in counts))
+    try:
+        for text in launches.split(","):
+            block_m, warps, stages = (int(v) for v in text.split(":"))
+            fixed = grouped_gemm.MoeFp8Launch(block_m=block_m, num_warps=warps, num_stages=stages)
+            grouped_gemm.default_launch = lambda num_rows, num_experts, fixed=fixed: fixed
+            cells = []
+            for tokens in counts:
+                r = measure(block, tokens, device)
+                cells.append(f"{r['fp8_ms']:.3f} ({r['fp8_ms'] / r['floor_ms']:.2f}x)")
+            print(f"{text} | " + " | ".join(cells), flush=True)
+    finally:
+        grouped_gemm.default_launch = default
 
 
 if __name__ == "__main__":
