@@ -157,7 +157,7 @@ def main() -> None:
         engine_seconds = stats["prefill_seconds"] + stats["decode_seconds"]
         results[arm] = dict(
             wall_s=wall, engine_s=engine_seconds, prompt_tokens=stats["prompt_tokens"],
-            cached=stats["cached_tokens"], planned=stats["theoretical_max_cached_tokens"],
+            cached=stats["cached_tokens"], planned=stats["planned_cached_tokens"],
             output_tokens=stats["output_tokens"], evicted=stats["states_evicted"],
             discarded_kv=stats["discarded_kv_tokens"], peak_gib=stats["peak_memory_bytes"] / 2**30,
             prompt_tps_wall=stats["prompt_tokens"] / wall, output_tps_wall=stats["output_tokens"] / wall,

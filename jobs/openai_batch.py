@@ -42,6 +42,7 @@ from batchinfer.jobs.atomic_files import write_atomically
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.inputs import InputFiles
 from batchinfer.jobs.part_store import scan_parts
+from batchinfer.jobs.schema_strict import strict_schema
 from batchinfer.jobs.spec import BATCH_ERROR_COLUMN, BATCH_SEED_KEY_COLUMN, BATCH_TOKEN_IDS_COLUMN, JobSpec
 from batchinfer.jobs.task_spec import ENGINE_FEATURES, MAX_LOGPROBS
 from batchinfer.jobs.tokenizer import CheckpointTokenizer
@@ -161,7 +162,11 @@ def _response_schema(body: dict) -> Optional[str]:
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         raise LineError("body.response_format.json_schema.schema: must be a JSON schema (an object)")
-    return json.dumps(schema)  # key order kept: it is the order properties are generated in
+    strict = spec.get("strict", True)  # absent: strict, as every job's schema (jobs/schema_strict.py)
+    if strict is not None and not isinstance(strict, bool):
+        raise LineError(f"body.response_format.json_schema.strict: must be true or false, got {strict!r}")
+    # Key order kept: it is the order properties are generated in.
+    return json.dumps(strict_schema(schema) if strict is not False else schema)
 
 
 def _check_penalties(body: dict) -> None:

@@ -8,7 +8,7 @@ resume can verify every part it finds against its record.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from batchinfer.jobs.atomic_files import TEMP_SUFFIX, write_atomically  # noqa: F401  (re-exported)
 from batchinfer.jobs.part_store import PART_PATTERN, commit_part, part_name  # noqa: F401  (re-exported)
+from batchinfer.jobs.valid_text import invalid_utf8_message, repair_table
 
 ROW_INDEX_COLUMN = "row_index"
 RESULT_SCHEMA = pa.schema([
@@ -67,7 +68,15 @@ def job_result_fields(spec) -> tuple[pa.Field, ...]:
 
 
 def append_results(table: pa.Table, results: list["SampleResult"], fields: tuple[pa.Field, ...]) -> pa.Table:
-    """`table` (one input row per result) with the results' columns appended."""
+    """`table` (one input row per result) with the results' columns appended.
+
+    Every part's rows pass here, so this is where the output is made readable: input text that is
+    not valid UTF-8 is written with U+FFFD in place of its invalid bytes, and a row changed so says
+    it in its `error` (unless it has one already; its generation, if any, stands)."""
+    table, changed = repair_table(table)
+    if changed:
+        results = [replace(r, error=invalid_utf8_message(changed[row])) if row in changed and r.error is None else r
+                   for row, r in enumerate(results)]
     for f in fields:
         table = table.append_column(f, pa.array([getattr(r, f.name) for r in results], type=f.type))
     return table

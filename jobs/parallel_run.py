@@ -35,6 +35,7 @@ from batchinfer.jobs.executors import (ExecutionReport, LocalExecutor, ProgressS
                             available_cores, local_placements, resolve_workers, visible_gpus)
 from batchinfer.jobs.global_plan import WorkPlan, work_dir_for
 from batchinfer.jobs.prepare import PreparedJob
+from batchinfer.jobs.progress_time import format_seconds
 from batchinfer.jobs.spec import JobSpec
 from batchinfer.jobs.unit_worker import WORK_DIR_KEY, job_recipe
 
@@ -109,11 +110,11 @@ class WorkersProgress:
 
     def _log(self, snap: ProgressSnapshot) -> None:
         self._last_log = time.monotonic()
-        eta = f"{snap.eta_seconds:.0f}s" if snap.eta_seconds is not None else "?"
+        eta = format_seconds(snap.eta_seconds)
         self.console.print(
             f"[{self.job_name}] {snap.samples_done}/{snap.samples_total} samples  "
             f"{snap.output_tokens_per_second:.1f} tok/s  hit {snap.hit_rate:.1%}  {self._busy(snap)}  "
-            f"elapsed {snap.elapsed_seconds:.0f}s  eta {eta}", highlight=False, markup=False)
+            f"elapsed {format_seconds(snap.elapsed_seconds)}  eta {eta}", highlight=False, markup=False)
 
     def __exit__(self, *exc_info: object) -> None:
         if self._bar is not None:

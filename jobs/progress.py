@@ -6,12 +6,14 @@ otherwise — via `phase_listener` (see `batchinfer.engine.startup`).
 
 Counts samples (rows x n), so the bar is right for n > 1; resumed samples start it
 part-way. Throughput and cache hit rate are this run's, from the finished samples, over the
-generation time only (from `__enter__`, after startup). No eta is shown until generation has run
-ETA_AFTER_SECONDS and finished a sample: the first samples finish in a burst or late, and an
-estimate from them is off by orders of magnitude.
+generation time only (from `__enter__`, after startup). No eta is shown until enough of the run
+has run to estimate (`progress_time.eta_seconds`), and it reads as 12m05s. Without a terminal a
+line is printed every `log_every_seconds` whether or not samples finish (a heartbeat thread), so a
+log shows the job is alive while a large unit prefills.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Optional
 
@@ -20,8 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.status import Status
 
 from batchinfer.jobs.outputs import SampleResult
-
-ETA_AFTER_SECONDS = 5.0
+from batchinfer.jobs.progress_time import ETA_AFTER_SECONDS, Heartbeat, eta_seconds, format_seconds  # noqa: F401
 
 
 class ProgressReporter:
@@ -42,6 +43,8 @@ class ProgressReporter:
         self._bar: Optional[Progress] = None
         self._task = None
         self._status: Optional[Status] = None
+        self._heartbeat: Optional[Heartbeat] = None
+        self._log_lock = threading.Lock()  # the heartbeat thread and advance() both print lines
         if console.is_terminal:
             self._bar = Progress(
                 TextColumn(f"[bold]{job_name}"), BarColumn(), MofNCompleteColumn(),
@@ -78,9 +81,13 @@ class ProgressReporter:
             self._bar.start()
         else:
             self._print(f"[{self.job_name}] {self.done}/{self.total} samples already done")
+            self._heartbeat = Heartbeat(min(1.0, self.log_every_seconds / 4), self._log_if_due).start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self._bar is not None:
             self._bar.stop()
         else:
@@ -101,15 +108,11 @@ class ProgressReporter:
 
     @property
     def eta_seconds(self) -> Optional[float]:
-        """Seconds left at this run's sample rate; None until there is a rate worth the name."""
-        elapsed = self.elapsed
-        if self.done_this_run == 0 or elapsed < ETA_AFTER_SECONDS:
-            return None
-        return (self.total - self.done) * elapsed / self.done_this_run
+        """Seconds left at this run's sample rate; None until enough has run to estimate."""
+        return eta_seconds(self.done_this_run, self.total - (self.done - self.done_this_run), self.elapsed)
 
     def _eta_text(self) -> str:
-        eta = self.eta_seconds
-        return "?" if eta is None else f"{eta:.0f}s"
+        return format_seconds(self.eta_seconds)
 
     def advance(self, result: SampleResult) -> None:
         self.done += 1
@@ -120,10 +123,19 @@ class ProgressReporter:
         if self._bar is not None:
             self._bar.update(self._task, completed=self.done, rate=self.output_rate, hit=self.hit_rate,
                              eta=self._eta_text())
-        elif self._clock() - self._last_log >= self.log_every_seconds:
-            self._log_line()
+        else:
+            self._log_if_due()
+
+    def _log_if_due(self) -> None:
+        with self._log_lock:  # checked under the lock: the heartbeat and advance() may both find it due
+            if self._clock() - self._last_log >= self.log_every_seconds:
+                self._log_line_locked()
 
     def _log_line(self) -> None:
+        with self._log_lock:
+            self._log_line_locked()
+
+    def _log_line_locked(self) -> None:
         self._last_log = self._clock()
         self._print(f"[{self.job_name}] {self.done}/{self.total} samples  {self.output_rate:.1f} tok/s  "
-                    f"hit {self.hit_rate:.1%}  elapsed {self.elapsed:.0f}s  eta {self._eta_text()}")
+                    f"hit {self.hit_rate:.1%}  elapsed {format_seconds(self.elapsed)}  eta {self._eta_text()}")

@@ -83,12 +83,14 @@ class ScoreRows:
         del self._open[row]
         outputs = [got[k] for k in range(count)]
         failed = next((o for o in outputs if o.finish_reason == "error"), None)
-        first = outputs[0]
+        # The row's token counts are its requests' (prompt + continuation, each), as the engine counts
+        # them: cached <= prompt per row, and rows, progress and _stats.json add up to the same rate.
+        prompt = sum(o.prompt_tokens for o in outputs)
         cached = sum(o.cached_tokens for o in outputs)
         if failed is not None:
-            return SampleResult(row, 0, "", (), first.prompt_tokens, cached, 0, "error", failed.error)
+            return SampleResult(row, 0, "", (), prompt, cached, 0, "error", failed.error)
         return SampleResult(
             row_index=row, sample_index=0, generated_text="", output_token_ids=(),
-            prompt_tokens=first.prompt_tokens - first.score.tokens, cached_tokens=cached, completion_tokens=0,
+            prompt_tokens=prompt, cached_tokens=cached, completion_tokens=0,
             finish_reason="stop", continuation_logprobs=[o.score.logprob for o in outputs],
             continuation_tokens=[o.score.tokens for o in outputs], continuation_greedy=[o.score.greedy for o in outputs])

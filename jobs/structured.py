@@ -15,7 +15,8 @@ on the device; `fill_masks` fills a whole batch on llguidance's own threads (the
 which can run while the forward pass does.
 
 JSON is generated compact (no free whitespace between tokens): a flexible-whitespace grammar lets
-a weak model emit whitespace until the token budget ends. `choice` is the alternation of the
+a weak model emit whitespace until the token budget ends. JSON schemas are strict unless the job
+says otherwise: an object without `additionalProperties` admits no other key (jobs/schema_strict.py). `choice` is the alternation of the
 literal strings. The EOS token is allowed exactly when the text so far is complete.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+from batchinfer.jobs.schema_strict import strict_schema_text
 from batchinfer.jobs.task_spec import GrammarSpec
 from batchinfer.jobs.tokenizer import CheckpointTokenizer
 
@@ -50,12 +52,14 @@ class GrammarSource:
     text: str
 
 
-def grammar_source(kind: str, value: object) -> GrammarSource:
-    """The llguidance grammar for a constraint: json_schema (JSON text), regex (a pattern) or
-    choice (strings); raises GrammarError for a value llguidance cannot even read."""
+def grammar_source(kind: str, value: object, strict: bool = True) -> GrammarSource:
+    """The llguidance grammar for a constraint: json_schema (JSON text; `strict`: its open objects
+    closed), regex (a pattern) or choice (strings); raises GrammarError for a value llguidance
+    cannot even read."""
     if kind == "json_schema":
+        text = strict_schema_text(str(value)) if strict else str(value)
         try:
-            return GrammarSource(llguidance.LLMatcher.grammar_from_json_schema(str(value), overrides=JSON_OPTIONS))
+            return GrammarSource(llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS))
         except ValueError as exc:
             raise GrammarError(_one_line(str(exc))) from None
     if kind == "regex":
@@ -148,7 +152,7 @@ def compile_source(source: GrammarSource, tokenizer: llguidance.LLTokenizer) -> 
 
 def compile_grammar(spec: GrammarSpec, tokenizer: CheckpointTokenizer, vocab_size: int) -> CompiledGrammar:
     """A job's constraint compiled for its tokenizer; GrammarError says why it cannot be."""
-    return compile_source(grammar_source(spec.kind, spec.value), grammar_tokenizer(tokenizer, vocab_size))
+    return compile_source(grammar_source(spec.kind, spec.value, spec.strict), grammar_tokenizer(tokenizer, vocab_size))
 
 
 def new_bitmask(batch: int, vocab_size: int) -> np.ndarray:

@@ -4,6 +4,7 @@
     score: {continuations_column: choices}
     sampling: {logprobs: 5}          # or json_schema: {...} | regex: "..." | choice: [a, b]
                                      #    | json_schema_column: schema
+                                     # json_schema_strict: false  (objects open as the schema says)
     eval: {answer_column: answer, metric: exact_match, normalize: {lowercase: true}}
 
 Parsed here into one frozen `TaskSpec` (JobSpec.task), so the engine's `SamplingParams` keeps
@@ -25,7 +26,8 @@ ENGINE_FEATURES: frozenset[str] = frozenset({"logprobs", "score", "grammar"})
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs: the top-k gather and its output column stay small
 
 GRAMMAR_KEYS = ("json_schema", "regex", "choice", "json_schema_column")
-TASK_SAMPLING_KEYS = ("logprobs",) + GRAMMAR_KEYS  # sampling keys the engine's SamplingParams does not take
+STRICT_KEY = "json_schema_strict"  # schemas closed (jobs/schema_strict.py) unless false
+TASK_SAMPLING_KEYS = ("logprobs",) + GRAMMAR_KEYS + (STRICT_KEY,)  # sampling keys SamplingParams does not take
 TASK_JOB_KEYS = ("task", "score", "eval")
 
 
@@ -36,6 +38,7 @@ class GrammarSpec:
 
     kind: str
     value: Union[str, tuple[str, ...]]
+    strict: bool = True  # JSON schemas: objects without additionalProperties are closed (jobs/schema_strict.py)
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,13 @@ def parse_task(checker: Checker, raw: dict, task_sampling: dict, where: str) -> 
             raise fail(f"sampling.{kind}", str(exc)) from None
         if task == "score":
             raise fail(f"sampling.{kind}", "cannot constrain a score task (it generates nothing)")
+    if STRICT_KEY in task_sampling:
+        if grammar is None or grammar.kind not in ("json_schema", "json_schema_column"):
+            raise fail(f"sampling.{STRICT_KEY}", "applies to sampling.json_schema or json_schema_column only")
+        try:
+            grammar = GrammarSpec(grammar.kind, grammar.value, check.boolean(task_sampling[STRICT_KEY]))
+        except ValueError as exc:
+            raise fail(f"sampling.{STRICT_KEY}", str(exc)) from None
     evaluation = None
     if "eval" in raw:
         values = checker.section(raw["eval"], f"{where}.eval", EVAL_KEYS)

@@ -63,8 +63,8 @@ def test_run_and_plan_a_chat_job_with_samples_and_a_bad_row(tmp_path):
     assert stats["prompt_tokens"] == sum(r["prompt_tokens"] for r in out.to_pylist())
     assert stats["output_tokens"] == sum(out["completion_tokens"].to_pylist())
     # Same prompt twice (n=2) and shared document prefixes: the cache must have been hit.
-    assert stats["cached_tokens"] > 0 and stats["theoretical_max_cached_tokens"] > 0
-    assert f"{stats['theoretical_max_cached_tokens']:,}" in plan.output
+    assert stats["cached_tokens"] > 0 and stats["planned_cached_tokens"] > 0
+    assert f"{stats['plan']['global_ideal_cached_tokens']:,}" in plan.output
 
 
 def _start_job_and_signal_after_first_part(tmp_path: Path, demo_cache: Path, rows: int, sig: int):

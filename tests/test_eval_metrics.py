@@ -111,8 +111,8 @@ def test_the_summary_shows_the_examples_it_was_given():
     from batchinfer.jobs.stats import render_summary
     console = Console(file=StringIO(), width=200)
     stats = {"job": "j", "status": "done", "rows": 1, "samples": 1, "samples_written": 1, "samples_resumed": 0,
-             "errors": 0, "prompt_tokens": 3, "cached_tokens": 0, "theoretical_max_cached_tokens": 0,
-             "cache_hit_rate": 0.0, "ideal_cache_hit_rate": 0.0, "discarded_kv_tokens": 0, "states_tracked": 0,
+             "errors": 0, "prompt_tokens": 3, "cached_tokens": 0, "planned_cached_tokens": 0,
+             "cache_hit_rate": 0.0, "planned_cache_hit_rate": 0.0, "discarded_kv_tokens": 0, "states_tracked": 0,
              "states_donated": 0, "states_evicted": 0, "replayssm_flushes": 0, "output_tokens": 1,
              "prompt_tokens_per_second": 1.0, "output_tokens_per_second": 1.0, "wall_seconds": 1.0,
              "peak_memory_bytes": 0,

@@ -90,17 +90,17 @@ def test_tally_replaces_live_counts_by_the_result_and_drops_a_dead_workers_count
         tally.unit_started(slot, unit)
     tally.progress(0, ProgressDelta(samples=2, prompt_tokens=20, cached_tokens=10))
     tally.progress(1, ProgressDelta(samples=3, prompt_tokens=30))
-    now[0] = 2.0
+    now[0] = 6.0
     assert tally.snapshot().samples_done == 5
     tally.worker_died(1, [1], "killed")
     tally.unit_finished(0, UnitResult(0, samples_written=3, samples_skipped=1, prompt_tokens=40, cached_tokens=20))
     snap = tally.snapshot()
     assert (snap.samples_done, snap.prompt_tokens, snap.hit_rate) == (4, 40, 0.5)
-    assert snap.eta_seconds == pytest.approx(2.0)  # 4 of 8 samples in 2 s
+    assert snap.eta_seconds == pytest.approx(8.0)  # 3 of this run's 7 samples in 6 s (1 was skipped)
     tally.progress(1, ProgressDelta(samples=9))     # late event of the lost unit: ignored
     assert tally.snapshot().samples_done == 4
     stats = tally.stats("local", "done", None, [])
-    assert stats["per_worker"][1]["failures"] == ["killed"] and stats["per_worker"][0]["busy_seconds"] == 2.0
+    assert stats["per_worker"][1]["failures"] == ["killed"] and stats["per_worker"][0]["busy_seconds"] == 6.0
 
 
 def test_placements_split_cores_and_a_shared_gpus_memory():

@@ -43,10 +43,11 @@ def test_no_eta_from_the_first_sample_and_rates_over_generation_only():
         progress.advance(_sample())
         assert progress.eta_seconds is None  # one sample after half a second says nothing
         clock.now += ETA_AFTER_SECONDS
-        progress.advance(_sample())
+        for _ in range(49):  # 50 samples: 5% of the run (progress_time.ETA_AFTER_FRACTION)
+            progress.advance(_sample())
         elapsed = 0.5 + ETA_AFTER_SECONDS
-        assert progress.eta_seconds == pytest.approx(998 * elapsed / 2)
-        assert progress.output_rate == pytest.approx(20 / elapsed)  # the 60 s of startup are not in it
+        assert progress.eta_seconds == pytest.approx(950 * elapsed / 50)
+        assert progress.output_rate == pytest.approx(500 / elapsed)  # the 60 s of startup are not in it
 
 
 def test_no_eta_before_a_sample_finishes():

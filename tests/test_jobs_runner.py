@@ -83,7 +83,7 @@ def test_outputs_hold_every_row_and_sample_once_beside_its_input_columns(tmp_pat
     assert on_disk["job"] == "rag" and on_disk["status"] == "done" and on_disk["errors"] == 0
     assert on_disk["prompt_tokens"] == engine.stats.prompt_tokens > 0
     assert on_disk["cache_hit_rate"] == pytest.approx(engine.stats.cached_tokens / engine.stats.prompt_tokens)
-    for key in ("requests", "cached_tokens", "theoretical_max_cached_tokens", "discarded_kv_tokens",
+    for key in ("requests", "cached_tokens", "planned_cached_tokens", "discarded_kv_tokens",
                 "states_tracked", "states_donated", "replayssm_flushes", "output_tokens", "wall_seconds",
                 "prompt_tokens_per_second", "output_tokens_per_second", "peak_memory_bytes", "engine_settings"):
         assert key in on_disk, key

@@ -110,7 +110,7 @@ def test_shuffled_and_grouped_copies_reach_the_global_ideal_with_the_tokens_of_n
         assert out.num_rows == DOCS * QUESTIONS > max(UNITS.max_rows, WINDOW_ROWS)
         assert stats["plan"]["units"] >= 3 and stats["plan"]["recomputed_root_tokens"] == 0
         assert stats["plan"]["global_ideal_cached_tokens"] == ideal > 0
-        assert stats["cached_tokens"] == stats["theoretical_max_cached_tokens"] == ideal
+        assert stats["cached_tokens"] == stats["planned_cached_tokens"] == ideal
         assert stats["states_evicted"] > 0  # the pool was short, and still nothing planned was lost
         assert stats["plan"]["planned_reuse_lost_tokens"] == stats["plan"]["branch_states_over_capacity"] == 0
         assert by_prompt(out) == by_prompt(reference)

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from batchinfer.jobs.executors.contract import ProgressDelta, UnitResult
 from batchinfer.jobs.executors.unit_queue import UnitSpec
+from batchinfer.jobs.progress_time import eta_seconds
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class ProgressSnapshot:
     output_tokens: int
     elapsed_seconds: float
     workers_busy: int
+    samples_skipped: int = 0    # of samples_done, found committed (resumed): not this run's rate
 
     @property
     def output_tokens_per_second(self) -> float:
@@ -40,10 +42,12 @@ class ProgressSnapshot:
 
     @property
     def eta_seconds(self) -> Optional[float]:
-        """Remaining samples at this run's sample rate; None before the first sample or without totals."""
-        if not self.samples_total or not self.samples_done:
+        """Remaining samples at this run's sample rate; None without totals or until enough has run
+        to estimate (`progress_time.eta_seconds`)."""
+        if not self.samples_total:
             return None
-        return (self.samples_total - self.samples_done) * self.elapsed_seconds / self.samples_done
+        return eta_seconds(self.samples_done - self.samples_skipped, self.samples_total - self.samples_skipped,
+                           self.elapsed_seconds)
 
 
 @dataclass
@@ -156,7 +160,8 @@ class Tally:
             cached_tokens=sum(r.cached_tokens for r in finished) + live.cached_tokens,
             output_tokens=sum(r.output_tokens for r in finished) + live.output_tokens,
             elapsed_seconds=(self.end or self.clock()) - self.start,
-            workers_busy=sum(worker.holding > 0 for worker in self.workers))
+            workers_busy=sum(worker.holding > 0 for worker in self.workers),
+            samples_skipped=sum(r.samples_skipped for r in finished))
 
     def stats(self, executor: str, status: str, failure: Optional[str], retried: list[int]) -> dict[str, Any]:
         """The executor's section of `_stats.json`."""

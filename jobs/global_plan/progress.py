@@ -2,15 +2,19 @@
 
 Phases: `tokenise` (input rows to prompt keys, spilled in sorted runs), `sort` (the runs
 merged into the globally sorted rows). Cutting units reads two integer columns and takes
-a moment, so it has no bar.
+a moment, so it has no bar. Without a terminal a line is printed every `log_every_seconds` while a
+phase runs, also when a slow batch of rows is in between (a heartbeat thread); etas read as 12m05s.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+
+from batchinfer.jobs.progress_time import Heartbeat, format_seconds
 
 
 class PlanningProgress:
@@ -25,6 +29,8 @@ class PlanningProgress:
         self._done = 0
         self._tokens = 0
         self._start = self._last_log = time.monotonic()
+        self._heartbeat: Optional[Heartbeat] = None
+        self._lock = threading.Lock()  # the heartbeat thread and advance() both print lines
         if console.is_terminal:
             self._bar = Progress(TextColumn(f"[bold]{job_name}[/] plan: {{task.description}}"), BarColumn(),
                                  MofNCompleteColumn(), TextColumn("{task.fields[rate]:>9,.0f} rows/s"),
@@ -33,9 +39,14 @@ class PlanningProgress:
     def __enter__(self) -> "PlanningProgress":
         if self._bar is not None:
             self._bar.start()
+        else:
+            self._heartbeat = Heartbeat(min(1.0, self.log_every_seconds / 4), self._log_if_due).start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         self._end_phase()
         if self._bar is not None:
             self._bar.stop()
@@ -47,8 +58,9 @@ class PlanningProgress:
     def phase(self, name: str, total_rows: int) -> None:
         """Start phase `name` over `total_rows` rows (ends the one before)."""
         self._end_phase()
-        self._phase, self._total, self._done, self._tokens = name, total_rows, 0, 0
-        self._start = self._last_log = time.monotonic()
+        with self._lock:
+            self._phase, self._total, self._done, self._tokens = name, total_rows, 0, 0
+            self._start = self._last_log = time.monotonic()
         if self._bar is not None:
             self._task = self._bar.add_task(name, total=total_rows, rate=0.0)
 
@@ -57,24 +69,30 @@ class PlanningProgress:
         self._tokens += tokens
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=self._done, rate=self.rate)
-        elif self._bar is None and time.monotonic() - self._last_log >= self.log_every_seconds:
-            self._log_line()
+        elif self._bar is None:
+            self._log_if_due()
+
+    def _log_if_due(self) -> None:
+        with self._lock:  # checked under the lock: the heartbeat and advance() may both find it due
+            if self._phase is not None and time.monotonic() - self._last_log >= self.log_every_seconds:
+                self._log_line()
 
     def _log_line(self) -> None:
         self._last_log = time.monotonic()
         elapsed = self._last_log - self._start
-        eta = f"{(self._total - self._done) / self.rate:.0f}s" if self._done else "?"
+        eta = format_seconds((self._total - self._done) / self.rate if self._done else None)
         tokens = f"  {self._tokens:,} tokens" if self._tokens else ""
         self._print(f"{self._phase} {self._done:,}/{self._total:,} rows{tokens}  {self.rate:,.0f} rows/s  "
-                    f"elapsed {elapsed:.0f}s  eta {eta}")
+                    f"elapsed {format_seconds(elapsed)}  eta {eta}")
 
     def _end_phase(self) -> None:
-        if self._phase is None:
-            return
-        if self._bar is None:
-            elapsed = time.monotonic() - self._start
-            self._print(f"{self._phase} done: {self._done:,} rows in {elapsed:.1f}s ({self.rate:,.0f} rows/s)")
-        self._phase = None
+        with self._lock:
+            if self._phase is None:
+                return
+            if self._bar is None:
+                elapsed = time.monotonic() - self._start
+                self._print(f"{self._phase} done: {self._done:,} rows in {elapsed:.1f}s ({self.rate:,.0f} rows/s)")
+            self._phase = None
 
     def _print(self, line: str) -> None:
         self.console.print(f"[{self.job_name}] plan: {line}", highlight=False, markup=False)
