@@ -1,8 +1,8 @@
 """`batchinfer run jobs.yaml`, `batchinfer plan jobs.yaml` and `batchinfer warmup jobs.yaml`.
 
 Exit codes: 0 done; 2 bad input (one line `error: <file>: <key/column>: <what>`, nothing
-written), an output folder in use by another run among them; 1 a runtime failure (finished
-parts stay on disk, a rerun resumes); 130 Ctrl-C (SIGINT), 143 SIGTERM and
+written), an output folder in use by another run among them; 1 a runtime failure, a full disk
+among them (finished parts stay on disk, a rerun resumes); 130 Ctrl-C (SIGINT), 143 SIGTERM and
 129 SIGHUP (128 + the signal's number; `jobs.interruption`), each after writing every finished
 sample and `_stats.json` (status interrupted). A closed stdout (`| head`) or hung-up terminal
 only silences the progress (`jobs.quiet_streams`). Every job in the file is checked, and its
@@ -22,7 +22,7 @@ import click
 from rich.console import Console
 
 from batchinfer import __version__
-from batchinfer.jobs.errors import JobError, JobRuntimeError
+from batchinfer.jobs.errors import JobError, JobRuntimeError, no_space_line
 from batchinfer.jobs.interruption import Stopped, signal_name, stop_on_signals, stop_signal_of
 from batchinfer.jobs.output_lock import OutputLock
 from batchinfer.jobs.prepare import PreparedJob, prepare_job
@@ -55,7 +55,9 @@ def _prepare_all(job_file: Path, job_name: Optional[str], overwrite: bool,
         return [prepare_job(spec, overwrite) for spec in specs]
     except JobError as exc:
         _fail(str(exc), EXIT_BAD_INPUT)
-    except OSError as exc:  # unreadable files, permissions: still the user's input
+    except OSError as exc:  # unreadable files, permissions: still the user's input; a full disk is not
+        if no_space_line(exc) is not None:
+            raise
         _fail(f"{job_file}: {exc}", EXIT_BAD_INPUT)
 
 
@@ -87,10 +89,17 @@ def run(job_file: Path, job_name: Optional[str], overwrite: bool, workers: Optio
                     except JobError as exc:
                         _fail(str(exc), EXIT_BAD_INPUT)
                     except JobRuntimeError as exc:
-                        _fail(f"{exc} (finished parts are kept; rerun to resume)", EXIT_RUNTIME_FAILURE)
+                        line = no_space_line(exc, current.spec.output.path)
+                        _fail(f"job {exc.job_name}: {line}" if line else
+                              f"{exc} (finished parts are kept; rerun to resume)", EXIT_RUNTIME_FAILURE)
         except (KeyboardInterrupt, Stopped) as exc:
             signum = stop_signal_of(exc) or signal.SIGINT
             _fail(f"{_job_label(current)}{_stopped_line(signum)}", EXIT_SIGNAL_BASE + signum)
+        except OSError as exc:  # a full disk outside a job's own handling (its lock, its plan, its stats)
+            line = no_space_line(exc, current.spec.output.path if current is not None else None)
+            if line is None:
+                raise
+            _fail(f"{_job_label(current)}{line}", EXIT_RUNTIME_FAILURE)
 
 
 def _job_label(job: Optional[PreparedJob]) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
 from rich.console import Console
 
 from batchinfer.engine.types import Request, RequestOutput
-from batchinfer.jobs.errors import JobError, JobRuntimeError, display_path
+from batchinfer.jobs.errors import JobError, JobRuntimeError, display_path, no_space_error
 from batchinfer.jobs.eval_metrics import eval_stats, with_correct_column
 from batchinfer.jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
 from batchinfer.jobs.interruption import signal_name, stop_signal_of
@@ -363,7 +363,11 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             finish("interrupted", interrupted_by=_interruption(exc))
             raise
         reason = exc.reason if isinstance(exc, JobRuntimeError) else f"{type(exc).__name__}: {exc}"
-        finish("failed", reason)
+        try:
+            finish("failed", reason)
+        except OSError as stats_error:  # a full disk takes the stats too: report the failure itself
+            if no_space_error(stats_error) is None:
+                raise
         raise JobRuntimeError(spec.name, reason) from exc
     _complete_work_dir(spec)
     stats = finish("done")
