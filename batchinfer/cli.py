@@ -1,11 +1,13 @@
 """`batchinfer run jobs.yaml`, `batchinfer plan jobs.yaml` and `batchinfer warmup jobs.yaml`.
 
 Exit codes: 0 done; 2 bad input (one line `error: <file>: <key/column>: <what>`, nothing
-written), an output folder in use by another run among them; 1 a runtime failure (finished
-parts stay on disk, a rerun resumes); 130 Ctrl-C (SIGINT) and 143 SIGTERM (128 + the
-signal's number), both after writing every finished sample and `_stats.json` (status
-interrupted). Every job in the file is checked, and its output folder locked, before the
-first one runs, so a mistake in the last job does not leave the first one half done.
+written), an output folder in use by another run among them; 1 a runtime failure, a full disk
+among them (finished parts stay on disk, a rerun resumes); 130 Ctrl-C (SIGINT), 143 SIGTERM and
+129 SIGHUP (128 + the signal's number; `jobs.interruption`), each after writing every finished
+sample and `_stats.json` (status interrupted). A closed stdout (`| head`) or hung-up terminal
+only silences the progress (`jobs.quiet_streams`). Every job in the file is checked, and its
+output folder locked, before the first one runs, so a mistake in the last job does not leave the
+first one half done.
 """
 from __future__ import annotations
 
@@ -20,33 +22,27 @@ import click
 from rich.console import Console
 
 from batchinfer import __version__
-from batchinfer.jobs.errors import JobError, JobRuntimeError
+from batchinfer.jobs.errors import JobError, JobRuntimeError, no_space_line
+from batchinfer.jobs.interruption import Stopped, signal_name, stop_on_signals, stop_signal_of
 from batchinfer.jobs.output_lock import OutputLock
 from batchinfer.jobs.prepare import PreparedJob, prepare_job
+from batchinfer.jobs.quiet_streams import quiet_when_closed
 from batchinfer.jobs.runner import lock_output, run_job
 from batchinfer.jobs.spec import load_job_file
 
 EXIT_RUNTIME_FAILURE = 1
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130   # 128 + SIGINT
-EXIT_TERMINATED = 143    # 128 + SIGTERM
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT, so the run stops the same way."""
-
-    signal_name = "SIGTERM"
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    # Further SIGTERMs are ignored while the run flushes its parts and writes its stats.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated()
+EXIT_SIGNAL_BASE = 128   # a stop signal exits 128 + its number: 130 SIGINT, 143 SIGTERM, 129 SIGHUP
 
 
 def _fail(message: str, code: int) -> NoReturn:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def _stopped_line(signum: int) -> str:
+    what = "interrupted" if signum == signal.SIGINT else f"terminated by {signal_name(signum)}"
+    return f"{what} (finished parts are kept; rerun to resume)"
 
 
 def _prepare_all(job_file: Path, job_name: Optional[str], overwrite: bool,
@@ -59,7 +55,9 @@ def _prepare_all(job_file: Path, job_name: Optional[str], overwrite: bool,
         return [prepare_job(spec, overwrite) for spec in specs]
     except JobError as exc:
         _fail(str(exc), EXIT_BAD_INPUT)
-    except OSError as exc:  # unreadable files, permissions: still the user's input
+    except OSError as exc:  # unreadable files, permissions: still the user's input; a full disk is not
+        if no_space_line(exc) is not None:
+            raise
         _fail(f"{job_file}: {exc}", EXIT_BAD_INPUT)
 
 
@@ -77,37 +75,35 @@ def main() -> None:
               help="Engines to run each job on (overrides the job's parallel.workers).")
 def run(job_file: Path, job_name: Optional[str], overwrite: bool, workers: Optional[int]) -> None:
     """Run the jobs of JOB_FILE (resuming where an earlier run stopped)."""
-    try:
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    except ValueError:  # not the main thread (an embedding caller): leave signals to it
-        previous = None
-    current: Optional[str] = None
-    try:
-        prepared = _prepare_all(job_file, job_name, overwrite, workers)
-        console = Console()
-        with ExitStack() as held:
-            locks = _lock_all(prepared, held)
-            for job in prepared:
-                current = job.spec.name
-                try:
-                    run_job(job, console, overwrite=overwrite, lock=locks[job.spec.output.path],
-                            warn=lambda message: click.echo(f"warning: {message}", err=True))
-                except JobError as exc:
-                    _fail(str(exc), EXIT_BAD_INPUT)
-                except JobRuntimeError as exc:
-                    _fail(f"{exc} (finished parts are kept; rerun to resume)", EXIT_RUNTIME_FAILURE)
-    except KeyboardInterrupt:
-        _fail(f"{_job_label(current)}interrupted (finished parts are kept; rerun to resume)", EXIT_INTERRUPTED)
-    except Terminated:
-        _fail(f"{_job_label(current)}terminated by SIGTERM (finished parts are kept; rerun to resume)",
-              EXIT_TERMINATED)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    current: Optional[PreparedJob] = None
+    with quiet_when_closed(), stop_on_signals():
+        try:
+            prepared = _prepare_all(job_file, job_name, overwrite, workers)
+            console = Console()
+            with ExitStack() as held:
+                locks = _lock_all(prepared, held)
+                for current in prepared:
+                    try:
+                        run_job(current, console, overwrite=overwrite, lock=locks[current.spec.output.path],
+                                warn=lambda message: click.echo(f"warning: {message}", err=True))
+                    except JobError as exc:
+                        _fail(str(exc), EXIT_BAD_INPUT)
+                    except JobRuntimeError as exc:
+                        line = no_space_line(exc, current.spec.output.path)
+                        _fail(f"job {exc.job_name}: {line}" if line else
+                              f"{exc} (finished parts are kept; rerun to resume)", EXIT_RUNTIME_FAILURE)
+        except (KeyboardInterrupt, Stopped) as exc:
+            signum = stop_signal_of(exc) or signal.SIGINT
+            _fail(f"{_job_label(current)}{_stopped_line(signum)}", EXIT_SIGNAL_BASE + signum)
+        except OSError as exc:  # a full disk outside a job's own handling (its lock, its plan, its stats)
+            line = no_space_line(exc, current.spec.output.path if current is not None else None)
+            if line is None:
+                raise
+            _fail(f"{_job_label(current)}{line}", EXIT_RUNTIME_FAILURE)
 
 
-def _job_label(name: Optional[str]) -> str:
-    return f"job {name}: " if name else ""
+def _job_label(job: Optional[PreparedJob]) -> str:
+    return f"job {job.spec.name}: " if job is not None else ""
 
 
 def _lock_all(prepared: list[PreparedJob], held: ExitStack) -> dict[Path, OutputLock]:

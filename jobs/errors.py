@@ -3,13 +3,18 @@
 `JobError` is bad input (job file, input data, checkpoint, output folder): it is raised
 before anything is written, and the CLI prints it as one line and exits 2.
 `JobRuntimeError` is a failure while running (out of memory, CUDA error): parts already
-finished stay on disk, and the CLI exits 1.
+finished stay on disk, and the CLI exits 1. A full disk (ENOSPC, or EDQUOT: a quota) anywhere
+in a run, in the output folder or TMPDIR, is one such failure, said in one line (`no_space_line`).
 """
 from __future__ import annotations
 
+import errno
 import os
+import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
+
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def display_path(path: Union[str, Path]) -> str:
@@ -38,3 +43,31 @@ class JobRuntimeError(Exception):
         self.job_name = job_name
         self.reason = reason
         super().__init__(f"job {job_name}: {reason}")
+
+
+def no_space_error(exc: BaseException) -> Optional[OSError]:
+    """The ENOSPC / EDQUOT error behind `exc` (itself, or what it was raised from or during), if any."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in NO_SPACE_ERRNOS:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def no_space_line(exc: BaseException, out_dir: Optional[Path] = None) -> Optional[str]:
+    """`no space left on device: <path>; ...` when `exc` comes from a full disk, else None.
+
+    <path> is the file being written when the error names it; pyarrow's writes do not, and then it
+    is the job's output folder or TMPDIR (the planning's scratch), whichever filled up."""
+    error = no_space_error(exc)
+    if error is None:
+        return None
+    if error.filename:
+        where = display_path(os.fsdecode(error.filename))
+    else:
+        folder = display_path(out_dir) if out_dir is not None else "the output folder"
+        where = f"{folder} or TMPDIR ({tempfile.gettempdir()})"
+    return f"no space left on device: {where}; finished parts kept, rerun to resume"

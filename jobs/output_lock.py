@@ -144,21 +144,52 @@ class _Seen:
     mtime: float
 
 
-def _read_lock(path: Path) -> Optional[_Seen]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            stat = os.fstat(handle.fileno())
-            text = handle.read()
-    except FileNotFoundError:
-        return None
+# Each field of a lock file and the types it may hold (bool is an int to isinstance: refused apart).
+_HOLDER_TYPES = {"host": (str,), "pid": (int,), "started": (int, float), "token": (str,),
+                 "boot_id": (str, type(None)), "pid_ns": (str, type(None)), "pid_start": (int, type(None))}
+
+
+def _parse_holder(text: str) -> Optional[LockHolder]:
+    """The holder a lock file names; None for anything else (half written, foreign, not an object)."""
     try:
         raw = json.loads(text)
-        holder: Optional[LockHolder] = LockHolder(**{key: raw.get(key) for key in LockHolder.__dataclass_fields__})
-        if not isinstance(holder.pid, int) or not isinstance(holder.token, str):
-            holder = None
-    except (ValueError, TypeError):
-        holder = None  # half written (O_EXCL fallback) or foreign
-    return _Seen(text, holder, stat.st_ino, stat.st_mtime)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict):
+        return None
+    values = {key: raw.get(key) for key in _HOLDER_TYPES}
+    for key, types in _HOLDER_TYPES.items():
+        if not isinstance(values[key], types) or isinstance(values[key], bool):
+            return None
+    return LockHolder(**values)
+
+
+def _read_lock(path: Path) -> Optional[_Seen]:
+    """The lock file as it is now; None when there is none. Whatever is under the name but cannot be a
+    live holder's lock (a symlink, dangling or not; a folder; unreadable bytes) is seen with holder None,
+    so the usual rule for an unreadable lock applies: stale once its mtime is older than the timeout."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError:  # a symlink (ELOOP), no permission: judged by the name's own mtime
+        return _unreadable(path)
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            stat = os.fstat(handle.fileno())
+            data = handle.read()
+    except OSError:  # e.g. a folder under the lock's name
+        return _unreadable(path)
+    text = data.decode("utf-8", errors="replace")
+    return _Seen(text, _parse_holder(text), stat.st_ino, stat.st_mtime)
+
+
+def _unreadable(path: Path) -> Optional[_Seen]:
+    try:
+        stat = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return _Seen(f"<unreadable: mode {stat.st_mode:o}>", None, stat.st_ino, stat.st_mtime)
 
 
 def _filesystem_now(folder: Path) -> float:

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import pyarrow as pa
 
 from batchinfer.jobs.atomic_files import TEMP_SUFFIX, write_atomically  # noqa: F401  (re-exported)
+from batchinfer.jobs.interruption import commit_section
 from batchinfer.jobs.part_store import PART_PATTERN, commit_part, part_name  # noqa: F401  (re-exported)
 from batchinfer.jobs.valid_text import invalid_utf8_message, repair_table
 
@@ -145,13 +146,14 @@ class PartWriter:
             return None
         table = self.finish_table(self._build_table(self._pending, self.fields))
         name = part_name(self.next_part)
-        self.before_commit()
-        commit_part(self.out_dir, name, table)
-        self.rows_written += len(self._pending)
-        self.error_rows_written += sum(result.finish_reason == "error" for _, _, result in self._pending)
-        self._pending = []
-        self.next_part += 1
-        self.parts_written += 1
+        with commit_section():  # on disk and counted, or neither (a stop signal waits for the end)
+            self.before_commit()
+            commit_part(self.out_dir, name, table)
+            self.rows_written += len(self._pending)
+            self.error_rows_written += sum(result.finish_reason == "error" for _, _, result in self._pending)
+            self._pending = []
+            self.next_part += 1
+            self.parts_written += 1
         return self.out_dir / name
 
     @staticmethod

@@ -34,6 +34,7 @@ from rich.table import Table
 from batchinfer.jobs.executors import (ExecutionReport, LocalExecutor, ProgressSnapshot, RayExecutor, RetryPolicy, UnitSpec,
                             available_cores, local_placements, resolve_workers, visible_gpus)
 from batchinfer.jobs.global_plan import WorkPlan, work_dir_for
+from batchinfer.jobs.interruption import Stopped
 from batchinfer.jobs.prepare import PreparedJob
 from batchinfer.jobs.progress_time import format_seconds
 from batchinfer.jobs.spec import JobSpec
@@ -179,9 +180,12 @@ def run_units_in_workers(job: PreparedJob, plan: WorkPlan, out_dir: Path, consol
 
 
 def raise_interruption(report: ExecutionReport) -> None:
-    """Stop as the in-process run stops for the signal that interrupted the workers: SIGTERM through
-    the handler the caller installed (the CLI's exits 143), SIGINT as KeyboardInterrupt (130)."""
+    """Stop as the in-process run stops for the signal that interrupted the workers
+    (`jobs.interruption`): through the handler the caller installed (the CLI's raises Stopped,
+    exit 128 + the signal's number), else as Stopped, or KeyboardInterrupt for SIGINT."""
     sig = report.interrupted_by
-    if sig is not None and sig != signal.SIGINT and callable(signal.getsignal(sig)):
-        signal.raise_signal(sig)  # the handler raises (the CLI's Terminated); returns if it does not
+    if sig is not None and callable(signal.getsignal(sig)):
+        signal.raise_signal(sig)  # the handler raises; returns if it does not
+    if sig is not None and sig != signal.SIGINT:
+        raise Stopped(sig)
     raise KeyboardInterrupt()

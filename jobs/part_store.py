@@ -99,6 +99,11 @@ def commit_part(out_dir: Path, name: str, table: pa.Table) -> PartRecord:
         (out_dir / PARTS_DIR).mkdir(exist_ok=True)
         write_atomically(record_path(out_dir, name), lambda path: path.write_text(record.to_json(), encoding="utf-8"))
         os.replace(temp, final)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        if exc.filename is None:  # pyarrow's write errors name no file: say which part (a full disk's line)
+            raise OSError(exc.errno, exc.strerror or str(exc), str(final)) from exc
+        raise
     except BaseException:
         temp.unlink(missing_ok=True)
         raise

@@ -25,9 +25,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
 from rich.console import Console
 
 from batchinfer.engine.types import Request, RequestOutput
-from batchinfer.jobs.errors import JobError, JobRuntimeError, display_path
+from batchinfer.jobs.errors import JobError, JobRuntimeError, display_path, no_space_error
 from batchinfer.jobs.eval_metrics import eval_stats, with_correct_column
 from batchinfer.jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
+from batchinfer.jobs.interruption import signal_name, stop_signal_of
 from batchinfer.jobs.global_run import PlannedUnits, UnitsInProcess, plan_stats, plan_units, prepare_units, summed_counters
 from batchinfer.jobs.openai_batch import OUTPUT_NAME as BATCH_OUTPUT_NAME, write_batch_output
 from batchinfer.jobs.ordered_output import compact_in_input_order, finish_interrupted_compaction
@@ -126,8 +127,12 @@ def _report_parts(resume: ResumeState, warn: Callable[[str], None]) -> None:
 
 
 def _interruption(exc: BaseException) -> str:
-    name = getattr(exc, "signal_name", None)
-    return name if isinstance(name, str) else "SIGINT" if isinstance(exc, KeyboardInterrupt) else type(exc).__name__
+    """`interrupted_by`: the stop signal's name (jobs.interruption), else what stopped the run (SystemExit)."""
+    signum = stop_signal_of(exc)
+    if signum is not None:
+        return signal_name(signum)
+    name = getattr(exc, "signal_name", None)  # an embedding caller's own stop exception
+    return name if isinstance(name, str) else type(exc).__name__
 
 
 def _parallel_executor(job: PreparedJob, executor: Optional[UnitExecutor]) -> Optional[UnitExecutor]:
@@ -288,21 +293,28 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         return stats
     executor = _parallel_executor(job, options.executor) if spec.engine.plan == "global" else None
     progress = ProgressReporter(console, spec.name, total, resumed)
-    with listening(progress.phase_listener):  # the startup phases, shown as they run
-        if executor is None:  # first: a model that cannot load leaves the folder as it was
-            try:
-                engine = options.engine_factory(job, options.window_rows)
-            except Exception as exc:
-                raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
-            startup.update(getattr(engine, "startup_seconds", {}))
-        if spec.engine.plan == "global":
-            if lock.lost:  # planning writes into the folder: only while it is ours
-                raise _lost(lock, spec)
-            work_dir = work_dir_for(out_dir)
-            if overwrite:
-                remove_work_dir(work_dir)
-            with phase("planning", startup, "plan"):
-                planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget)
+    try:
+        with listening(progress.phase_listener):  # the startup phases, shown as they run
+            if executor is None:  # first: a model that cannot load leaves the folder as it was
+                try:
+                    engine = options.engine_factory(job, options.window_rows)
+                except Exception as exc:
+                    raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
+                startup.update(getattr(engine, "startup_seconds", {}))
+            if spec.engine.plan == "global":
+                if lock.lost:  # planning writes into the folder: only while it is ours
+                    raise _lost(lock, spec)
+                work_dir = work_dir_for(out_dir)
+                if overwrite:
+                    remove_work_dir(work_dir)
+                with phase("planning", startup, "plan"):
+                    planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget)
+    except Exception:
+        raise
+    except BaseException as exc:  # a stop signal while loading or planning: stopped like any other
+        if not lock.lost:
+            finish("interrupted", interrupted_by=_interruption(exc))
+        raise
     _prepare_output_dir(job, overwrite, resume, lock)
     (out_dir / BATCH_OUTPUT_NAME).unlink(missing_ok=True)  # an earlier run's lines: rewritten when the job completes
     writer: Optional[PartWriter] = None
@@ -351,7 +363,11 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             finish("interrupted", interrupted_by=_interruption(exc))
             raise
         reason = exc.reason if isinstance(exc, JobRuntimeError) else f"{type(exc).__name__}: {exc}"
-        finish("failed", reason)
+        try:
+            finish("failed", reason)
+        except OSError as stats_error:  # a full disk takes the stats too: report the failure itself
+            if no_space_error(stats_error) is None:
+                raise
         raise JobRuntimeError(spec.name, reason) from exc
     _complete_work_dir(spec)
     stats = finish("done")

@@ -26,6 +26,7 @@ from batchinfer.jobs.engine_io import error_result, output_result, row_request, 
 from batchinfer.jobs.executors.contract import ProgressDelta, UnitResult
 from batchinfer.jobs.eval_metrics import with_correct_column
 from batchinfer.jobs.global_plan import WorkPlan
+from batchinfer.jobs.interruption import commit_section
 from batchinfer.jobs.openai_batch import row_sampling
 from batchinfer.jobs.outputs import ROW_INDEX_COLUMN, SampleResult, append_results, job_result_fields
 from batchinfer.jobs.part_store import commit_part, unit_part_name
@@ -212,13 +213,20 @@ class UnitRunner:
             self._commit(unit, chunk)
 
     def _commit(self, unit: _OpenUnit, chunk: int) -> None:
-        results = sorted(unit.pending.pop(chunk), key=lambda r: (r.row_index, r.sample_index))
+        """The chunk's part committed (write, fsync, record, rename), then counted and only then dropped
+        from `pending`: a stop signal waits for the end of the section, a failure keeps the samples."""
+        results = sorted(unit.pending[chunk], key=lambda r: (r.row_index, r.sample_index))
         offsets = pa.array([unit.position[r.row_index] for r in results], type=pa.int64())
         table = unit.inputs.take(offsets).drop_columns([ROW_INDEX_COLUMN])
         table = append_results(table, results, self.fields)
         table = with_correct_column(self.job.spec.task, table)
-        self.before_commit()
-        commit_part(self.out_dir, unit_part_name(unit.unit_id, chunk), table)
+        with commit_section():
+            self.before_commit()
+            commit_part(self.out_dir, unit_part_name(unit.unit_id, chunk), table)
+            self._count(unit, chunk, results)
+
+    def _count(self, unit: _OpenUnit, chunk: int, results: list[SampleResult]) -> None:
+        del unit.pending[chunk]
         del unit.left[chunk]
         errors = sum(r.finish_reason == "error" for r in results)
         unit.samples_written += len(results)

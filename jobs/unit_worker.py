@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from batchinfer.jobs.executors.contract import ProgressSink, UnitResult, WorkerRecipe
-from batchinfer.jobs.executors.worker_loop import StopRequested
+from batchinfer.jobs.executors.worker_loop import StopRequested, parent_alive
 from batchinfer.jobs.global_plan import open_work_plan, work_dir_for
 from batchinfer.jobs.outputs import SampleResult
 from batchinfer.jobs.prepare import PreparedJob, prepare_job
@@ -99,7 +99,8 @@ class JobUnitWorker:
             sink_progress = _SignalAfter(sink_progress, os.environ[KILL_AFTER_ENV], os.getpid(), signal.SIGKILL)
         if os.environ.get(STOP_PARENT_AFTER_ENV):
             sink_progress = _SignalAfter(sink_progress, os.environ[STOP_PARENT_AFTER_ENV], os.getppid(), signal.SIGTERM)
-        self.runner = UnitRunner(self.job, engine, plan, spec.output.path, sink_progress)
+        # A local worker process commits nothing once the run that started it is gone (its lock is stale).
+        self.runner = UnitRunner(self.job, engine, plan, spec.output.path, sink_progress, before_commit=parent_alive)
 
     def run_units(self, unit_ids: Iterator[int]) -> Iterator[UnitResult]:
         """Units through one engine call, pulled as the engine has room (it overlaps consecutive units).

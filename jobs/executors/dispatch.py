@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 from batchinfer.jobs.executors.contract import ProgressDelta, UnitResult
 from batchinfer.jobs.executors.tally import ProgressSnapshot, Tally
 from batchinfer.jobs.executors.unit_queue import UnitQueue, UnitSpec
+from batchinfer.jobs.interruption import STOP_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class ExecutionReport:
     failure: Optional[str]             # one line naming the unit or the workers' reasons
     stats: dict[str, Any]              # the executor's section of _stats.json
     results: dict[int, UnitResult] = field(default_factory=dict)
-    interrupted_by: Optional[int] = None   # the signal that stopped the run (SIGINT, SIGTERM), if one did
+    interrupted_by: Optional[int] = None   # the stop signal that stopped the run (SIGINT, SIGTERM, SIGHUP), if one did
 
 
 # STARTING: loading; IDLE: loaded, no session; WANT: waits for our answer; BUSY: runs units and will
@@ -99,7 +100,7 @@ _STARTING, _IDLE, _WANT, _BUSY, _DRAINING, _DEAD = "starting", "idle", "want", "
 
 
 class StopFlag:
-    """Set by SIGINT / SIGTERM (or by a caller's `stop()`): hand out no more units, terminate workers."""
+    """Set by a stop signal, SIGINT / SIGTERM / SIGHUP (or by a caller's `stop()`): hand out no more units, terminate workers."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -115,7 +116,8 @@ class StopFlag:
 
 
 class _SignalsStop:
-    """While running in the main thread, SIGINT and SIGTERM set the flag instead of killing the parent."""
+    """While running in the main thread, the stop signals (`jobs.interruption.STOP_SIGNALS`) set the flag
+    instead of stopping the parent at once: it stops the workers, which commit what they finished."""
 
     def __init__(self, flag: StopFlag) -> None:
         self.flag = flag
@@ -123,7 +125,7 @@ class _SignalsStop:
 
     def __enter__(self) -> "_SignalsStop":
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 self.previous[sig] = signal.signal(sig, self.flag.set)
         return self
 

@@ -24,7 +24,10 @@ from batchinfer.jobs.executors.dispatch import (Died, Event, ExecutionReport, Fi
 from batchinfer.jobs.executors.placement import Placement
 from batchinfer.jobs.executors.tally import ProgressSnapshot
 from batchinfer.jobs.executors.unit_queue import UnitSpec
-from batchinfer.jobs.executors.worker_loop import exit_after_failure, raise_stop_requested, serve
+from batchinfer.jobs.executors.worker_loop import (WORKER_IGNORES, StopRequested, exit_after_failure,
+                                                   serve, watch_parent)
+from batchinfer.jobs.interruption import stop_on_signals
+from batchinfer.jobs.quiet_streams import quiet_when_closed
 
 CLOSE_SECONDS = 30.0      # a worker asked to close gets this long to release its device
 TERMINATE_SECONDS = 5.0   # then SIGTERM, then SIGKILL after this long
@@ -58,18 +61,21 @@ def _receive(conn: Connection) -> Optional[tuple]:
         return None
 
 
-def _worker_main(placement: Placement, recipe: WorkerRecipe, conn: Connection, progress_interval: float) -> None:
-    """The worker process: the shared worker loop over this process's pipe."""
-    # Ctrl-C reaches the whole process group; only the parent decides what stops, with SIGTERM.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, raise_stop_requested)
+def _worker_main(placement: Placement, recipe: WorkerRecipe, conn: Connection, progress_interval: float,
+                 parent_pid: int) -> None:
+    """The worker process: the shared worker loop over this process's pipe, for as long as its parent lives."""
+    # Ctrl-C and a hang-up reach the whole process group; only the parent decides what stops, with SIGTERM.
+    for signum in WORKER_IGNORES:
+        signal.signal(signum, signal.SIG_IGN)
+    watch_parent(parent_pid)  # dies with the parent; the unit worker also checks it before each commit
 
     def set_threads() -> None:
         if placement.torch_threads is not None and "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(placement.torch_threads)
 
-    exit_after_failure(serve, recipe.with_overrides(**placement.overrides), placement.worker, placement.device,
-                       lambda: _receive(conn), conn.send, progress_interval, set_threads)
+    with quiet_when_closed(), stop_on_signals((signal.SIGTERM,), StopRequested):
+        exit_after_failure(serve, recipe.with_overrides(**placement.overrides), placement.worker, placement.device,
+                           lambda: _receive(conn), conn.send, progress_interval, set_threads)
 
 
 @dataclass
@@ -96,7 +102,8 @@ class _ProcessTransport:
         placement = self.placements[slot]
         parent_conn, child_conn = self.context.Pipe(duplex=True)
         process = self.context.Process(target=_worker_main, name=f"batchinfer-worker-{slot}",
-                                       args=(placement, self.recipe, child_conn, self.progress_interval))
+                                       args=(placement, self.recipe, child_conn, self.progress_interval,
+                                             os.getpid()))
         with _ENV_LOCK:  # a spawned child inherits os.environ as it is at start()
             saved = {name: os.environ.get(name) for name in placement.env}
             os.environ.update(placement.env)

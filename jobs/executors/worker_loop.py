@@ -14,24 +14,56 @@ Worker → parent: ("ready",), ("want",), ("progress", id, delta), ("done", resu
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Any, Callable, Iterator, Optional
 
 from batchinfer.jobs.executors.contract import RateLimitedSink, UnitResult, UnitWorker, WorkerRecipe
+from batchinfer.jobs.interruption import Stopped
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_PID_ENV = "BATCHINFER_WORKER_PARENT"  # set in a local worker process: the pid of the run that started it
 
 Receive = Callable[[], Optional[tuple]]   # the next message; None when the parent is gone
+Send = Callable[[tuple], None]
+WORKER_IGNORES = (signal.SIGINT, signal.SIGHUP)  # reach the whole process group: only the parent decides
 
 
-class StopRequested(BaseException):
+class StopRequested(Stopped):
     """The parent ended the run (it sends a worker process SIGTERM): no unit runs again in this run,
     so a worker may commit what its open units hold before it exits."""
 
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
 
-def raise_stop_requested(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough; the parent kills after a grace period
-    raise StopRequested()
-Send = Callable[[tuple], None]
+
+class ParentGone(RuntimeError):
+    """The process that started this worker is gone (its lock counts as stale): commit nothing more."""
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Die with the parent (Linux: PR_SET_PDEATHSIG, SIGKILL at once: an orphan must not commit while
+    another run may hold the folder), and name it in PARENT_PID_ENV for the check before each commit
+    (`parent_alive`; the only guard where the signal is missing). The signal follows the parent thread
+    that started the worker: the executor's dispatch thread, which outlives its workers."""
+    os.environ[PARENT_PID_ENV] = str(parent_pid)
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: the check alone
+        pass
+
+
+def parent_alive() -> None:
+    """Raise ParentGone unless the parent named by `watch_parent` is still this process's parent (an
+    orphan is re-parented); nothing to check outside a local worker process."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent and os.getppid() != int(parent):
+        raise ParentGone(f"the parent process {parent} is gone")
 
 
 def describe_exception(exc: BaseException) -> str:
