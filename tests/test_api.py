@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = "{document}\nQuestion: {question}\nAnswer:"
 GENERATED = ["row_index", "sample_index", "generated_text", "output_token_ids", "prompt_tokens", "cached_tokens",
              "completion_tokens", "finish_reason", "error"]
-REUSE = ["prompt_tokens", "cached_tokens", "theoretical_max_cached_tokens"]
+REUSE = ["prompt_tokens", "cached_tokens", "planned_cached_tokens"]
 
 
 @pytest.fixture(scope="module")
