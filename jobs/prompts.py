@@ -180,7 +180,7 @@ def _render_chat(texts: list[Optional[str]], errors: list[Optional[str]], tokeni
         if error is None:
             try:
                 text = tokenizer.render_chat(text, system, template_kwargs)
-            except jinja2.TemplateError as exc:  # templates may reject a conversation via raise_exception
+            except jinja2.TemplateError as exc:  # raise_exception, or any failure (tokenizer.ChatTemplateError)
                 text, error = None, f"chat template: {exc}"
         rendered.append(text)
         rendered_errors.append(error)
