@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.models.checkpoint_shapes import CheckpointError, check_against_weights, weight_shapes
-from batchinfer.models.config import ModelConfigError, load_model_config
+from batchinfer.models.config import ModelConfig, ModelConfigError, load_model_config
 from batchinfer.models.quantization import check_tensor_names, parse_quantization
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.spec import DEMO_MODEL, JobSpec
@@ -30,9 +30,9 @@ def resolve_checkpoint(spec: JobSpec) -> Path:
     return Path(spec.model)
 
 
-def check_checkpoint(checkpoint: Path, spec: JobSpec) -> int:
+def check_checkpoint(checkpoint: Path, spec: JobSpec) -> ModelConfig:
     """Raise JobError unless `checkpoint` is a supported model folder (and holds the job's
-    `max_model_len`); return its vocab size."""
+    `max_model_len`); return its config."""
     def fail(what: str) -> JobError:
         return JobError(spec.job_file, spec.where("model"), what)
 
@@ -66,7 +66,7 @@ def check_checkpoint(checkpoint: Path, spec: JobSpec) -> int:
         raise JobError(spec.job_file, spec.where("engine.max_model_len"),
                        f"must be <= the model's max_position_embeddings ({config.max_position_embeddings}), "
                        f"got {max_model_len}")
-    return config.vocab_size
+    return config
 
 
 def checkpoint_fingerprint(checkpoint: Path) -> dict[str, Any]:
