@@ -1,18 +1,19 @@
 """The job's `model:`: resolve it to a checkpoint folder and check it before anything runs.
 
 A bad checkpoint must fail as one line before the output folder is touched, so this
-reads only small JSON files (and the tokenizer later); weights are loaded by the engine.
+reads only small JSON files and the weights' safetensors headers (and the tokenizer later);
+weights are loaded by the engine. config.json is checked here once, against the headers'
+names and shapes too; a bad value is `error: <ckpt>/config.json: <key>: <what>`.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from safetensors import safe_open
-
-from batchinfer.models.config import ModelConfigError, load_model_config
+from batchinfer.models.checkpoint_shapes import CheckpointError, check_against_weights, weight_shapes
+from batchinfer.models.config import ModelConfig, ModelConfigError, load_model_config
 from batchinfer.models.quantization import check_tensor_names, parse_quantization
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.spec import DEMO_MODEL, JobSpec
@@ -29,25 +30,33 @@ def resolve_checkpoint(spec: JobSpec) -> Path:
     return Path(spec.model)
 
 
-def check_checkpoint(checkpoint: Path, spec: JobSpec) -> int:
+def check_checkpoint(checkpoint: Path, spec: JobSpec) -> ModelConfig:
     """Raise JobError unless `checkpoint` is a supported model folder (and holds the job's
-    `max_model_len`); return its vocab size."""
+    `max_model_len`); return its config."""
     def fail(what: str) -> JobError:
         return JobError(spec.job_file, spec.where("model"), what)
+
+    def config_error(exc: ModelConfigError) -> JobError:
+        if exc.key is None:
+            return fail(str(exc))
+        return JobError(checkpoint / "config.json", exc.key, exc.what)
 
     if not checkpoint.is_dir():
         raise fail(f"no such checkpoint folder: {display_path(checkpoint)}")
     try:
         config = load_model_config(checkpoint)
     except ModelConfigError as exc:
-        raise fail(str(exc)) from None
+        raise config_error(exc) from None
     if not any((checkpoint / name).is_file() for name in WEIGHT_FILES):
         raise fail(f"{display_path(checkpoint)} has no safetensors weights")
-    names = tensor_names(checkpoint)
-    if names is not None:
+    shapes = weight_shapes(checkpoint)
+    if shapes is not None:  # unreadable weights are reported by the loader, naming the file
         try:
-            check_tensor_names(names, parse_quantization(json.loads((checkpoint / "config.json").read_text())))
+            check_tensor_names(list(shapes), parse_quantization(json.loads((checkpoint / "config.json").read_text())))
+            check_against_weights(config, shapes, display_path(checkpoint))
         except ModelConfigError as exc:
+            raise config_error(exc) from None
+        except CheckpointError as exc:
             raise fail(str(exc)) from None
     if not (checkpoint / "tokenizer.json").is_file():
         raise fail(f"{display_path(checkpoint)} has no tokenizer.json")
@@ -57,20 +66,7 @@ def check_checkpoint(checkpoint: Path, spec: JobSpec) -> int:
         raise JobError(spec.job_file, spec.where("engine.max_model_len"),
                        f"must be <= the model's max_position_embeddings ({config.max_position_embeddings}), "
                        f"got {max_model_len}")
-    return config.vocab_size
-
-
-def tensor_names(checkpoint: Path) -> Optional[list[str]]:
-    """The checkpoint's tensor names from its safetensors index or file header (no tensor data is
-    read); None when they cannot be read, which the loader reports when it opens the files."""
-    index = checkpoint / "model.safetensors.index.json"
-    try:
-        if index.is_file():
-            return list(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
-        with safe_open(str(checkpoint / "model.safetensors"), framework="numpy") as handle:
-            return list(handle.keys())
-    except Exception:  # a malformed index or header: safetensors raises its own error types
-        return None
+    return config
 
 
 def checkpoint_fingerprint(checkpoint: Path) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from batchinfer.jobs.atomic_files import write_atomically
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.inputs import InputFiles
 from batchinfer.jobs.part_store import scan_parts
+from batchinfer.jobs.prompts import too_long
 from batchinfer.jobs.schema_strict import strict_schema
 from batchinfer.jobs.spec import BATCH_ERROR_COLUMN, BATCH_SEED_KEY_COLUMN, BATCH_TOKEN_IDS_COLUMN, JobSpec
 from batchinfer.jobs.task_spec import ENGINE_FEATURES, MAX_LOGPROBS
@@ -260,9 +261,9 @@ def _render(fields: dict, tokenizer: CheckpointTokenizer, template_kwargs: Mappi
 
 
 def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[int] = None,
-                    template_kwargs: Mapping[str, Any] = {}) -> pa.Table:
+                    template_kwargs: Mapping[str, Any] = {}, max_chars: Optional[int] = None) -> pa.Table:
     """The request file's lines (the first `limit` requests) as rows of `BATCH_SCHEMA` (one per
-    choice; one per bad line)."""
+    choice; one per bad line); a prompt longer than `max_chars` is its line's error, not tokenised."""
     requests = 0
     rows: dict[str, list] = {name: [] for name in BATCH_COLUMNS}
     texts: list[tuple[int, str, bool]] = []  # (first row, text, chat) of each line to tokenise
@@ -291,6 +292,8 @@ def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[
                     raise LineError(f"custom_id {fields['custom_id']!r}: duplicate of an earlier line")
                 seen.add(fields["custom_id"])
                 prompt, chat = _render(fields, tokenizer, template_kwargs)
+                if max_chars is not None and len(prompt) > max_chars:
+                    raise LineError(too_long(prompt, max_chars))
             except LineError as exc:
                 custom_id = fields["custom_id"] if fields is not None else getattr(exc, "custom_id", None)
                 add(line, {"custom_id": custom_id}, str(exc))
@@ -456,7 +459,8 @@ def write_batch_output(out_dir: Path, spec: JobSpec, before_commit: Callable[[],
 
 
 def open_batch_input(pattern: str, tokenizer: CheckpointTokenizer, job_file: Path, where: str,
-                     limit: Optional[int] = None, template_kwargs: Mapping[str, Any] = {}) -> InputFiles:
+                     limit: Optional[int] = None, template_kwargs: Mapping[str, Any] = {},
+                     max_chars: Optional[int] = None) -> InputFiles:
     """The request file as the job's input: its rows parsed and held in memory (`InputFiles.table`).
     `limit` counts request lines (so a line keeps all its choices); `PreparedJob.rows` then takes every row.
     `template_kwargs`: the job's `chat_template_kwargs`, for every chat line."""
@@ -465,7 +469,7 @@ def open_batch_input(pattern: str, tokenizer: CheckpointTokenizer, job_file: Pat
         raise JobError(job_file, where,
                        f"no such file: {display_path(path)} (an OpenAI batch input is one .jsonl file)")
     try:
-        table = read_batch_file(path, tokenizer, limit, template_kwargs)
+        table = read_batch_file(path, tokenizer, limit, template_kwargs, max_chars)
     except OSError as exc:
         raise JobError(job_file, where, f"cannot read {display_path(path)}: {exc.strerror or exc}") from None
     if table.num_rows == 0:

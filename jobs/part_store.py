@@ -26,10 +26,11 @@ import pyarrow.parquet as pq
 
 from batchinfer.jobs.atomic_files import fsync_dir, fsync_file, sha256_file, temp_path, write_atomically
 
-PART_PATTERN = re.compile(r"^part-(\d+)\.parquet$")
-PART_NUMBER = re.compile(r"part-(\d+)\.parquet")  # in any name derived from a part's (records, asides)
+# \Z, not $ (which matches before a final newline); [0-9], not \d (which matches any script's digits)
+PART_PATTERN = re.compile(r"^part-([0-9]+)\.parquet\Z")
+PART_NUMBER = re.compile(r"part-([0-9]+)\.parquet")  # in any name derived from a part's (records, asides)
 # A work unit's part k: its name is fixed by the unit, so a unit run again rewrites the same names.
-UNIT_PART_PATTERN = re.compile(r"^part-u(\d+)-(\d+)\.parquet$")
+UNIT_PART_PATTERN = re.compile(r"^part-u([0-9]+)-([0-9]+)\.parquet\Z")
 PARTS_DIR = "_parts"
 RECORD_SUFFIX = ".json"
 DAMAGED_SUFFIX = ".damaged"

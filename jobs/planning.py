@@ -62,7 +62,7 @@ def plan_job(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> JobPlan:
     pending: list[list[int]] = []
     for window in iter_windows(job.inputs, window_rows, spec.limit):
         prompts = build_prompts(window.table, spec.prompt, job.tokenizer, spec.chat, spec.system, job.vocab_size,
-                                id_column=spec.id_column)
+                                id_column=spec.id_column, max_chars=job.max_prompt_chars)
         good = [ids for ids in prompts.token_ids if ids is not None]
         totals["rows"] += window.table.num_rows
         totals["error_rows"] += window.table.num_rows - len(good)

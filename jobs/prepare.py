@@ -20,7 +20,8 @@ from batchinfer.jobs.checkpoint import check_checkpoint, checkpoint_fingerprint,
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.inputs import InputFiles, input_fingerprint, open_inputs
 from batchinfer.jobs.outputs import RESULT_COLUMNS
-from batchinfer.jobs.prompts import is_text, parse_template, template_can_format, template_columns
+from batchinfer.jobs.prompts import (is_text, oversized_job_text, parse_template, prompt_char_limit,
+                                     template_can_format, template_columns)
 from batchinfer.jobs.reasoning import ReasoningSplit, reasoning_split
 from batchinfer.jobs.resume import check_resumable
 from batchinfer.jobs.sampling_defaults import ResolvedSampling, resolve_sampling
@@ -41,6 +42,7 @@ class PreparedJob:
     fingerprint: dict[str, Any]
     sampling: Optional[ResolvedSampling] = None  # spec.sampling is its params; this adds where each came from
     reasoning: ReasoningSplit = ReasoningSplit()
+    max_prompt_chars: Optional[int] = None  # longer prompt text is refused untokenised (prompts.prompt_char_limit)
 
     @property
     def rows(self) -> int:
@@ -124,19 +126,24 @@ def _check_output(spec: JobSpec) -> None:
 def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     """Every bad-input check, in the order a user would fix them; writes nothing."""
     checkpoint = resolve_checkpoint(spec)
-    vocab_size = check_checkpoint(checkpoint, spec)
+    model_config = check_checkpoint(checkpoint, spec)
+    vocab_size = model_config.vocab_size
+    max_prompt_chars = prompt_char_limit(spec.engine.max_model_len or model_config.max_position_embeddings)
     sampling = resolve_sampling(spec, checkpoint)
     spec = replace(spec, sampling=sampling.params)
     if openai_batch_input(spec.input):  # its lines are rendered and tokenised as they are read
         tokenizer = _load_tokenizer(checkpoint, spec)
         inputs = open_batch_input(spec.input, tokenizer, spec.job_file, spec.where("input"), spec.limit,
-                                  dict(spec.prompt.chat_template_kwargs))
+                                  dict(spec.prompt.chat_template_kwargs), max_prompt_chars)
         spec = replace(spec, limit=None)  # applied to request lines already: every row of the table runs
         _check_columns(spec, inputs.schema)
     else:
         inputs = open_inputs(spec.input, spec.job_file, spec.where("input"), exclude=spec.output.path)
         _check_columns(spec, inputs.schema)
         tokenizer = _load_tokenizer(checkpoint, spec)
+    oversized = oversized_job_text(spec.prompt, spec.system if spec.chat else None, max_prompt_chars)
+    if oversized is not None:
+        raise JobError(spec.job_file, spec.where(oversized[0]), oversized[1])
     reasoning = reasoning_split(spec, tokenizer)
     check_task(spec, inputs.schema, tokenizer, vocab_size)
     fingerprint = {
@@ -152,4 +159,5 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     }
     _check_output(spec)
     check_resumable(spec.output.path, fingerprint, overwrite, spec.job_file, spec.where("output"))
-    return PreparedJob(spec, checkpoint, vocab_size, tokenizer, inputs, fingerprint, sampling, reasoning)
+    return PreparedJob(spec, checkpoint, vocab_size, tokenizer, inputs, fingerprint, sampling, reasoning,
+                       max_prompt_chars)

@@ -3,8 +3,13 @@
 Templates become polars expressions (one vectorised string concat per window, not a
 Python format call per row); a template without a `{column}` is one constant prompt for
 every row. A row that cannot make a prompt (text that is not valid UTF-8, a null template
-column, an empty prompt, a malformed token-id list) gets an error message instead of token
-ids; the runner records it in that row's `error` column and the rest of the job goes on.
+column, an empty prompt, a malformed token-id list, text too long to fit `max_model_len`) gets
+an error message instead of token ids; the runner records it in that row's `error` column and
+the rest of the job goes on.
+
+Text longer than `prompt_char_limit(max_model_len)` is refused before it is tokenised: no
+tokenizer puts more than `MAX_CHARS_PER_TOKEN` characters in a token, so it cannot fit, and
+tokenising it costs ~400 bytes a character (a 50 MB system prompt took 22 GB).
 """
 from __future__ import annotations
 
@@ -20,6 +25,31 @@ import pyarrow.compute as pc
 
 from batchinfer.jobs.spec import PromptSpec
 from batchinfer.jobs.tokenizer import CheckpointTokenizer
+
+
+MAX_CHARS_PER_TOKEN = 64  # generous: BPE vocabularies' longest tokens are runs of spaces or dashes
+
+
+def prompt_char_limit(max_model_len: int) -> int:
+    """The most characters a prompt that fits `max_model_len` tokens can have."""
+    return max_model_len * MAX_CHARS_PER_TOKEN
+
+
+def too_long(text: str, max_chars: int) -> str:
+    return (f"prompt has {len(text):,} characters, more than max_model_len x {MAX_CHARS_PER_TOKEN} "
+            f"({max_chars:,}) can hold: not tokenised")
+
+
+def oversized_job_text(spec: PromptSpec, system: Optional[str], max_chars: int) -> Optional[tuple[str, str]]:
+    """(key, error) for a job-level text that alone is longer than any prompt can be, else None."""
+    constant = "".join(part.literal for part in parse_template(spec.template)) if spec.template is not None else ""
+    kwargs_chars = sum(len(value) for _, value in spec.chat_template_kwargs if isinstance(value, str))
+    for key, chars in (("system", len(system or "")), ("prompt.template", len(constant)),
+                       ("chat_template_kwargs", kwargs_chars)):
+        if chars > max_chars:
+            return key, (f"has {chars:,} characters, more than max_model_len x {MAX_CHARS_PER_TOKEN} "
+                         f"({max_chars:,}) can hold")
+    return None
 
 
 _AS_BYTES = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.string_view(): pa.binary_view()}
@@ -172,16 +202,27 @@ def _token_id_lists(frame: pl.DataFrame, column: str, vocab_size: int) -> Prompt
     return PromptBatch(token_ids=token_ids, errors=errors)
 
 
+def _bounded(texts: list[Optional[str]], errors: list[Optional[str]],
+             max_chars: Optional[int]) -> list[Optional[str]]:
+    if max_chars is None:
+        return errors
+    return [error or (too_long(text, max_chars) if text is not None and len(text) > max_chars else None)
+            for text, error in zip(texts, errors)]
+
+
 def _render_chat(texts: list[Optional[str]], errors: list[Optional[str]], tokenizer: CheckpointTokenizer,
-                 system: Optional[str], template_kwargs: dict) -> tuple[list[Optional[str]], list[Optional[str]]]:
+                 system: Optional[str], template_kwargs: dict,
+                 max_chars: Optional[int]) -> tuple[list[Optional[str]], list[Optional[str]]]:
     rendered: list[Optional[str]] = []
     rendered_errors: list[Optional[str]] = []
     for text, error in zip(texts, errors):
         if error is None:
             try:
                 text = tokenizer.render_chat(text, system, template_kwargs)
-            except jinja2.TemplateError as exc:  # templates may reject a conversation via raise_exception
+            except jinja2.TemplateError as exc:  # raise_exception, or any failure (tokenizer.ChatTemplateError)
                 text, error = None, f"chat template: {exc}"
+            if text is not None and max_chars is not None and len(text) > max_chars:  # the template adds text
+                text, error = None, too_long(text, max_chars)
         rendered.append(text)
         rendered_errors.append(error)
     return rendered, rendered_errors
@@ -203,11 +244,14 @@ def row_ids(table: pa.Table, id_column: str) -> list:
 
 
 def build_prompts(table: pa.Table, spec: PromptSpec, tokenizer: CheckpointTokenizer, chat: bool,
-                  system: Optional[str], vocab_size: int, id_column: Optional[str] = None) -> PromptBatch:
+                  system: Optional[str], vocab_size: int, id_column: Optional[str] = None,
+                  max_chars: Optional[int] = None) -> PromptBatch:
     """Prompt token ids (or a row error) for every row of one input window.
 
     Text in the prompt's columns (and in `id_column`, when given) that is not valid UTF-8 makes
     that row an error. Only the prompt's columns are converted to polars: the rest are not read.
+    `max_chars` (`PreparedJob.max_prompt_chars`): longer text, as read or chat-rendered, is the
+    row's error and is not tokenised.
     """
     columns = prompt_columns(spec)
     checked = columns + ([id_column] if id_column is not None else [])
@@ -230,8 +274,9 @@ def build_prompts(table: pa.Table, spec: PromptSpec, tokenizer: CheckpointTokeni
         texts, errors = _column_texts(frame, spec.column)
     errors = [text_error or error or ("empty prompt" if not text else None)
               for text, error, text_error in zip(texts, errors, text_errors)]
+    errors = _bounded(texts, errors, max_chars)
     if chat:
-        texts, errors = _render_chat(texts, errors, tokenizer, system, dict(spec.chat_template_kwargs))
+        texts, errors = _render_chat(texts, errors, tokenizer, system, dict(spec.chat_template_kwargs), max_chars)
     good = [i for i, error in enumerate(errors) if error is None]
     good_texts = [texts[i] for i in good]
     # Chat-rendered text already holds its special tokens; transformers encodes it without adding more.

@@ -22,9 +22,9 @@ from batchinfer.jobs.errors import JobError
 from batchinfer.jobs.parallel_spec import PARALLEL_KEYS, ParallelSpec
 from batchinfer.jobs.spec_checks import Checker, did_you_mean
 from batchinfer.jobs.task_spec import TASK_JOB_KEYS, TaskSpec, parse_task, split_task_sampling
-from batchinfer.jobs.yaml_loader import DuplicateKeyError, load_yaml
+from batchinfer.jobs.yaml_loader import DuplicateKeyError, JobFileSizeError, load_yaml
 
-JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
+JOB_NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]+")  # fullmatch: `$` would let a final newline through
 DEMO_MODEL = "demo"
 
 
@@ -166,7 +166,7 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
     where = f"jobs[{index}]"
     checker.mapping(raw, where, JOB_KEYS)
     name = raw.get("name")
-    if not isinstance(name, str) or not JOB_NAME_PATTERN.match(name):
+    if not isinstance(name, str) or not JOB_NAME_PATTERN.fullmatch(name):
         raise checker.fail(f"{where}.name", f"must match [A-Za-z0-9_-]+, got {name!r}")
     where = f"jobs.{name}"
     batch_input = isinstance(raw.get("input"), str) and openai_batch_input(raw["input"])
@@ -272,8 +272,9 @@ def parse_job_file(text: str, path: Path) -> JobFile:
     checker = Checker(path)
     try:
         document = load_yaml(text)
-    except DuplicateKeyError as exc:
-        raise checker.fail(f"line {exc.problem_mark.line + 1}", exc.problem) from None
+    except (DuplicateKeyError, JobFileSizeError) as exc:
+        mark = exc.problem_mark
+        raise checker.fail(f"line {mark.line + 1}" if mark is not None else "yaml", exc.problem) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f"line {mark.line + 1}" if mark is not None else "yaml"

@@ -78,7 +78,7 @@ def choice(*options: str) -> Callable[[Any], str]:
 
 
 def device_name(value: Any) -> str:
-    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
         raise ValueError(f"must be auto, cpu, cuda or cuda:N; got {value!r}")
     return value
 

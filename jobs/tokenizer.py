@@ -4,6 +4,8 @@ Chat templates are rendered the way transformers' `apply_chat_template` renders 
 (same sandboxed jinja environment and globals, special tokens passed as variables,
 `add_generation_prompt=True`), and the rendered text is encoded without adding special
 tokens, as transformers does; so the token ids match `apply_chat_template(tokenize=True)`.
+A template is the checkpoint's code: whatever it raises while rendering comes out as a
+`jinja2.TemplateError` (`ChatTemplateError` for the rest), which callers make a row's error.
 """
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ from tokenizers import Tokenizer
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(jinja2.TemplateError):
+    """A chat template raised something other than a TemplateError (`{{ 1/0 }}`, a bad operand)."""
 
 
 def _raise_exception(message: str) -> None:
@@ -147,7 +153,12 @@ class CheckpointTokenizer:
         if self._compiled is None:
             raise ValueError("the checkpoint has no chat template")
         variables = {"tools": None, "documents": None, **self.special_tokens, **(template_kwargs or {})}
-        return self._compiled.render(messages=list(messages), add_generation_prompt=True, **variables)
+        try:
+            return self._compiled.render(messages=list(messages), add_generation_prompt=True, **variables)
+        except jinja2.TemplateError:
+            raise
+        except Exception as exc:  # one template's bug must fail its rows, not the job
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from None
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)

@@ -82,7 +82,7 @@ class WindowRun:
                 continue
             self.windows.open(window, samples_todo)
             prompts = build_prompts(window.table, spec.prompt, self.job.tokenizer, spec.chat, spec.system,
-                                    self.job.vocab_size, id_column=spec.id_column)
+                                    self.job.vocab_size, id_column=spec.id_column, max_chars=self.job.max_prompt_chars)
             ids = row_ids(window.table, spec.id_column) if spec.id_column else [None] * len(rows)
             per_row = row_sampling(spec, window.table)  # None: the job's sampling for every row
             scoring = spec.task.task == "score"

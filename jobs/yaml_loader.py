@@ -6,23 +6,30 @@ are read with the YAML 1.2 core schema instead, as a user expects: any decimal n
 exponent or a leading dot is a float, only `true`/`false` are booleans, all else is text (`<<`
 merge keys still work). A key given twice in one mapping is an error
 (`DuplicateKeyError`, located at the second one) instead of silently keeping the last value.
+Anchors and aliases (`<<: *base`) work, but a document whose aliases would expand past
+`MAX_EXPANDED_NODES` values (a "billion laughs"), or refer to themselves, or that nests past
+`MAX_DEPTH` is a `JobFileSizeError`: consumers (fingerprints, templates) expand aliases into copies.
 """
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 import yaml
+from yaml.composer import ComposerError
 from yaml.constructor import ConstructorError
-from yaml.nodes import MappingNode, Node
+from yaml.nodes import CollectionNode, MappingNode, Node
 
 # YAML 1.2.2, section 10.3.2 (core schema tag resolution).
-_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
-_NULL = re.compile(r"^(?:~|null|Null|NULL|)$")
-_INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+# \Z, not $: `$` also matches before a final newline.
+_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)\Z")
+_NULL = re.compile(r"^(?:~|null|Null|NULL|)\Z")
+_INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)\Z")
 _FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
-                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+MAX_EXPANDED_NODES = 100_000  # a job file holds hundreds; a billion laughs holds 10**9
+MAX_DEPTH = 200               # pyyaml composes recursively: deeper nesting would be a RecursionError
 
 
 class DuplicateKeyError(ConstructorError):
@@ -34,8 +41,52 @@ class DuplicateKeyError(ConstructorError):
         self.key = key
 
 
+class JobFileSizeError(ComposerError):
+    """The document is too large once its aliases are expanded, refers to itself, or nests too deeply."""
+
+    def __init__(self, problem: str, node: Optional[Node] = None) -> None:
+        super().__init__(None, None, problem, node.start_mark if node is not None else None)
+
+
+def _check_expansion(root: Node) -> None:
+    """Count the values `root` expands to (aliases share nodes: each use counts again), without
+    expanding anything: one pass over the distinct nodes, iterative, with each node's count memoised."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Node, int]] = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        key = id(node)
+        if key in sizes:
+            continue
+        if not isinstance(node, CollectionNode):
+            sizes[key] = 1
+            continue
+        children = [child for pair in node.value for child in pair] if isinstance(node, MappingNode) else node.value
+        if key not in on_path:  # first visit: its children first, then the node again
+            if depth > MAX_DEPTH:
+                raise JobFileSizeError(f"values nested more than {MAX_DEPTH} levels deep", node)
+            on_path.add(key)
+            stack.append((node, depth))
+            for child in children:
+                if id(child) in on_path:
+                    raise JobFileSizeError("a recursive alias (a value that contains itself)", child)
+                stack.append((child, depth + 1))
+            continue
+        on_path.discard(key)
+        sizes[key] = 1 + sum(sizes[id(child)] for child in children)
+        if sizes[key] > MAX_EXPANDED_NODES:
+            raise JobFileSizeError(f"aliases expand to more than {MAX_EXPANDED_NODES:,} values", node)
+
+
 class JobFileLoader(yaml.SafeLoader):
     """SafeLoader with core-schema scalars and duplicate-key detection (see the module docstring)."""
+
+    def compose_document(self) -> Optional[Node]:
+        node = super().compose_document()
+        if node is not None:
+            _check_expansion(node)
+        return node
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, Node] = {}
@@ -89,4 +140,7 @@ JobFileLoader.add_constructor("tag:yaml.org,2002:float", JobFileLoader.construct
 
 def load_yaml(text: str) -> Any:
     """Parse one YAML document with `JobFileLoader`."""
-    return yaml.load(text, Loader=JobFileLoader)  # noqa: S506 - a SafeLoader subclass
+    try:
+        return yaml.load(text, Loader=JobFileLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:  # pyyaml's composer recurses per level, before _check_expansion sees the depth
+        raise JobFileSizeError(f"values nested more than {MAX_DEPTH} levels deep") from None

@@ -77,7 +77,7 @@ def test_qwen3_5_moe_always_renormalises_and_is_all_moe():
     ({"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_5_text"}, "unsupported architecture"),
     ({"model_type": "qwen3_5_text", **TEXT, "rope_parameters": {"rope_type": "yarn", "factor": 4}}, "rope type 'yarn'"),
     ({"model_type": "qwen3_5_text", **TEXT, "hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "qwen3_5_text", **TEXT, "layer_types": ["linear_attention"]}, "layer_types has 1"),
+    ({"model_type": "qwen3_5_text", **TEXT, "layer_types": ["linear_attention"]}, "layer_types: has 1"),
 ])
 def test_unsupported_configs_raise_one_line_errors(raw, fragment):
     with pytest.raises(ModelConfigError) as err:

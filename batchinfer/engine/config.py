@@ -11,6 +11,9 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
 
+DEFAULT_MAX_RUNNING = 256
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"                 # "auto" → cuda when available, else cpu
@@ -22,7 +25,9 @@ class EngineConfig:
     ckpt_dtype: Optional[str] = None     # ReplaySSM checkpoint dtype; None → the model dtype
     track_interval: int = 8192           # also checkpoint every this many prompt tokens (unplanned reuse);
                                          # each multiple ends a prefill chunk, so small values cut long prompts short
-    max_running: int = 256               # sequences decoding at once
+    # sequences decoding at once; None: DEFAULT_MAX_RUNNING, or fewer where the memory budget fits
+    # fewer (warned on a GPU; on the CPU, whose budget is a fixed modest pool, that is the default)
+    max_running: Optional[int] = None
     max_batch_tokens: int = 8192         # prefill tokens per step
     max_model_len: Optional[int] = None  # None → the model's max_position_embeddings
     memory_fraction: float = 0.9         # share of the free device memory for the pools (at most free − a step's activations)
@@ -39,7 +44,7 @@ class EngineConfig:
         if self.ckpt_dtype is not None and self.ckpt_dtype not in _DTYPES:
             raise ValueError(f"ckpt_dtype must be one of {sorted(_DTYPES)}, not {self.ckpt_dtype!r}")
         for name in ("ring_len", "track_interval", "max_running", "max_batch_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
@@ -49,6 +54,9 @@ class EngineConfig:
             raise ValueError("memory_budget_bytes must be > 0")
         if self.plan_window is not None and self.plan_window < 1:
             raise ValueError("plan_window must be >= 1")
+
+    def resolved_max_running(self) -> int:
+        return DEFAULT_MAX_RUNNING if self.max_running is None else self.max_running
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

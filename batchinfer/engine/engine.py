@@ -31,7 +31,7 @@ from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
 from batchinfer.engine.sampler import SamplingTensors, apply_token_bitmask, identity_key, sample, token_logprobs
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
-from batchinfer.engine.startup import phase
+from batchinfer.engine.startup import max_running_shortfall, phase
 from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
 from batchinfer.engine.types import ContinuationScore, Request, RequestOutput, TokenLogprob
 from batchinfer.models.forward_batch import ModelCaches
@@ -52,9 +52,9 @@ def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: 
     less than one prefill step needs on a nearly full device (docs/BENCHMARKS.md, "Memory budget:
     the activation reserve")."""
     dtype = config.resolved_dtype()
-    reserve = step_activation_bytes(model_config, dtype, config.max_batch_tokens, config.max_running)
+    reserve = step_activation_bytes(model_config, dtype, config.max_batch_tokens, config.resolved_max_running())
     if config.cuda_graphs:
-        reserve += decode_graph_bytes(model_config, dtype, bucket_sizes(config.max_running),
+        reserve += decode_graph_bytes(model_config, dtype, bucket_sizes(config.resolved_max_running()),
                                       min(max_model_len, _GRAPH_CTX_CAP))
     return int(reserve * ACTIVATION_MARGIN)
 
@@ -98,11 +98,11 @@ class Engine:
         # One working slot per running request, plus plan_pools' shared pool of cached states
         # that tracking borrows from (a tracked state goes to the tree at once) and eviction
         # refills: tree states are never pinned by running requests, only during admission.
-        self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=config.max_running)
-        if self.pool_plan.max_running < config.max_running:
-            # Say so: a quietly smaller batch looks like a slow GPU.
+        requested = config.resolved_max_running()
+        self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=requested)
+        if max_running_shortfall(self.pool_plan.max_running, config.max_running, requested, self.device.type):
             log.warning("memory budget fits %d concurrent requests, not max_running=%d (%.0f MiB per state slot)",
-                        self.pool_plan.max_running, config.max_running, self.pool_plan.bytes_per_state_slot / 2**20)
+                        self.pool_plan.max_running, requested, self.pool_plan.bytes_per_state_slot / 2**20)
         kv_pool, state_pool = build_pools(self.pool_plan, kv_shape, state_shape, self.device)
         self.cache = StateCache(kv_pool, state_pool, cache_config)
         caches = ModelCaches.from_pools(kv_pool, state_pool)

@@ -1,5 +1,5 @@
 """Startup phases (loading weights, compiling kernels, capturing graphs, planning): timed, and
-announced to whoever listens (the job's progress display).
+announced to whoever listens (the job's progress display); and what start-up says about sizing.
 
 A phase adds its seconds under a key of a caller's dict (`Engine.startup_seconds`: `load`,
 `compile_and_capture`); listeners get `(label, None)` when it starts and `(label, seconds)` when
@@ -42,3 +42,10 @@ def phase(label: str, seconds: Optional[dict[str, float]] = None, key: Optional[
             seconds[key] = seconds.get(key, 0.0) + elapsed
         for listener in _listeners.get():
             listener(label, elapsed)
+
+
+def max_running_shortfall(fits: int, max_running: Optional[int], requested: int, device_type: str) -> bool:
+    """Whether to warn that the memory budget fits `fits` < `requested` running rows: always when the
+    job set `max_running`; for the default only on a GPU, where a quietly smaller batch looks like a
+    slow GPU (the CPU's budget is a fixed modest pool: sizing to it is what the default means there)."""
+    return fits < requested and (max_running is not None or device_type != "cpu")

@@ -14,6 +14,7 @@ same weights back in a 16/32-bit dtype (what an FP8 model is compared against).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -58,6 +59,20 @@ def fp8_quantization_config(tensors: Mapping[str, torch.Tensor]) -> dict[str, An
             "weight_block_size": [128, 128], "modules_to_not_convert": kept}
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask only sets)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def dequantize_checkpoint(source: str | Path, directory: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write a single-file FP8 checkpoint's weights dequantized to `dtype` (no scales, no
     quantization_config) into `directory`; other tensors are cast to `dtype`."""
@@ -77,5 +92,9 @@ def dequantize_checkpoint(source: str | Path, directory: str | Path, dtype: torc
 
 def _save(directory: Path, tensors: dict[str, torch.Tensor], config_dict: Mapping[str, Any]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    weights = directory / "model.safetensors"
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (mode 0600) and renames it: give the file
+    # the mode any new file gets, so a shared or cached checkpoint is readable as its config.json is.
+    os.chmod(weights, 0o666 & ~_umask())
     (directory / "config.json").write_text(json.dumps(dict(config_dict), indent=2, sort_keys=True) + "\n")

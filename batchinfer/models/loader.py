@@ -25,19 +25,15 @@ from typing import Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from batchinfer.models.checkpoint_layout import (IGNORED_PREFIXES, HfTensor, checkpoint_tensors, detect_layout,
-                                                 fp8_param_names, quantized_model_tensors, scale_name)
+from batchinfer.models.checkpoint_layout import (HfTensor, checkpoint_tensors, detect_layout, fp8_param_names,
+                                                 quantized_model_tensors, scale_name)
+from batchinfer.models.checkpoint_shapes import (INDEX_FILE, SINGLE_FILE, CheckpointError, check_against_weights,
+                                                 reject_unexpected, weight_shapes)
 from batchinfer.models.config import load_model_config
 from batchinfer.models.quantization import parse_quantization
 from batchinfer.models.qwen3_hybrid import HybridModel
 from batchinfer.kernels.fp8_gemm import FP8_DTYPE, GROUP, block_dequantize, block_quantize
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's weights do not fit the model its config.json describes."""
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
@@ -53,8 +49,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
 def empty_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str = "cpu", fp8: bool | None = None) -> HybridModel:
     """The checkpoint's `HybridModel` with its parameters allocated but not filled (`load_weights`
-    fills them): what runs on shapes alone (the kernel trace) can start before the weights load."""
+    fills them): what runs on shapes alone (the kernel trace) can start before the weights load.
+    The config is checked against the weights' headers first, so a wrong one allocates nothing."""
     config = load_model_config(path)
+    shapes = weight_shapes(path)
+    if shapes is not None:  # unreadable files are reported by load_weights, naming them
+        check_against_weights(config, shapes, path)
     return HybridModel(config, dtype, device, _fp8_params(path, config, torch.device(device), fp8))
 
 
@@ -99,7 +99,7 @@ def load_weights(model: HybridModel, path: str | Path, streamed: bool = False) -
     quantized_model = model.fp8_params is not None
     wanted = (quantized_model_tensors if quantized_model else checkpoint_tensors)(model.config, layout)
     scaled = {t.name for t in wanted if scale_name(t.name) in files}  # FP8 tensors of the checkpoint
-    _reject_unexpected(files, {t.name for t in wanted} | {scale_name(n) for n in scaled}, layout.prefix)
+    reject_unexpected(files, {t.name for t in wanted} | {scale_name(n) for n in scaled}, layout.prefix)
 
     by_file: dict[Path, list[HfTensor]] = defaultdict(list)
     for tensor in wanted:
@@ -310,14 +310,3 @@ def _scale_index(spec: HfTensor, index: tuple, ndim: int) -> tuple:
     if rows.start % GROUP:
         raise CheckpointError(f"FP8 tensor {spec.name!r}: its rows start inside a 128-row block of the fused weight")
     return (*index[:position], slice(rows.start // GROUP, -(-rows.stop // GROUP)), *index[position + 1:])
-
-
-def _reject_unexpected(files: dict[str, Path], wanted: set[str], prefix: str) -> None:
-    """A text-model tensor we would not load means the model would silently run without it."""
-    for name, file in files.items():
-        in_text_model = name.startswith(prefix) or name == "lm_head.weight"
-        if not in_text_model or name in wanted or name.startswith(IGNORED_PREFIXES):
-            continue
-        if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
-            continue  # a tied head saved anyway; a recomputable buffer
-        raise CheckpointError(f"unexpected tensor {name!r} in {file.name}: not part of this model's layout")

@@ -34,7 +34,7 @@ def _prompt_batches(job: PreparedJob, window_rows: int) -> Iterator[tuple[RowWin
 
     def tokenise(window: RowWindow) -> PromptBatch:
         return build_prompts(window.table, spec.prompt, job.tokenizer, spec.chat, spec.system, job.vocab_size,
-                             id_column=spec.id_column)
+                             id_column=spec.id_column, max_chars=job.max_prompt_chars)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-tokenise") as pool:
         windows = iter_windows(job.inputs, window_rows, spec.limit)

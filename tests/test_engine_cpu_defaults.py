@@ -1,0 +1,28 @@
+"""On the CPU an unset max_running is sized to the memory budget without a warning; a job that sets
+it is told when the budget fits fewer."""
+from __future__ import annotations
+
+import torch
+
+from batchinfer.engine.startup import max_running_shortfall
+from batchinfer.models.config import model_config_from_dict
+from batchinfer.models.presets import PRESETS, random_model
+from tests.engine_utils import make_engine
+
+
+def test_the_default_max_running_is_sized_to_the_cpu_budget_silently(caplog):
+    model = random_model(model_config_from_dict(PRESETS["tiny"]), torch.float32, "cpu", seed=0)
+    with caplog.at_level("WARNING", logger="batchinfer.engine.engine"):
+        engine = make_engine(model, memory_budget_bytes=540_000)
+    assert engine.pool_plan.max_running < 256
+    assert "concurrent requests" not in caplog.text
+    with caplog.at_level("WARNING", logger="batchinfer.engine.engine"):
+        make_engine(model, memory_budget_bytes=540_000, max_running=256)  # set by the job: said
+    assert "not max_running=256" in caplog.text
+
+
+def test_only_a_gpu_warns_for_the_default():
+    assert not max_running_shortfall(166, None, 256, "cpu")
+    assert max_running_shortfall(166, 256, 256, "cpu")
+    assert max_running_shortfall(166, None, 256, "cuda")
+    assert not max_running_shortfall(256, None, 256, "cuda")
