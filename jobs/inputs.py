@@ -6,7 +6,6 @@ index (its position across the sorted files), which is its identity for resume.
 """
 from __future__ import annotations
 
-import glob
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -16,8 +15,7 @@ import pyarrow.parquet as pq
 
 from batchinfer.jobs.atomic_files import sha256_file
 from batchinfer.jobs.errors import JobError, display_path
-
-GLOB_CHARS = set("*?[")
+from batchinfer.jobs.input_glob import glob_files, has_glob, unique_files
 
 
 @dataclass(frozen=True)
@@ -35,11 +33,11 @@ class RowWindow:
 
 
 def _matching_files(pattern: str, exclude: Optional[Path] = None) -> list[Path]:
-    """Files of `pattern`, sorted, leaving out every file under the folder `exclude`."""
-    if GLOB_CHARS & set(pattern):
-        paths = [Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
+    """Files of `pattern`, sorted, each real file once, leaving out every file under the folder `exclude`."""
+    if has_glob(pattern):
+        paths = glob_files(pattern)
     elif Path(pattern).is_dir():
-        paths = [p for p in Path(pattern).glob("*.parquet") if p.is_file()]
+        paths = unique_files(p for p in Path(pattern).glob("*.parquet") if p.is_file())
     else:
         paths = [Path(pattern)] if Path(pattern).is_file() else []
     if exclude is not None:
@@ -56,7 +54,7 @@ def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path
     """
     paths = _matching_files(pattern, exclude)
     if not paths:
-        if GLOB_CHARS & set(pattern):
+        if has_glob(pattern):
             what = "no files match"
         elif Path(pattern).is_dir():
             what = "folder has no .parquet files"
