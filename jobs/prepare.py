@@ -177,6 +177,7 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
         "sampling": spec.sampling,
         **({"task": spec.task} if spec.task != TaskSpec() else {}),  # absent for plain jobs: their folders resume
         "input": input_fingerprint(inputs),
+        "rows": inputs.num_rows if spec.limit is None else min(spec.limit, inputs.num_rows),
     }
     _check_output(spec)
     check_resumable(spec.output.path, fingerprint, overwrite, spec.job_file, spec.where("output"))
