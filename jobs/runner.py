@@ -350,6 +350,9 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SIGTERM, SystemExit: stop quietly
             finish("interrupted", interrupted_by=_interruption(exc))
             raise
+        if isinstance(exc, JobError):  # an input file changed under the run: bad input, exit 2
+            finish("failed", str(exc))
+            raise
         reason = exc.reason if isinstance(exc, JobRuntimeError) else f"{type(exc).__name__}: {exc}"
         finish("failed", reason)
         raise JobRuntimeError(spec.name, reason) from exc

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from batchinfer.jobs.atomic_files import fsync_dir, write_atomically
 from batchinfer.jobs.global_plan.store import SORTED_NAME, WorkPlan
-from batchinfer.jobs.inputs import iter_windows
+from batchinfer.jobs.inputs import iter_windows, open_input
 from batchinfer.jobs.outputs import ROW_INDEX_COLUMN
 from batchinfer.jobs.prepare import PreparedJob
 
@@ -71,8 +71,9 @@ def _row_bytes(job: PreparedJob) -> float:
     total_bytes = total_rows = 0
     if job.inputs.table is not None:  # rows held in memory (an OpenAI batch file)
         return max(job.inputs.table.nbytes / max(job.inputs.table.num_rows, 1), 1.0)
-    for path in job.inputs.paths:
-        metadata = pq.read_metadata(path)
+    for index in range(len(job.inputs.paths)):
+        with open_input(job.inputs, index) as parquet:  # the file the job started with, or a one-line error
+            metadata = parquet.metadata
         total_rows += metadata.num_rows
         total_bytes += sum(metadata.row_group(g).total_byte_size for g in range(metadata.num_row_groups))
     return max(total_bytes / total_rows, 1.0) if total_rows else 1.0
