@@ -302,7 +302,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             if overwrite:
                 remove_work_dir(work_dir)
             with phase("planning", startup, "plan"):
-                planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget)
+                planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget, warn)
     _prepare_output_dir(job, overwrite, resume, lock)
     (out_dir / BATCH_OUTPUT_NAME).unlink(missing_ok=True)  # an earlier run's lines: rewritten when the job completes
     writer: Optional[PartWriter] = None
