@@ -33,6 +33,7 @@ from batchinfer.jobs.global_plan.progress import NoProgress, PlanningProgress
 from batchinfer.jobs.global_plan.sorted_rows import (SortedRowsReader, SpillTotals, UnitRow, iter_profile, row_group_rows_for,
                                          write_sorted_rows)
 from batchinfer.jobs.global_plan.spill import SPILL_WINDOW_ROWS, spill_prompts
+from batchinfer.jobs.global_plan.unique_ids import IdHashes, check_unique_ids, checks_ids
 from batchinfer.jobs.global_plan.units import GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
 from batchinfer.jobs.atomic_files import checksum_problem, file_checksum
 from batchinfer.jobs.errors import display_path
@@ -164,7 +165,10 @@ def _build_sorted_rows(job: PreparedJob, work_dir: Path, build: Path, budget: So
                        window_rows: int) -> SpillTotals:
     runs = RunWriter(build / "runs", budget)
     progress.phase("tokenise", job.rows)
-    counts = spill_prompts(job, runs, on_rows=progress.advance, window_rows=window_rows)
+    ids = IdHashes(build / "ids") if checks_ids(job) else None
+    counts = spill_prompts(job, runs, on_rows=progress.advance, window_rows=window_rows, ids=ids)
+    if ids is not None:
+        check_unique_ids(job, ids)
     run_paths = runs.finish()
     progress.phase("sort", counts.rows)
     (build / "merge").mkdir(parents=True, exist_ok=True)
