@@ -10,9 +10,10 @@ Layout of `<output>/_work/`:
 
 Nothing is trusted without a plan.json that names it, and no file whose bytes differ from the
 checksum plan.json records for it (size and sha256, as parts have): a damaged file, e.g. torn by
-a kill -9 or a disk fault, is rebuilt, with a one-line note, and the finished parts are kept. A build whose spill fingerprint (input
-files, prompt spec, model, rows) differs deletes plan.json first, so a kill -9 at any later
-point leaves no record a rerun could trust; a rerun removes what a killed build left.
+a kill -9 or a disk fault, is rebuilt, with a one-line note, and the finished parts are kept.
+A build whose spill fingerprint (input files, prompt spec, model, rows) differs deletes
+plan.json first, so a kill -9 at any later point leaves no record a rerun could trust; a rerun
+removes what a killed build left.
 Workers open a committed plan read-only from the folder's path (`open_work_plan`).
 """
 from __future__ import annotations
