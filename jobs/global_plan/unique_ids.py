@@ -32,12 +32,18 @@ def id_hashes(column: Any) -> tuple[np.ndarray, np.ndarray]:
     """(positions of the non-null ids, their 64-bit hashes) of one window's id column."""
     array = pa.chunked_array([column]) if isinstance(column, pa.Array) else column
     array = array.combine_chunks()
+    if pa.types.is_dictionary(array.type):  # hash values, not indices into each window's own dictionary
+        array = array.dictionary_decode()
     if pa.types.is_string(array.type):
         array = array.cast(pa.binary())  # bytes as they are: text that is not UTF-8 is an id too
     elif pa.types.is_large_string(array.type):
         array = array.cast(pa.large_binary())
     valid = np.flatnonzero(~np.asarray(array.is_null().to_numpy(zero_copy_only=False), dtype=bool))
-    hashes = pl.Series(array.take(pa.array(valid))).hash(seed=_SEED).to_numpy().astype(np.uint64)
+    ids = array.take(pa.array(valid))
+    try:
+        hashes = pl.Series(ids).hash(seed=_SEED).to_numpy().astype(np.uint64)
+    except Exception:  # a type polars cannot hash (e.g. some nested ones): the values' text, in Python
+        hashes = np.array([hash(repr(value)) & 0xFFFF_FFFF_FFFF_FFFF for value in ids.to_pylist()], dtype=np.uint64)
     return valid, hashes
 
 
@@ -89,6 +95,8 @@ class IdHashes:
 def _values(column: Any) -> list:
     """The ids as Python values; text as bytes (decoded for the message only), valid UTF-8 or not."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
     if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
         array = array.cast(pa.large_binary())
     return array.to_pylist()
