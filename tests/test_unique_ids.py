@@ -71,3 +71,12 @@ def test_the_hashes_find_a_duplicate_across_flushes_and_partitions_and_only_a_re
     assert len(repeated) == 1 and len(list((tmp_path / "ids").iterdir())) > 100
     assert duplicate_id(windows, repeated) == (17, 17, 40_002)
     assert duplicate_id(windows[:-1], repeated) is None  # a hash that repeats but no value does: a collision
+
+
+def test_dictionary_encoded_ids_are_compared_by_value_across_windows(tmp_path):
+    first = pa.array(["x", "y"]).dictionary_encode()
+    second = pa.DictionaryArray.from_arrays(pa.array([0, 1], pa.int32()), pa.array(["z", "x"]))  # x: index 1 here
+    hashes = IdHashes(tmp_path / "ids")
+    hashes.add(first)
+    hashes.add(second)
+    assert duplicate_id([(0, first), (2, second)], hashes.repeated()) == ("x", 0, 3)
