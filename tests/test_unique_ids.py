@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchinfer.cli import main
-from batchinfer.jobs.global_plan import unique_ids
+import batchinfer.jobs.global_plan.unique_ids as unique_ids
 from batchinfer.jobs.global_plan.unique_ids import IdHashes, duplicate_id
 from tests.job_process import demo_cache  # noqa: F401
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchinfer.cli import main
-from batchinfer.jobs.global_plan import work_dir_for
+from batchinfer.jobs.global_plan.store import work_dir_for
 from tests.test_units_resume import (all_pairs, checkpoint, comparable, kill_at, make_job, out_of, pairs,  # noqa: F401
                                      parts_of, read_output, reference, run)
 
