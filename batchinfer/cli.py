@@ -137,8 +137,11 @@ def plan(job_file: Path, job_name: Optional[str], workers: Optional[int], per_wi
     console = Console()
     config = unit_config_with(UnitConfig(), unit_rows)
     for job in prepared:
-        render_global_plan(console, plan_job_globally(job, console, workers=workers, per_window=per_window,
-                                                      config=config))
+        try:  # the planning pass reads the input again: a changed file or duplicate ids are bad input
+            report = plan_job_globally(job, console, workers=workers, per_window=per_window, config=config)
+        except JobError as exc:
+            _fail(str(exc), EXIT_BAD_INPUT)
+        render_global_plan(console, report)
 
 
 @main.command()

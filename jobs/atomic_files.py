@@ -1,4 +1,4 @@
-"""Files that appear complete or not at all, and their checksums.
+"""Files that appear complete or not at all, and their checksums (parts, and `_work/` files, verified on reuse).
 
 A file is written under a temporary dot-name unique to its writer (process and a random
 suffix, so two writers of one name never share a temporary), fsynced, then renamed.
@@ -10,7 +10,7 @@ import hashlib
 import os
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 TEMP_SUFFIX = ".tmp"
 HASH_CHUNK_BYTES = 1 << 20
@@ -63,3 +63,23 @@ def sha256_file(path: Path) -> str:
         while chunk := handle.read(HASH_CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_checksum(path: Path) -> dict:
+    """A committed file's checksum record: {"bytes", "sha256"} (what `checksum_problem` verifies)."""
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def checksum_problem(path: Path, record: object) -> Optional[str]:
+    """Why `path` differs from its checksum record (missing, size, content), None when it matches."""
+    if not isinstance(record, dict) or not {"bytes", "sha256"} <= set(record):
+        return "no checksum recorded"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "missing"
+    if size != record["bytes"]:
+        return f"{size} bytes, {record['bytes']} recorded"
+    if sha256_file(path) != record["sha256"]:
+        return "sha256 differs from its record"
+    return None

@@ -34,12 +34,13 @@ class PlannedUnits:
 
 
 def plan_units(job: PreparedJob, work_dir: Path, console: Console, config: UnitConfig = UnitConfig(),
-               budget: SortBudget = SortBudget()) -> PlannedUnits:
-    """The planning pass, shown as it goes (rows tokenised and sorted, inputs bucketed, ETA)."""
+               budget: SortBudget = SortBudget(), warn: Callable[[str], None] = lambda message: None) -> PlannedUnits:
+    """The planning pass, shown as it goes (rows tokenised and sorted, inputs bucketed, ETA); `warn`: a
+    damaged `_work/` file being rebuilt."""
     start = time.monotonic()
     with PlanningProgress(console, job.spec.name) as progress:
-        plan = build_work_plan(job, work_dir, config, progress, budget)
-        inputs = UnitInputs.open(plan)
+        plan = build_work_plan(job, work_dir, config, progress, budget, warn=warn)
+        inputs = UnitInputs.open(plan, verify=True, warn=warn)
         if inputs is None:
             progress.phase("inputs", job.rows)
             inputs = build_unit_inputs(job, plan, on_rows=progress.advance)

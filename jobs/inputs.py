@@ -3,21 +3,42 @@
 Rows are never loaded all at once: `iter_windows` walks record batches file by file, so
 memory is bounded by the window size whatever the input size. Each row gets a global
 index (its position across the sorted files), which is its identity for resume.
+
+Every read goes through `open_input`, which checks that the file is still the one the job
+started with (`InputStamp`: device, inode, size, mtime_ns, taken when its schema was read and
+checked again around its hash): a file replaced (`mv` onto it) or rewritten during a run is
+a one-line error, never rows of two versions in one job.
 """
 from __future__ import annotations
 
-import glob
+import hashlib
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import BinaryIO, Iterator, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchinfer.jobs.atomic_files import sha256_file
+from batchinfer.jobs.atomic_files import HASH_CHUNK_BYTES, sha256_file
 from batchinfer.jobs.errors import JobError, display_path
+from batchinfer.jobs.input_glob import glob_files, has_glob, unique_files
 
-GLOB_CHARS = set("*?[")
+
+@dataclass(frozen=True)
+class InputStamp:
+    """Which file a path named when the job started: any replacement or write in place changes it."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, handle: BinaryIO) -> "InputStamp":
+        stat = os.fstat(handle.fileno())
+        return cls(stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -26,6 +47,38 @@ class InputFiles:
     schema: pa.Schema
     num_rows: int  # all files together, before any limit
     table: Optional[pa.Table] = None  # rows held in memory (an OpenAI batch file, parsed): read from here
+    stamps: tuple[InputStamp, ...] = ()  # one per path, taken when its schema was read
+    job_file: Path = Path("jobs.yaml")   # for the error when a file changed during the run
+    where: str = "input"
+
+
+def _changed(inputs: InputFiles, path: Path, what: str) -> JobError:
+    return JobError(inputs.job_file, inputs.where, f"{display_path(path)} {what} since the job started "
+                                                   "(replaced or written to); rerun once the input is final")
+
+
+@contextmanager
+def _checked_handle(inputs: InputFiles, index: int) -> Iterator[BinaryIO]:
+    """Input file `index` opened, checked to be the file the job started with, before and after use."""
+    path, stamp = inputs.paths[index], inputs.stamps[index]
+    try:
+        handle = open(path, "rb")
+    except OSError as exc:
+        raise _changed(inputs, path, f"cannot be opened ({exc.strerror or exc})") from None
+    with handle:
+        if InputStamp.of(handle) != stamp:
+            raise _changed(inputs, path, "changed")
+        yield handle
+        if InputStamp.of(handle) != stamp:  # written in place while it was read
+            raise _changed(inputs, path, "changed")
+
+
+@contextmanager
+def open_input(inputs: InputFiles, index: int) -> Iterator[pq.ParquetFile]:
+    """Input file `index` as Parquet, through `_checked_handle`: every read of an input goes here."""
+    with _checked_handle(inputs, index) as handle:
+        # pre_buffer off: with it Arrow keeps every range it has read, so RSS grows with the input.
+        yield pq.ParquetFile(handle, pre_buffer=False)
 
 
 @dataclass(frozen=True)
@@ -35,11 +88,11 @@ class RowWindow:
 
 
 def _matching_files(pattern: str, exclude: Optional[Path] = None) -> list[Path]:
-    """Files of `pattern`, sorted, leaving out every file under the folder `exclude`."""
-    if GLOB_CHARS & set(pattern):
-        paths = [Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
+    """Files of `pattern`, sorted, each real file once, leaving out every file under the folder `exclude`."""
+    if has_glob(pattern):
+        paths = glob_files(pattern)
     elif Path(pattern).is_dir():
-        paths = [p for p in Path(pattern).glob("*.parquet") if p.is_file()]
+        paths = unique_files(p for p in Path(pattern).glob("*.parquet") if p.is_file())
     else:
         paths = [Path(pattern)] if Path(pattern).is_file() else []
     if exclude is not None:
@@ -56,7 +109,7 @@ def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path
     """
     paths = _matching_files(pattern, exclude)
     if not paths:
-        if GLOB_CHARS & set(pattern):
+        if has_glob(pattern):
             what = "no files match"
         elif Path(pattern).is_dir():
             what = "folder has no .parquet files"
@@ -67,9 +120,12 @@ def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path
         raise JobError(job_file, where, f"{what}: {display_path(pattern)}")
     schema: Optional[pa.Schema] = None
     num_rows = 0
+    stamps = []
     for path in paths:
         try:
-            metadata = pq.ParquetFile(path).metadata
+            with open(path, "rb") as handle:
+                stamps.append(InputStamp.of(handle))
+                metadata = pq.ParquetFile(handle).metadata
             file_schema = metadata.schema.to_arrow_schema()
         except (pa.ArrowException, OSError) as exc:
             raise JobError(job_file, where, f"{display_path(path)}: not a readable Parquet file ({exc})") from None
@@ -81,7 +137,8 @@ def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path
             raise JobError(job_file, where, f"{display_path(path)}: schema differs from {display_path(paths[0])}")
         num_rows += metadata.num_rows
     assert schema is not None
-    return InputFiles(paths=tuple(paths), schema=schema, num_rows=num_rows)
+    return InputFiles(paths=tuple(paths), schema=schema, num_rows=num_rows, stamps=tuple(stamps),
+                      job_file=job_file, where=where)
 
 
 def iter_windows(inputs: InputFiles, window_rows: int, limit: Optional[int] = None) -> Iterator[RowWindow]:
@@ -92,16 +149,18 @@ def iter_windows(inputs: InputFiles, window_rows: int, limit: Optional[int] = No
         for first in range(0, remaining, window_rows):
             yield RowWindow(first_row=first, table=inputs.table.slice(first, min(window_rows, remaining - first)))
         return
-    for path in inputs.paths:
-        # pre_buffer off: with it Arrow keeps every range it has read, so RSS grows with the input.
-        for batch in pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=window_rows):
-            if remaining <= 0:
-                return
-            batch = batch.slice(0, remaining)
-            table = pa.Table.from_batches([batch]).replace_schema_metadata(None)
-            yield RowWindow(first_row=next_row, table=table)
-            next_row += batch.num_rows
-            remaining -= batch.num_rows
+    for index in range(len(inputs.paths)):
+        if remaining <= 0:
+            return
+        with open_input(inputs, index) as parquet:
+            for batch in parquet.iter_batches(batch_size=window_rows):
+                batch = batch.slice(0, remaining)
+                table = pa.Table.from_batches([batch]).replace_schema_metadata(None)
+                yield RowWindow(first_row=next_row, table=table)
+                next_row += batch.num_rows
+                remaining -= batch.num_rows
+                if remaining <= 0:
+                    break
 
 
 def input_fingerprint(inputs: InputFiles) -> list[dict]:
@@ -110,6 +169,17 @@ def input_fingerprint(inputs: InputFiles) -> list[dict]:
     A content hash sees any edit (a same-size edit of an uncompressed file included); it
     costs one read of the input per run (sha256 runs at about 1.2 GB/s on one core of the
     development machine, so reading from disk is usually the limit). The list is in row
-    order, so an input that only gains files after its last one keeps a prefix of it.
+    order, so an input that only gains files after its last one keeps a prefix of it. Each
+    file is hashed through a handle checked against its stamp before and after, so the hash
+    is of the very file every later read checks for.
     """
-    return [{"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)} for path in inputs.paths]
+    if not inputs.stamps:  # rows parsed into memory when the job was prepared
+        return [{"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)} for path in inputs.paths]
+    fingerprint = []
+    for index, (path, stamp) in enumerate(zip(inputs.paths, inputs.stamps)):
+        digest = hashlib.sha256()
+        with _checked_handle(inputs, index) as handle:
+            while chunk := handle.read(HASH_CHUNK_BYTES):
+                digest.update(chunk)
+        fingerprint.append({"file": path.name, "bytes": stamp.size, "sha256": digest.hexdigest()})
+    return fingerprint

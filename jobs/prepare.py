@@ -23,9 +23,10 @@ from batchinfer.jobs.outputs import RESULT_COLUMNS
 from batchinfer.jobs.prompts import (is_text, oversized_job_text, parse_template, prompt_char_limit,
                                      template_can_format, template_columns)
 from batchinfer.jobs.reasoning import ReasoningSplit, reasoning_split
-from batchinfer.jobs.resume import check_resumable
+from batchinfer.jobs.part_store import PARTS_DIR
+from batchinfer.jobs.resume import MANIFEST_NAME, STATS_NAME, check_resumable
 from batchinfer.jobs.sampling_defaults import ResolvedSampling, resolve_sampling
-from batchinfer.jobs.spec import JobSpec, did_you_mean, openai_batch_input
+from batchinfer.jobs.spec import NESTED_OUTPUTS, JobSpec, did_you_mean, openai_batch_input, output_relation
 from batchinfer.jobs.openai_batch import open_batch_input
 from batchinfer.jobs.task_checks import check_task
 from batchinfer.jobs.task_spec import TaskSpec
@@ -98,7 +99,8 @@ def _load_tokenizer(checkpoint: Path, spec: JobSpec) -> CheckpointTokenizer:
 
 
 def _check_output(spec: JobSpec) -> None:
-    """The output folder is (or can be made) a folder this process can write in, writing nothing.
+    """The output folder is (or can be made) a folder this process can write in, writing nothing, and
+    neither lies inside another job's output folder nor holds one (reruns and readers would mix them).
 
     Checked by writing, not with os.access: a read-only mount, ACLs or root's exemption from
     permission bits make access() answer wrongly; a probe file created and removed is the truth.
@@ -121,6 +123,32 @@ def _check_output(spec: JobSpec) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise fail(f"cannot write in {display_path(nearest)}: {exc.strerror or exc}") from None
+    other = _neighbouring_output(out)
+    if other is not None:
+        raise fail(f"{display_path(out)} {output_relation(out, other)} {display_path(other)}, the output folder of "
+                   f"another batchinfer job (it holds {', '.join(_markers(other))}): {NESTED_OUTPUTS}")
+
+
+# What marks a folder as a batchinfer job's output (manifest, stats, part records).
+OUTPUT_MARKERS = (MANIFEST_NAME, STATS_NAME, PARTS_DIR)
+
+
+def _markers(folder: Path) -> list[str]:
+    return [name for name in OUTPUT_MARKERS if os.path.lexists(folder / name)]
+
+
+def _neighbouring_output(out: Path) -> Optional[Path]:
+    """A batchinfer output folder above `out` or below it (its own markers are its own), None if there is none."""
+    real = out.resolve()
+    for folder in real.parents:
+        if _markers(folder):
+            return folder
+    if real.is_dir():
+        for folder, subfolders, _files in os.walk(real):  # links not followed: a link out is not inside
+            subfolders.sort()
+            if Path(folder) != real and _markers(Path(folder)):
+                return Path(folder)
+    return None
 
 
 def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
@@ -156,6 +184,7 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
         "sampling": spec.sampling,
         **({"task": spec.task} if spec.task != TaskSpec() else {}),  # absent for plain jobs: their folders resume
         "input": input_fingerprint(inputs),
+        "rows": inputs.num_rows if spec.limit is None else min(spec.limit, inputs.num_rows),
     }
     _check_output(spec)
     check_resumable(spec.output.path, fingerprint, overwrite, spec.job_file, spec.where("output"))

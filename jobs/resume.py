@@ -6,7 +6,8 @@ same fingerprint skips every (row, sample) found in the verified parts and adds 
 a different fingerprint is refused (the old parts would silently mix with new results)
 unless the user asks for --overwrite. One change of the input continues: files added that
 sort after every earlier file (each earlier row keeps its index, so the run adds the new
-rows). Parts are verified against their records (`part_store`); a damaged part is moved
+rows); the rows covered (`limit` applied) may grow, never shrink (the parts would keep rows
+past the new limit). Parts are verified against their records (`part_store`); a damaged part is moved
 aside and its rows redone; a part-like file without a record is not ours and is left alone.
 Temporary files and records of commits cut short are leftovers of a killed run, removed.
 """
@@ -29,6 +30,7 @@ COMPACT_NAME = "_compact.json"  # an interrupted rewrite in input order (jobs/or
 STATS_NAME = "_stats.json"   # underscore: `pq.read_table(out_dir)` skips it, as it skips the manifest
 MANIFEST_VERSION = 2         # 2: part records in _parts/, input content hashes
 INPUT_KEY = "input"
+ROWS_KEY = "rows"            # input rows the job covers (limit applied): may grow on a rerun, never shrink
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ def inputs_extend(old: Any, new: Any) -> bool:
 def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Fingerprint sections that differ (the input only when it is not `old` plus later files)."""
     new = _as_json(new)
-    changed = [key for key in set(old) | set(new) if key != INPUT_KEY and old.get(key) != new.get(key)]
+    changed = [key for key in set(old) | set(new) if key not in (INPUT_KEY, ROWS_KEY) and old.get(key) != new.get(key)]
     if not inputs_extend(old.get(INPUT_KEY), new.get(INPUT_KEY)):
         changed.append(INPUT_KEY)
     return sorted(changed)
@@ -107,6 +109,10 @@ def check_resumable(out_dir: Path, fingerprint: dict[str, Any], overwrite: bool,
     if changed:
         raise JobError(job_file, where, f"{display_path(out_dir)} was made with different settings "
                                         f"({', '.join(changed)} changed); use --overwrite to start again")
+    old_rows, rows = manifest.get("fingerprint", {}).get(ROWS_KEY), fingerprint.get(ROWS_KEY)
+    if isinstance(old_rows, int) and isinstance(rows, int) and rows < old_rows:  # its rows past the new limit stay
+        raise JobError(job_file, where, f"{display_path(out_dir)} was made for {old_rows:,} rows and this run "
+                                        f"covers {rows:,} (limit lowered); use --overwrite to start again")
 
 
 def _legacy_parts(out_dir: Path) -> list[Path]:

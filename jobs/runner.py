@@ -308,7 +308,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
                 if overwrite:
                     remove_work_dir(work_dir)
                 with phase("planning", startup, "plan"):
-                    planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget)
+                    planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget, warn)
     except Exception:
         raise
     except BaseException as exc:  # a stop signal while loading or planning: stopped like any other
@@ -361,6 +361,9 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             pass
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SIGTERM, SystemExit: stop quietly
             finish("interrupted", interrupted_by=_interruption(exc))
+            raise
+        if isinstance(exc, JobError):  # an input file changed under the run: bad input, exit 2
+            finish("failed", str(exc))
             raise
         reason = exc.reason if isinstance(exc, JobRuntimeError) else f"{type(exc).__name__}: {exc}"
         try:

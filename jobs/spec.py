@@ -18,7 +18,7 @@ import yaml
 from batchinfer.engine.config import EngineConfig, StateCacheMode
 from batchinfer.engine.types import SamplingParams
 from batchinfer.jobs import spec_checks as check
-from batchinfer.jobs.errors import JobError
+from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.parallel_spec import PARALLEL_KEYS, ParallelSpec
 from batchinfer.jobs.spec_checks import Checker, did_you_mean
 from batchinfer.jobs.task_spec import TASK_JOB_KEYS, TaskSpec, parse_task, split_task_sampling
@@ -301,15 +301,35 @@ def parse_job_document(document: Any, path: Path) -> JobFile:
             raise checker.fail(f"jobs[{index}]", f"must be a mapping, got {type(raw).__name__}")
         jobs.append(_parse_job(_deep_merge(defaults, raw), index, checker, path.parent.resolve()))
     seen_names: set[str] = set()
-    seen_outputs: dict[Path, str] = {}
-    for job in jobs:
+    for index, job in enumerate(jobs):
         if job.name in seen_names:
             raise checker.fail(job.where("name"), "duplicate job name")
-        if job.output.path in seen_outputs:
-            raise checker.fail(job.where("output"), f"same output folder as job {seen_outputs[job.output.path]}")
         seen_names.add(job.name)
-        seen_outputs[job.output.path] = job.name
+        for other in jobs[:index]:
+            relation = output_relation(job.output.path, other.output.path)
+            if relation == "same":
+                raise checker.fail(job.where("output"), f"same output folder as job {other.name}")
+            if relation is not None:
+                raise checker.fail(job.where("output"), f"{display_path(job.output.path)} {relation} "
+                                                        f"{display_path(other.output.path)}, the output folder of job "
+                                                        f"{other.name}: {NESTED_OUTPUTS}")
     return JobFile(path=path, jobs=tuple(jobs))
+
+
+NESTED_OUTPUTS = "one job's rerun or --overwrite would delete the other's files, and its readers read both"
+
+
+def output_relation(path: Path, other: Path) -> Optional[str]:
+    """How output folder `path` lies to folder `other`: "same", "is inside", "contains", or None when
+    apart (links resolved: two names of one folder are one folder)."""
+    real, other_real = Path(path).resolve(), Path(other).resolve()
+    if real == other_real:
+        return "same"
+    if real.is_relative_to(other_real):
+        return "is inside"
+    if other_real.is_relative_to(real):
+        return "contains"
+    return None
 
 
 def load_job_file(path: Path) -> JobFile:

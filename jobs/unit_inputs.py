@@ -8,13 +8,15 @@ streaming pass over the input writes every row's input columns into buckets inst
         row_units.npy          the unit of every input row (int32, memory-mapped: 4 bytes a row)
         bucket-NNNNN.parquet   the rows of a range of units, sorted by (unit, row_index), with row
                                groups cut at unit boundaries (a unit, or a few small ones, per group)
-        inputs.json            the commit record, written last: the units digest and bucket ranges
+        inputs.json            the commit record, written last: the units digest, bucket ranges and
+                               each file's checksum (size, sha256), verified before the files are reused
 
 Pass 1 streams input windows, splits each window's rows by bucket and appends them to one
 Arrow IPC file per bucket, holding at most `spill_bytes` in memory. Pass 2 reads one bucket
 at a time (at most about `bucket_bytes`), sorts it by unit and writes its Parquet file. A
 unit's rows are then a contiguous range of one bucket, found from the units' row counts. A
-kill at any point leaves no record, and the next build starts the folder again.
+kill at any point leaves no record, and the next build starts the folder again; a file that
+differs from its checksum (torn, damaged) makes the run build the folder again, with a note.
 """
 from __future__ import annotations
 
@@ -28,15 +30,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchinfer.jobs.atomic_files import fsync_dir, write_atomically
+from batchinfer.jobs.atomic_files import checksum_problem, file_checksum, fsync_dir, write_atomically
+from batchinfer.jobs.errors import display_path
 from batchinfer.jobs.global_plan.store import SORTED_NAME, WorkPlan
-from batchinfer.jobs.inputs import iter_windows
+from batchinfer.jobs.inputs import iter_windows, open_input
 from batchinfer.jobs.outputs import ROW_INDEX_COLUMN
 from batchinfer.jobs.prepare import PreparedJob
 
 RECORD_NAME = "inputs.json"
 ROW_UNITS_NAME = "row_units.npy"
-FORMAT = 1
+FORMAT = 2  # 2: file checksums in the record
 BUCKET_BYTES = 64 << 20    # input bytes a bucket holds (pass 2 holds one, and its sorted copy)
 SPILL_BYTES = 32 << 20     # rows buffered in pass 1 before they go to their bucket files
 GROUP_ROWS = 1024          # a row group closes at the first unit boundary past this many rows
@@ -71,8 +74,9 @@ def _row_bytes(job: PreparedJob) -> float:
     total_bytes = total_rows = 0
     if job.inputs.table is not None:  # rows held in memory (an OpenAI batch file)
         return max(job.inputs.table.nbytes / max(job.inputs.table.num_rows, 1), 1.0)
-    for path in job.inputs.paths:
-        metadata = pq.read_metadata(path)
+    for index in range(len(job.inputs.paths)):
+        with open_input(job.inputs, index) as parquet:  # the file the job started with, or a one-line error
+            metadata = parquet.metadata
         total_rows += metadata.num_rows
         total_bytes += sum(metadata.row_group(g).total_byte_size for g in range(metadata.num_row_groups))
     return max(total_bytes / total_rows, 1.0) if total_rows else 1.0
@@ -163,13 +167,13 @@ def _write_bucket(spilled: Path, row_units: np.ndarray, target: Path, group_rows
 
 def build_unit_inputs(job: PreparedJob, plan: WorkPlan, on_rows: Optional[Callable[[int], None]] = None,
                       bucket_bytes: int = BUCKET_BYTES, spill_bytes: int = SPILL_BYTES,
-                      group_rows: int = GROUP_ROWS) -> "UnitInputs":
-    """The plan's unit inputs: reused when committed for these units, else built (one input pass)."""
+                      group_rows: int = GROUP_ROWS, warn: Callable[[str], None] = lambda message: None) -> "UnitInputs":
+    """The plan's unit inputs: reused when committed for these units and intact, else built (one input pass)."""
     folder = inputs_dir_for(plan)
     for stale in plan.work_dir.glob("inputs-*"):  # made for other units (config or sampling changed)
         if stale != folder:
             shutil.rmtree(stale, ignore_errors=True)
-    existing = UnitInputs.open(plan)
+    existing = UnitInputs.open(plan, verify=True, warn=warn)
     if existing is not None:
         return existing
     shutil.rmtree(folder, ignore_errors=True)
@@ -193,8 +197,11 @@ def build_unit_inputs(job: PreparedJob, plan: WorkPlan, on_rows: Optional[Callab
             spilled.unlink()
         else:  # every unit of the bucket is empty: an empty file keeps the layout simple
             pq.write_table(schema.empty_table(), target)
+    files = [ROW_UNITS_NAME] if job.rows else []
+    files += [f"bucket-{bucket:05d}.parquet" for bucket in range(len(layout.first_units))]
     record = {"format": FORMAT, "units_sha256": plan.units_digest, "rows": job.rows,
-              "bucket_first_units": list(layout.first_units)}
+              "bucket_first_units": list(layout.first_units),
+              "files": {name: file_checksum(folder / name) for name in files}}
     write_atomically(folder / RECORD_NAME, lambda temp: temp.write_text(json.dumps(record), encoding="utf-8"))
     fsync_dir(folder)
     opened = UnitInputs.open(plan)
@@ -216,8 +223,10 @@ class UnitInputs:
         self._files: dict[int, tuple[pq.ParquetFile, np.ndarray]] = {}
 
     @classmethod
-    def open(cls, plan: WorkPlan) -> Optional["UnitInputs"]:
-        """The committed inputs of the plan's units; None when there are none (or for other units)."""
+    def open(cls, plan: WorkPlan, verify: bool = False,
+             warn: Callable[[str], None] = lambda message: None) -> Optional["UnitInputs"]:
+        """The committed inputs of the plan's units; None when there are none (or for other units), or,
+        with `verify` (the run's parent, before reuse), when a file differs from its checksum (`warn`ed)."""
         folder = inputs_dir_for(plan)
         try:
             record = json.loads((folder / RECORD_NAME).read_text(encoding="utf-8"))
@@ -226,6 +235,12 @@ class UnitInputs:
         if not isinstance(record, dict) or record.get("format") != FORMAT or \
                 record.get("units_sha256") != plan.units_digest:
             return None
+        for name, checksum in (record.get("files") or {}).items() if verify else ():
+            problem = checksum_problem(folder / name, checksum)
+            if problem is not None:
+                warn(f"{display_path(folder / name)}: damaged ({problem}); bucketing the unit inputs again "
+                     "(finished parts are kept)")
+                return None
         return cls(plan, folder, BucketLayout(tuple(record["bucket_first_units"])))
 
     def _bucket(self, bucket: int) -> tuple[pq.ParquetFile, np.ndarray]:

@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Optional
 
 from batchinfer.jobs.global_plan.external_sort import RunWriter
 from batchinfer.jobs.global_plan.keys import encode_key
+from batchinfer.jobs.global_plan.unique_ids import IdHashes
 from batchinfer.jobs.inputs import RowWindow, iter_windows
 from batchinfer.jobs.prepare import PreparedJob
 from batchinfer.jobs.prompts import PromptBatch, build_prompts
@@ -49,10 +50,13 @@ def _prompt_batches(job: PreparedJob, window_rows: int) -> Iterator[tuple[RowWin
 
 
 def spill_prompts(job: PreparedJob, runs: RunWriter, on_rows: Optional[Callable[[int, int], None]] = None,
-                  window_rows: int = SPILL_WINDOW_ROWS) -> SpillCounts:
-    """Tokenise every row of the job (within `limit`) into `runs`; `on_rows(rows, tokens)` per window."""
+                  window_rows: int = SPILL_WINDOW_ROWS, ids: Optional[IdHashes] = None) -> SpillCounts:
+    """Tokenise every row of the job (within `limit`) into `runs`; `on_rows(rows, tokens)` per window;
+    each window's `id_column` into `ids` (the uniqueness check, in the same read of the input)."""
     rows = error_rows = prompt_tokens = 0
     for window, prompts in _prompt_batches(job, window_rows):
+        if ids is not None:
+            ids.add(window.table[job.spec.id_column])
         keys = [b"" if ids is None else encode_key(ids) for ids in prompts.token_ids]
         count = window.table.num_rows
         runs.add_many(range(window.first_row, window.first_row + count), keys, prompts.errors)

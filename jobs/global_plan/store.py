@@ -8,9 +8,12 @@ Layout of `<output>/_work/`:
     units-<digest>.parquet  the units cut for one unit config and sampling (units.py)
     .build/                 runs and scratch of a build in progress
 
-Nothing is trusted without a plan.json that names it. A build whose spill fingerprint (input
-files, prompt spec, model, rows) differs deletes plan.json first, so a kill -9 at any later
-point leaves no record a rerun could trust; a rerun removes what a killed build left.
+Nothing is trusted without a plan.json that names it, and no file whose bytes differ from the
+checksum plan.json records for it (size and sha256, as parts have): a damaged file, e.g. torn by
+a kill -9 or a disk fault, is rebuilt, with a one-line note, and the finished parts are kept.
+A build whose spill fingerprint (input files, prompt spec, model, rows) differs deletes
+plan.json first, so a kill -9 at any later point leaves no record a rerun could trust; a rerun
+removes what a killed build left.
 Workers open a committed plan read-only from the folder's path (`open_work_plan`).
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -31,7 +34,10 @@ from batchinfer.jobs.global_plan.progress import NoProgress, PlanningProgress
 from batchinfer.jobs.global_plan.sorted_rows import (SortedRowsReader, SpillTotals, UnitRow, iter_profile, row_group_rows_for,
                                          write_sorted_rows)
 from batchinfer.jobs.global_plan.spill import SPILL_WINDOW_ROWS, spill_prompts
+from batchinfer.jobs.global_plan.unique_ids import IdHashes, check_unique_ids, checks_ids
 from batchinfer.jobs.global_plan.units import GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
+from batchinfer.jobs.atomic_files import checksum_problem, file_checksum
+from batchinfer.jobs.errors import display_path
 from batchinfer.jobs.outputs import TEMP_SUFFIX, write_atomically
 from batchinfer.jobs.prepare import PreparedJob
 from batchinfer.jobs.resume import fingerprint_digest
@@ -40,9 +46,14 @@ WORK_DIR_NAME = "_work"
 MANIFEST_NAME = "plan.json"
 SORTED_NAME = "sorted.parquet"
 BUILD_NAME = ".build"
-FORMAT = 1  # bump when the files' layout or meaning changes: older work folders are rebuilt
+FORMAT = 2  # bump when the files' layout or meaning changes: older work folders are rebuilt (2: checksums)
 
 Progress = Union[PlanningProgress, NoProgress]
+Warn = Callable[[str], None]
+
+
+def _no_warning(message: str) -> None:
+    pass
 
 
 class PlanNotFound(Exception):
@@ -102,17 +113,25 @@ def _read_manifest(work_dir: Path) -> Optional[dict[str, Any]]:
     return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
 
 
-def _committed_spill(work_dir: Path, manifest: Optional[dict[str, Any]], digest: str) -> Optional[SpillTotals]:
-    """The committed spill's totals when it was made from the same input, prompt and model."""
+def _intact(work_dir: Path, manifest: dict[str, Any], name: str, warn: Warn) -> bool:
+    """Whether `name` matches the checksum plan.json records for it; a note when it does not."""
+    files = manifest.get("files")
+    problem = checksum_problem(work_dir / name, files.get(name) if isinstance(files, dict) else None)
+    if problem is not None:
+        warn(f"{display_path(work_dir / name)}: damaged ({problem}); planning again (finished parts are kept)")
+    return problem is None
+
+
+def _committed_spill(work_dir: Path, manifest: Optional[dict[str, Any]], digest: str,
+                     warn: Warn = _no_warning) -> Optional[SpillTotals]:
+    """The committed spill's totals when it was made from the same input, prompt and model, and is intact."""
     if manifest is None or manifest.get("spill_sha256") != digest:
         return None
     try:
         totals = SpillTotals(**manifest["spill"])
-        if pq.read_metadata(work_dir / SORTED_NAME).num_rows != totals.rows:
-            return None
-    except (OSError, pa.ArrowException, TypeError, KeyError):
+    except (TypeError, KeyError):
         return None
-    return totals
+    return totals if _intact(work_dir, manifest, SORTED_NAME, warn) else None
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -147,7 +166,10 @@ def _build_sorted_rows(job: PreparedJob, work_dir: Path, build: Path, budget: So
                        window_rows: int) -> SpillTotals:
     runs = RunWriter(build / "runs", budget)
     progress.phase("tokenise", job.rows)
-    counts = spill_prompts(job, runs, on_rows=progress.advance, window_rows=window_rows)
+    ids = IdHashes(build / "ids") if checks_ids(job) else None
+    counts = spill_prompts(job, runs, on_rows=progress.advance, window_rows=window_rows, ids=ids)
+    if ids is not None:
+        check_unique_ids(job, ids)
     run_paths = runs.finish()
     progress.phase("sort", counts.rows)
     (build / "merge").mkdir(parents=True, exist_ok=True)
@@ -182,16 +204,16 @@ def _summary(manifest: dict[str, Any]) -> GlobalPlanSummary:
 
 def build_work_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitConfig(),
                     progress: Optional[Progress] = None, budget: SortBudget = SortBudget(),
-                    window_rows: int = SPILL_WINDOW_ROWS) -> WorkPlan:
+                    window_rows: int = SPILL_WINDOW_ROWS, warn: Warn = _no_warning) -> WorkPlan:
     """The job's global plan in `work_dir`: reused when committed from the same input, prompt and
     model (units recut if the unit config or sampling changed), else built from scratch
-    (`window_rows` input rows tokenised at a time)."""
+    (`window_rows` input rows tokenised at a time); a damaged file is rebuilt, said through `warn`."""
     progress = progress or NoProgress()
     work_dir.mkdir(parents=True, exist_ok=True)
     sampling = job.spec.sampling
     digest = fingerprint_digest(spill_fingerprint(job))
     manifest = _read_manifest(work_dir)
-    totals = _committed_spill(work_dir, manifest, digest)
+    totals = _committed_spill(work_dir, manifest, digest, warn)
     build = work_dir / BUILD_NAME
     for leftover in work_dir.glob(f".*{TEMP_SUFFIX}"):  # what a killed build left (.build goes at the end)
         leftover.unlink()
@@ -203,14 +225,18 @@ def build_work_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitC
         totals = _build_sorted_rows(job, work_dir, build, budget, progress, window_rows)
     units_digest = _units_digest(digest, config, sampling.n, sampling.max_tokens)
     units_name = f"units-{units_digest[:16]}.parquet"
-    if manifest is not None and manifest.get("units_sha256") == units_digest and (work_dir / units_name).is_file():
+    if manifest is not None and manifest.get("units_sha256") == units_digest and \
+            _intact(work_dir, manifest, units_name, warn):
         units, summary = _read_units(work_dir / units_name), _summary(manifest)
     else:
+        sorted_checksum = manifest["files"][SORTED_NAME] if manifest is not None else \
+            file_checksum(work_dir / SORTED_NAME)  # reused: verified above; else just written
         build.mkdir(exist_ok=True)
         units, summary = cut_units(lambda: iter_profile(work_dir / SORTED_NAME), totals, sampling.n,
                                    sampling.max_tokens, config, scratch=build)
         write_atomically(work_dir / units_name, lambda temp: _write_units(units, temp))
-        record = {"format": FORMAT, "spill_sha256": digest, "spill_fingerprint": spill_fingerprint(job),
+        files = {SORTED_NAME: sorted_checksum, units_name: file_checksum(work_dir / units_name)}
+        record = {"format": FORMAT, "spill_sha256": digest, "spill_fingerprint": spill_fingerprint(job), "files": files,
                   "spill": totals.to_dict(), "units_sha256": units_digest, "units_file": units_name,
                   "unit_config": config.to_dict(), "sampling": {"n": sampling.n, "max_tokens": sampling.max_tokens},
                   "summary": summary.to_dict()}
@@ -240,18 +266,19 @@ def open_work_plan(work_dir: Path) -> WorkPlan:
                     units_digest=str(manifest.get("units_sha256", "")))
 
 
-def open_matching_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitConfig()) -> Optional[WorkPlan]:
+def open_matching_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitConfig(),
+                       warn: Warn = _no_warning) -> Optional[WorkPlan]:
     """The plan of a committed work folder made from the job's input, prompt and model, writing
-    nothing there (units cut in memory when the config or sampling differ); None without one."""
+    nothing there (units cut in memory when the config or sampling differ); None without an intact one."""
     manifest = _read_manifest(work_dir)
     digest = fingerprint_digest(spill_fingerprint(job))
-    totals = _committed_spill(work_dir, manifest, digest)
+    totals = _committed_spill(work_dir, manifest, digest, warn)
     if manifest is None or totals is None:
         return None
     sampling = job.spec.sampling
     units_path = work_dir / manifest.get("units_file", "")
     units_digest = _units_digest(digest, config, sampling.n, sampling.max_tokens)
-    if manifest.get("units_sha256") == units_digest and units_path.is_file():
+    if manifest.get("units_sha256") == units_digest and _intact(work_dir, manifest, units_path.name, warn):
         units, summary = _read_units(units_path), _summary(manifest)
     else:
         with tempfile.TemporaryDirectory(prefix="batchinfer-cut-") as scratch:
