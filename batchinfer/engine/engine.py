@@ -343,8 +343,9 @@ class Engine:
     # ---- one step: schedule, run, postprocess ----------------------------------------------
     def _step(self) -> list[Sequence]:
         """One step; returns the sequences it finished. The scheduler plans it, the model runs
-        one forward over the prefill chunks and the decode rows (`_mixed`; without mixed_step a
-        prefill forward, then a decode forward), and `_postprocess` turns drawn tokens into progress."""
+        one forward over the prefill chunks and the decode rows (`_mixed`; a step with only one
+        kind, or without mixed_step: a prefill forward, then a decode forward), and `_postprocess`
+        turns drawn tokens into progress."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         done = []
@@ -352,10 +353,10 @@ class Engine:
             done += self._postprocess(*self.overlap.take())
             self.scheduler.schedule_rest(plan)
         done += self._fail(plan.failed)
-        if self.mixed_step and plan.prefill:
+        if self.mixed_step and plan.prefill and plan.decode:
             done += self._mixed(plan.prefill, plan.decode)
             # No device sync: with steps in flight the step's wall time is the GPU's.
-            self.tally.add(**{"mixed_seconds" if plan.decode else "prefill_seconds": time.perf_counter() - started})
+            self.tally.add(mixed_seconds=time.perf_counter() - started)
             return done
         prefill_seconds = 0.0
         if plan.prefill:
@@ -393,17 +394,14 @@ class Engine:
         return done
 
     def _mixed(self, items: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
-        """One forward over the prefill chunks, then the decode rows (each a one-token segment;
-        none: a prefill forward). The chunks that end their sequence's tokens draw beside the
-        decode rows, and the step stays in flight as a decode step does (`_launch_draw`)."""
+        """One forward over the prefill chunks, then the decode rows (each a one-token segment).
+        The chunks that end their sequence's tokens draw beside the decode rows, and the step
+        stays in flight as a decode step does (`_launch_draw`)."""
         decode = sorted(decode, key=lambda seq: seq.priority)  # plan (DFS) order: sharers adjacent
         chunks = [sequence_chunk(seq, n) for seq, n in items]
-        if decode:
-            rows = decode_rows(decode, self.overlap.step)
-            logits = self.runner.mixed(chunks, rows)  # [N_prefill + B, V]
-            self._count_decode(decode, rows, mixed=True)
-        else:
-            logits = self.runner.prefill(chunks)  # [N, V]
+        rows = decode_rows(decode, self.overlap.step)
+        logits = self.runner.mixed(chunks, rows)  # [N_prefill + B, V]
+        self._count_decode(decode, rows, mixed=True)
         self.scheduler.advance(items + [(seq, 1) for seq in decode])
         step = logits_rows(items, chunks, decode)
         done = self._score(step.scored, logits) if step.scored else []

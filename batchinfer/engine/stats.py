@@ -31,7 +31,7 @@ class EngineStats:
     mixed_seq_steps: int = 0              # Σ decode rows over those forwards
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    mixed_seconds: float = 0.0            # wall time of mixed steps (steps with prefill alone: prefill_seconds)
+    mixed_seconds: float = 0.0            # wall time of mixed steps (no device sync: the GPU's with overlap)
     wall_seconds: float = 0.0
     peak_memory_bytes: int = 0            # CUDA: torch's max_memory_allocated; CPU: peak_rss_bytes
     peak_rss_bytes: int = 0               # the process's peak resident set (its whole life, not one job)
