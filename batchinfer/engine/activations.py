@@ -28,7 +28,8 @@ def step_activation_bytes(config, dtype: torch.dtype, max_batch_tokens: int, max
     """An upper estimate of the transient memory of the largest eager step. `config` is a
     `batchinfer.models.config.ModelConfig`.
 
-    Per token of the step (max_batch_tokens prefill tokens, or max_running decode rows):
+    Per token of the step (max_batch_tokens: prefill tokens, a mixed step's decode rows among
+    them; or max_running decode rows):
     `_bytes_per_step_token`. Per step: the prefill's per-chunk scratch ((T/64 + B) chunks, each
     H_v·64·64: M⁻¹·diag(beta)) and fp32 logits for every running request twice (the logits and
     one sampling temporary).

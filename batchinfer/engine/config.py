@@ -1,12 +1,14 @@
 """Engine settings: one frozen dataclass, validated on creation, resolved against the host."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Optional, get_args
 
 import torch
 
 from batchinfer.cache.cache_config import StateCacheMode
+MIXED_STEP_ENV = "BATCHINFER_MIXED_STEP"  # "0": separate prefill and decode forwards, whatever the config
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -28,13 +30,16 @@ class EngineConfig:
     # sequences decoding at once; None: DEFAULT_MAX_RUNNING, or fewer where the memory budget fits
     # fewer (warned on a GPU; on the CPU, whose budget is a fixed modest pool, that is the default)
     max_running: Optional[int] = None
-    max_batch_tokens: int = 8192         # prefill tokens per step
+    max_batch_tokens: int = 8192         # tokens per step: prefill tokens, plus the decode rows with mixed_step
     max_model_len: Optional[int] = None  # None → the model's max_position_embeddings
     memory_fraction: float = 0.9         # share of the free device memory for the pools (at most free − a step's activations)
     memory_budget_bytes: Optional[int] = None  # explicit pool budget (tests force eviction with it)
     plan_window: Optional[int] = None    # rows planned together; None → the whole input
     cuda_graphs: bool = True             # capture decode steps (CUDA only)
     overlap_decode: bool = True          # launch the next decode step before reading this one's tokens
+    # One forward per step over the prefill chunks and the decode rows (False: a prefill forward,
+    # then a decode forward); BATCHINFER_MIXED_STEP=0 turns it off for an A/B run.
+    mixed_step: bool = True
 
     def __post_init__(self) -> None:
         if self.state_cache not in get_args(StateCacheMode):
@@ -73,6 +78,9 @@ class EngineConfig:
         if self.ckpt_dtype is not None:
             return _DTYPES[self.ckpt_dtype]
         return torch.bfloat16 if self.resolved_dtype() == torch.bfloat16 else torch.float32
+
+    def resolved_mixed_step(self) -> bool:
+        return self.mixed_step and os.environ.get(MIXED_STEP_ENV, "1").strip() != "0"
 
     def to_dict(self) -> dict:
         return asdict(self)

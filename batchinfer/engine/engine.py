@@ -32,6 +32,7 @@ from batchinfer.engine.sampler import SamplingTensors, apply_token_bitmask, iden
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
 from batchinfer.engine.startup import max_running_shortfall, phase
+from batchinfer.engine.step_batch import logits_rows, sequence_chunk
 from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
 from batchinfer.engine.types import ContinuationScore, Request, RequestOutput, TokenLogprob
 from batchinfer.models.forward_batch import ModelCaches
@@ -86,6 +87,7 @@ class Engine:
         # compiling meanwhile; from_pretrained adds the allocation), compile_and_capture (the
         # trace, the compile time left after the load, the graph capture).
         self.startup_seconds: dict[str, float] = {"load": 0.0, "compile_and_capture": 0.0}
+        self.mixed_step = config.resolved_mixed_step()  # one forward per step over prefill and decode
         model_config = model.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         eos = tuple(eos_token_ids) or tuple(model_config.eos_token_ids)
@@ -115,7 +117,7 @@ class Engine:
             self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.max_batch_tokens,
             track_interval=config.track_interval, wait_for_leaders=cache_config.tracks, tally=self.tally,
             state_slots=self.pool_plan.state_slots, branch_state_capacity=self.pool_plan.cache_state_slots,
-            max_model_len=self.max_model_len)
+            max_model_len=self.max_model_len, decode_rows_in_budget=self.mixed_step)
         self._windows = itertools.count()
         self.overlap = DecodeOverlap()  # the decode step whose tokens the host has not read yet
         self.token_logprobs: dict[Sequence, list[TokenLogprob]] = {}  # sequences with sampling.logprobs set
@@ -187,7 +189,8 @@ class Engine:
         shapes = StepShapes(decode_buckets=bucket_sizes(self.pool_plan.max_running),
                             graph_ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP), decode_hint=True,
                             max_batch_tokens=self.config.max_batch_tokens, max_running=self.pool_plan.max_running,
-                            max_model_len=self.max_model_len, replay=self.config.replayssm)
+                            max_model_len=self.max_model_len, replay=self.config.replayssm,
+                            mixed_step=self.mixed_step)
         with phase("tracing kernels", self.startup_seconds, "compile_and_capture"):
             return start_precompile(engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot,
                                                  self.device), spare_cpus=spare_cpus)
@@ -340,7 +343,9 @@ class Engine:
     # ---- one step: schedule, run, postprocess ----------------------------------------------
     def _step(self) -> list[Sequence]:
         """One step; returns the sequences it finished. The scheduler plans it, the model runs
-        one prefill and one decode forward, and `_postprocess` turns drawn tokens into progress."""
+        one forward over the prefill chunks and the decode rows (`_mixed`; a step with only one
+        kind, or without mixed_step: a prefill forward, then a decode forward), and `_postprocess`
+        turns drawn tokens into progress."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         done = []
@@ -348,6 +353,11 @@ class Engine:
             done += self._postprocess(*self.overlap.take())
             self.scheduler.schedule_rest(plan)
         done += self._fail(plan.failed)
+        if self.mixed_step and plan.prefill and plan.decode:
+            done += self._mixed(plan.prefill, plan.decode)
+            # No device sync: with steps in flight the step's wall time is the GPU's.
+            self.tally.add(mixed_seconds=time.perf_counter() - started)
+            return done
         prefill_seconds = 0.0
         if plan.prefill:
             with self._timed("prefill_seconds") as timing:  # syncs: a decode step in flight finishes too
@@ -372,34 +382,32 @@ class Engine:
     def _prefill(self, items: list[tuple[Sequence, int]]) -> list[Sequence]:
         """Run one prefill forward over (sequence, new tokens) chunks; sample where a chunk ends
         its sequence's tokens, score where a chunk holds a scoring sequence's continuation."""
-        chunks = [self._chunk(seq, n) for seq, n in items]
+        chunks = [sequence_chunk(seq, n) for seq, n in items]
         logits = self.runner.prefill(chunks)  # [N, V]: num_logits rows per chunk
         self.scheduler.advance(items)
-        sampled, sample_rows, scored, row = [], [], [], 0
-        for (seq, _), chunk in zip(items, chunks):
-            if chunk.wants_logits:
-                sampled.append(seq)
-                sample_rows.append(row)
-            elif chunk.score_logits:
-                scored.append((seq, chunk, row))
-            row += chunk.num_logits
-        done = self._score(scored, logits) if scored else []
-        if sampled:
-            if scored:
-                logits = logits[upload(torch.tensor(sample_rows, dtype=torch.int64), logits.device)]
-            done += self._postprocess(sampled, *read_now(self._draw(sampled, logits)))
+        rows = logits_rows(items, chunks)
+        done = self._score(rows.scored, logits) if rows.scored else []
+        if rows.sampled:
+            if rows.scored:
+                logits = logits[upload(torch.tensor(rows.sample_rows, dtype=torch.int64), logits.device)]
+            done += self._postprocess(rows.sampled, *read_now(self._draw(rows.sampled, logits)))
         return done
 
-    @staticmethod
-    def _chunk(seq: Sequence, n: int) -> SequenceChunk:
-        start, end = seq.computed, seq.computed + n
-        score_logits = 0
-        if seq.request.score_tokens:  # logits from the position before the continuation on
-            score_logits = max(0, end - max(start, len(seq.tokens) - seq.request.score_tokens - 1))
-        return SequenceChunk(token_ids=seq.tokens[start:end], start=start, state_slot=seq.handle.working_slot,
-                             context_kv=seq.handle.kv_indices[:end],
-                             wants_logits=end == len(seq.tokens) and not seq.request.score_tokens,
-                             score_logits=score_logits)
+    def _mixed(self, items: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
+        """One forward over the prefill chunks, then the decode rows (each a one-token segment).
+        The chunks that end their sequence's tokens draw beside the decode rows, and the step
+        stays in flight as a decode step does (`_launch_draw`)."""
+        decode = sorted(decode, key=lambda seq: seq.priority)  # plan (DFS) order: sharers adjacent
+        chunks = [sequence_chunk(seq, n) for seq, n in items]
+        rows = decode_rows(decode, self.overlap.step)
+        logits = self.runner.mixed(chunks, rows)  # [N_prefill + B, V]
+        self._count_decode(decode, rows, mixed=True)
+        self.scheduler.advance(items + [(seq, 1) for seq in decode])
+        step = logits_rows(items, chunks, decode)
+        done = self._score(step.scored, logits) if step.scored else []
+        if step.scored and step.sampled:
+            logits = logits[upload(torch.tensor(step.sample_rows, dtype=torch.int64), logits.device)]
+        return done + self._launch_draw(step.sampled, logits)
 
     def _score(self, scored: list[tuple[Sequence, SequenceChunk, int]], logits: torch.Tensor) -> list[Sequence]:
         """Record each scored position's next-token logprob and greedy match (raw fp32 log_softmax);
@@ -438,6 +446,14 @@ class Engine:
         logits = self.runner.decode(rows)  # [B, V]
         self._count_decode(seqs, rows)
         self.scheduler.advance([(seq, 1) for seq in seqs])
+        return self._launch_draw(seqs, logits)
+
+    def _launch_draw(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        """Draw `seqs`' tokens from their logits rows on the device and read the step in flight
+        meanwhile; with overlap this step's tokens then stay in flight (`DecodeOverlap`), so the
+        GPU never waits for the host's bookkeeping; otherwise they are read at once."""
+        if not seqs:
+            return self._postprocess(*self.overlap.take())
         if self._draws_from_host_tokens(seqs):
             # Read the step in flight first (its tokens landed before this forward began), so the
             # grammar matchers and penalties see every earlier token; the masks are then filled
@@ -458,10 +474,13 @@ class Engine:
         next mask follows the last token) or a repetition penalty (the tokens seen)."""
         return any(s.request.grammar is not None or s.request.sampling.repetition_penalty != 1.0 for s in seqs)
 
-    def _count_decode(self, seqs: list[Sequence], rows: DecodeRows) -> None:
-        """A decode step's counters, ReplaySSM ring folds included (the cache mirrors every
-        row's ring cursor; a full ring is folded into the checkpoint by the step's kernel)."""
-        self.tally.add(decode_steps=1, decode_seq_steps=len(seqs), decode_context_tokens=sum(rows.positions) + len(seqs),
+    def _count_decode(self, seqs: list[Sequence], rows: DecodeRows, mixed: bool = False) -> None:
+        """A decode step's counters (`mixed`: the decode rows of a mixed step), ReplaySSM ring folds
+        included (the cache mirrors every row's ring cursor; a full ring is folded into the
+        checkpoint by the step's kernel)."""
+        steps = dict(mixed_steps=1, mixed_seq_steps=len(seqs)) if mixed else \
+            dict(decode_steps=1, decode_seq_steps=len(seqs))
+        self.tally.add(**steps, decode_context_tokens=sum(rows.positions) + len(seqs),
                        decode_shared_kv_tokens=sum(rows.shared_with_prev),
                        replayssm_flushes=self.cache.ring_steps([seq.handle for seq in seqs]))
 
@@ -583,6 +602,7 @@ class Engine:
             "dtype": dtype_name(self.config.resolved_dtype()),
             "ckpt_dtype": dtype_name(self.config.resolved_ckpt_dtype()) if self.config.replayssm else None,
             "max_model_len": self.max_model_len,
+            "mixed_step": self.mixed_step,  # the config's, unless BATCHINFER_MIXED_STEP=0 turned it off
             "max_running_effective": plan.max_running,
             "kv_slots": plan.kv_slots,
             "state_slots": plan.state_slots,

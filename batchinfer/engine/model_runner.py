@@ -67,28 +67,27 @@ def _forward_batch(input_ids, positions, cu_seqlens, state_slots, out_kv, kv_ind
         chunk_tables=None if is_decode else ChunkTables(cu_seqlens, input_ids.shape[0]))
 
 
-def build_forward_batch(chunks: Sequence[SequenceChunk], *, is_decode: bool, replay: bool,
-                        device: torch.device) -> ForwardBatch:
-    """Pack chunks (in order) into one varlen batch; logits only for chunks that want them."""
+def _prefill_host(chunks: Sequence[SequenceChunk]) -> dict[str, torch.Tensor]:
+    """A prefill batch's index tensors on the host (int64), chunks in order."""
     lengths = [len(c.token_ids) for c in chunks]
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)          # [T]
-    positions = torch.cat([torch.arange(c.start, c.start + n, dtype=torch.int64)
-                           for c, n in zip(chunks, lengths)])                                        # [T]
-    kv_indices = torch.cat([c.context_kv for c in chunks])                                          # [Σctx]
-    kv_indptr = torch.tensor([0] + [c.context_kv.numel() for c in chunks], dtype=torch.int64).cumsum(0)
-    out_kv = torch.cat([c.context_kv[c.start:] for c in chunks])                                    # [T]
-    logits_indices = torch.tensor([end - k for c, end in zip(chunks, cu[1:]) for k in range(c.num_logits, 0, -1)],
-                                  dtype=torch.int64)                                                 # [N]
-    return _forward_batch(input_ids, positions, torch.tensor(cu, dtype=torch.int64),
-                          torch.tensor([c.state_slot for c in chunks], dtype=torch.int64), out_kv, kv_indices,
-                          kv_indptr, logits_indices, is_decode=is_decode, replay=replay, device=device)
+    return dict(
+        input_ids=torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64),           # [T]
+        positions=torch.cat([torch.arange(c.start, c.start + n, dtype=torch.int64)
+                             for c, n in zip(chunks, lengths)]),                                     # [T]
+        out_kv=torch.cat([c.context_kv[c.start:] for c in chunks]),                                 # [T]
+        state_slots=torch.tensor([c.state_slot for c in chunks], dtype=torch.int64),                 # [B]
+        kv_indices=torch.cat([c.context_kv for c in chunks]),                                       # [Σctx]
+        kv_indptr=torch.tensor([0] + [c.context_kv.numel() for c in chunks], dtype=torch.int64).cumsum(0),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int64),                                              # [B+1]
+        logits_indices=torch.tensor([end - k for c, end in zip(chunks, cu[1:]) for k in range(c.num_logits, 0, -1)],
+                                    dtype=torch.int64))                                              # [N]
 
 
-def build_decode_batch(rows: DecodeRows, *, replay: bool, device: torch.device) -> ForwardBatch:
-    """A decode step's batch from flat lists: a few tensor builds whatever the batch size."""
+def _decode_host(rows: DecodeRows) -> dict[str, torch.Tensor]:
+    """A decode step's index tensors on the host (int64): a few tensor builds whatever B."""
     B = len(rows.token_ids)
     kv_indices = rows.kv_indices                                                                # [Σctx]
     if sum(rows.positions) + B != kv_indices.numel():
@@ -96,13 +95,66 @@ def build_decode_batch(rows: DecodeRows, *, replay: bool, device: torch.device) 
     host = torch.tensor([rows.token_ids, rows.positions, rows.state_slots], dtype=torch.int64)  # [3, B]
     kv_indptr = torch.zeros(B + 1, dtype=torch.int64)
     torch.cumsum(host[1] + 1, 0, out=kv_indptr[1:])                                             # [B+1]
-    out_kv = kv_indices[kv_indptr[1:] - 1]                   # [B] the new token ends its context
     steps = torch.arange(B + 1, dtype=torch.int64)           # one token per sequence
+    return dict(input_ids=host[0], positions=host[1], out_kv=kv_indices[kv_indptr[1:] - 1],  # the new token ends its context
+                state_slots=host[2], kv_indices=kv_indices, kv_indptr=kv_indptr, cu_seqlens=steps,
+                logits_indices=steps[:B])
+
+
+def build_forward_batch(chunks: Sequence[SequenceChunk], *, is_decode: bool, replay: bool,
+                        device: torch.device) -> ForwardBatch:
+    """Pack chunks (in order) into one varlen batch; logits only for chunks that want them."""
+    h = _prefill_host(chunks)
+    return _forward_batch(h["input_ids"], h["positions"], h["cu_seqlens"], h["state_slots"], h["out_kv"],
+                          h["kv_indices"], h["kv_indptr"], h["logits_indices"], is_decode=is_decode, replay=replay,
+                          device=device)
+
+
+def build_decode_batch(rows: DecodeRows, *, replay: bool, device: torch.device) -> ForwardBatch:
+    """A decode step's batch from flat lists: a few tensor builds whatever the batch size."""
+    h = _decode_host(rows)
     token_from = None if rows.prior_tokens is None else torch.tensor(rows.token_from, dtype=torch.int64)  # [B]
     shared = None if rows.shared_with_prev is None else torch.tensor(rows.shared_with_prev, dtype=torch.int64)  # [B]
-    return _forward_batch(host[0], host[1], steps, host[2], out_kv, kv_indices, kv_indptr, steps[:B],
-                          is_decode=True, replay=replay, device=device, token_from=token_from,
-                          prior_tokens=rows.prior_tokens, shared_with_prev=shared)
+    return _forward_batch(h["input_ids"], h["positions"], h["cu_seqlens"], h["state_slots"], h["out_kv"],
+                          h["kv_indices"], h["kv_indptr"], h["logits_indices"], is_decode=True, replay=replay,
+                          device=device, token_from=token_from, prior_tokens=rows.prior_tokens,
+                          shared_with_prev=shared)
+
+
+def build_mixed_batch(chunks: Sequence[SequenceChunk], rows: DecodeRows, *, replay: bool,
+                      device: torch.device) -> ForwardBatch:
+    """One batch of prefill chunks followed by decode rows (`ForwardBatch.parts`): the chunks'
+    logits rows (as `build_forward_batch`), then one per decode row. All index tensors go in one
+    transfer; each part's tensors are views of the whole batch's, or of its own where they differ
+    (the decode part's context offsets and token steps start at 0)."""
+    p, d = _prefill_host(chunks), _decode_host(rows)
+    T_p, B_p, B_d, ctx_p = p["input_ids"].numel(), len(chunks), len(rows.token_ids), p["kv_indices"].numel()
+    # The whole batch's tensors, prefill part first: the parts are views of them.
+    whole = [torch.cat([p[name], d[name]]) for name in ("input_ids", "positions", "out_kv", "state_slots", "kv_indices")]
+    cu = torch.cat([p["cu_seqlens"], T_p + d["cu_seqlens"][1:]])                              # [B+1]
+    indptr = torch.cat([p["kv_indptr"], ctx_p + d["kv_indptr"][1:]])                          # [B+1]
+    logits = torch.cat([p["logits_indices"], T_p + d["logits_indices"]])                      # [N_p + B_d]
+    token_from = None if rows.prior_tokens is None else rows.token_from
+    optional = {name: v for name, v in (("token_from", token_from), ("shared", rows.shared_with_prev)) if v is not None}
+    (ids, pos, out_kv, slots, kv, cu, indptr, d_steps, d_indptr, logits, *rest) = upload_packed(
+        [*whole, cu, indptr, d["cu_seqlens"], d["kv_indptr"], logits,
+         *(torch.tensor(v, dtype=torch.int64) for v in optional.values())], device)
+    extra = dict(zip(optional, rest))
+    if token_from is not None:  # decode rows whose token is still on the device: written into the whole batch's ids
+        select_tokens(ids[T_p:], extra["token_from"], rows.prior_tokens, out=ids[T_p:])
+    cu, indptr, d_cu, d_indptr = (t.to(torch.int32) for t in (cu, indptr, d_steps, d_indptr))
+    N_p, p_cu = p["logits_indices"].numel(), cu[:B_p + 1]  # one view: the chunk tables are matched by identity
+    prefill = ForwardBatch(
+        input_ids=ids[:T_p], positions=pos[:T_p], cu_seqlens=p_cu, is_decode=False, state_slots=slots[:B_p],
+        out_kv_slots=out_kv[:T_p], kv_indices=kv[:ctx_p], kv_indptr=indptr[:B_p + 1], logits_indices=logits[:N_p],
+        chunk_tables=ChunkTables(p_cu, T_p))
+    decode = ForwardBatch(
+        input_ids=ids[T_p:], positions=pos[T_p:], cu_seqlens=d_cu, is_decode=True, state_slots=slots[B_p:],
+        out_kv_slots=out_kv[T_p:], kv_indices=kv[ctx_p:], kv_indptr=d_indptr, logits_indices=d_steps[:B_d],
+        replay=replay, shared_with_prev=extra["shared"].to(torch.int32) if "shared" in extra else None)
+    return ForwardBatch(input_ids=ids, positions=pos, cu_seqlens=cu, is_decode=False, state_slots=slots,
+                        out_kv_slots=out_kv, kv_indices=kv, kv_indptr=indptr, logits_indices=logits,
+                        parts=(prefill, decode))
 
 
 class ModelRunner:
@@ -120,6 +172,13 @@ class ModelRunner:
     def prefill(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Logits [N, V] fp32: `num_logits` rows per chunk (in chunk order, positions ascending)."""
         batch = build_forward_batch(chunks, is_decode=False, replay=False, device=self.device)
+        return self.model.forward(batch, self.caches)
+
+    @torch.inference_mode()
+    def mixed(self, chunks: Sequence[SequenceChunk], rows: DecodeRows) -> torch.Tensor:
+        """Prefill chunks and decode rows in one forward (eager: no graph): logits [N, V] fp32,
+        the chunks' rows as `prefill`, then one per decode row. ReplaySSM as in `decode`."""
+        batch = build_mixed_batch(chunks, rows, replay=self.replay, device=self.device)
         return self.model.forward(batch, self.caches)
 
     @torch.inference_mode()

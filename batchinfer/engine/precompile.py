@@ -4,7 +4,8 @@ A fresh machine otherwise compiles each kernel specialisation the first time it 
 one after another in the engine's thread (tens of seconds for the GDN-hybrid kernels). Here:
 
 1. trace: the model runs the engine's step shapes (every decode-graph bucket, a set of prefill
-   batches that cover the integer classes Triton specialises on: 1, divisible by 16, other) on
+   batches that cover the integer classes Triton specialises on: 1, divisible by 16, other, and
+   mixed steps' eager decode rows in the same classes) on
    the pools' scratch slots with every Triton launch turned into a warm-up (no kernel runs) and
    triton's `jit_cache_hook` answering "skip" (nothing compiles); each launch that would have
    compiled is recorded as its specialisation data (torch ops run, on garbage: shapes only);
@@ -411,6 +412,7 @@ class StepShapes:
     max_running: int
     max_model_len: int
     replay: bool
+    mixed_step: bool = False        # steps with prefill also carry the decode rows (eager decode kernels)
 
 
 def prefill_shapes(shapes: StepShapes) -> list[list[tuple[int, int]]]:
@@ -433,10 +435,17 @@ def prefill_shapes(shapes: StepShapes) -> list[list[tuple[int, int]]]:
     return [batch for batch in batches if batch and sum(n for _, n in batch) <= most]
 
 
+def mixed_decode_sizes(shapes: StepShapes) -> list[int]:
+    """Decode rows of traced mixed steps: they run eagerly at any count, so one of each integer
+    class (1, a multiple of 16, neither) in each of the decode kernels' batch ranges (32, 128)."""
+    sizes = [1, 16, 17, 33, 48, 129, 144, shapes.max_running]
+    return sorted({b for b in sizes if b <= shapes.max_running})
+
+
 def engine_trace(model, caches, shapes: StepShapes, pad_state_slot: int, pad_kv_slot: int,
                  device: torch.device) -> Callable[[], None]:
     """The engine's steps on scratch slots only (nothing the pools own is touched)."""
-    from batchinfer.engine.model_runner import SequenceChunk, build_forward_batch
+    from batchinfer.engine.model_runner import DecodeRows, SequenceChunk, build_forward_batch, build_mixed_batch
     from batchinfer.models.forward_batch import ForwardBatch
 
     def decode(b: int) -> None:
@@ -459,6 +468,14 @@ def engine_trace(model, caches, shapes: StepShapes, pad_state_slot: int, pad_kv_
                   for s, n in seqs]
         model.forward(build_forward_batch(chunks, is_decode=False, replay=False, device=device), caches)
 
+    def mixed(b: int) -> None:  # a short continued chunk, then b decode rows of one-slot contexts
+        chunk = SequenceChunk(token_ids=[0] * 17, start=0, state_slot=pad_state_slot,
+                              context_kv=torch.full((17,), pad_kv_slot, dtype=torch.int64), wants_logits=True)
+        rows = DecodeRows(token_ids=[0] * b, positions=[0] * b, state_slots=[pad_state_slot] * b,
+                          kv_indices=torch.full((b,), pad_kv_slot, dtype=torch.int64),
+                          shared_with_prev=[0] * b if shapes.decode_hint else None)
+        model.forward(build_mixed_batch([chunk], rows, replay=shapes.replay, device=device), caches)
+
     def sample(vocab: int) -> None:  # the sampler's draw as the engine dispatches it (the fused kernel: one compile)
         from batchinfer.engine.sampler import _gumbel_argmax
         _gumbel_argmax(torch.zeros(1, vocab, dtype=torch.float32, device=device),
@@ -467,10 +484,11 @@ def engine_trace(model, caches, shapes: StepShapes, pad_state_slot: int, pad_kv_
     @torch.inference_mode()
     def run() -> None:
         steps = [("decode", b) for b in reversed(list(shapes.decode_buckets))] + \
-                [("prefill", seqs) for seqs in prefill_shapes(shapes)]
+                [("prefill", seqs) for seqs in prefill_shapes(shapes)] + \
+                [("mixed", b) for b in (mixed_decode_sizes(shapes) if shapes.mixed_step else [])]
         for kind, arg in steps:
             try:
-                decode(arg) if kind == "decode" else prefill(arg)
+                {"decode": decode, "prefill": prefill, "mixed": mixed}[kind](arg)
             except Exception as err:  # a shape the trace cannot run: its kernels compile lazily
                 log.warning("precompile trace of a %s step failed: %s: %s", kind, type(err).__name__, err)
         sample(model.config.vocab_size)

@@ -1,7 +1,8 @@
 """Continuous batching: admission in plan order, chunked prefill, decode, preemption.
 
-Each step runs at most one prefill forward (chunks of several sequences, ≤ max_batch_tokens
-new tokens) and one decode forward (every running sequence with exactly one token to feed).
+Each step decodes every running sequence with exactly one token to feed and prefills chunks
+of several sequences, ≤ max_batch_tokens new tokens (with `decode_rows_in_budget`, the engine's
+mixed step: one forward over both, whose decode rows count against that budget first).
 A prefill chunk ends at the sequence's next boundary: a planned branch point it leads, a
 multiple of track_interval inside the prompt, or the end of its tokens — so the GDN state at
 every such position exists at a chunk end and can be tracked.
@@ -50,10 +51,12 @@ class Scheduler:
     def __init__(self, cache, *, max_running: int, max_batch_tokens: int, track_interval: int,
                  wait_for_leaders: bool, tally: StatsTally, state_slots: int = 1 << 30,
                  branch_state_capacity: int = 1 << 30,
-                 max_model_len: int = 1 << 62) -> None:
+                 max_model_len: int = 1 << 62, decode_rows_in_budget: bool = False) -> None:
         self.cache = cache                    # cache.StateCache
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
+        # Mixed steps: a decode row is a token of the step, so prefill gets what they leave.
+        self.decode_rows_in_budget = decode_rows_in_budget
         self.track_interval = track_interval
         self.wait_for_leaders = wait_for_leaders  # only when planned states are tracked (extra_buffer)
         self.tally = tally
@@ -96,9 +99,9 @@ class Scheduler:
         self._plan_prefill(plan)
 
     def _plan_prefill(self, plan: StepPlan) -> None:
-        budget = self.max_batch_tokens
+        budget = self.max_batch_tokens - (len(plan.decode) if self.decode_rows_in_budget else 0)
         for seq in self.running:
-            if seq.pending < 2 or budget == 0:
+            if seq.pending < 2 or budget <= 0:
                 continue
             chunk = min(seq.pending, self.next_boundary(seq) - seq.computed, budget)
             plan.prefill.append((seq, chunk))

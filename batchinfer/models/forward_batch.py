@@ -1,7 +1,8 @@
 """What one model step needs besides the weights: the step's metadata and the caches.
 
 `ForwardBatch` describes a packed varlen batch of new tokens (docs/MODULES.md has the field
-table). `ModelCaches` holds the pool tensors the kernels update in place by slot index; the
+table); a mixed step's batch holds prefill chunks then decode rows, and carries each part as a
+batch of its own (`parts`) for the mixers' kernels. `ModelCaches` holds the pool tensors the kernels update in place by slot index; the
 real pools live in `cache/` (KVPool, GdnStatePool), which hands the model these same tensors.
 `allocate_caches` builds a standalone set of the same shapes for tests and benchmarks.
 """
@@ -35,6 +36,11 @@ class ForwardBatch:
     # Prefill only, optional: the chunk tables of cu_seqlens, built once for all layers by the
     # first kernel that asks (kernels/_common.py:ChunkTables); None: each kernel builds its own.
     chunk_tables: Optional[ChunkTables] = None
+    # Mixed step only: (prefill part, decode part), each a batch of its own over this batch's
+    # first `prefill.num_tokens` tokens and the rest (one per decode row). Token-wise layers run
+    # once over all T; the mixers run each part's kernels on its rows (`segments`). The fields
+    # above then describe all sequences, prefill first, and is_decode / replay are False.
+    parts: Optional[tuple["ForwardBatch", "ForwardBatch"]] = None
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +49,28 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.state_slots.shape[0]
+
+    @property
+    def prefill_part(self) -> Optional["ForwardBatch"]:
+        """The batch the prefill kernels run on (None: no prefill tokens in this step)."""
+        if self.parts is not None:
+            return self.parts[0]
+        return None if self.is_decode else self
+
+    @property
+    def decode_part(self) -> Optional["ForwardBatch"]:
+        """The batch the decode kernels run on (None: no decode rows in this step)."""
+        if self.parts is not None:
+            return self.parts[1]
+        return self if self.is_decode else None
+
+    def segments(self) -> list[tuple[slice, "ForwardBatch"]]:
+        """(rows of this batch's T tokens, the batch whose kernels run on them), in token order."""
+        if self.parts is None:
+            return [(slice(None), self)]
+        prefill, decode = self.parts
+        split = prefill.num_tokens
+        return [(slice(0, split), prefill), (slice(split, None), decode)]
 
 
 @dataclass(frozen=True)

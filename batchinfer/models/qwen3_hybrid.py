@@ -2,7 +2,8 @@
 
 `HybridModel.forward(batch, caches)` runs one engine step: the new tokens of B sequences
 packed into T rows, every GDN and attention state passed in through `ModelCaches` and
-updated in place. Each layer is pre-norm: x + mixer(norm(x)), then x + mlp(norm(x)), with
+updated in place. A mixed step's batch (prefill chunks, then decode rows) runs every
+token-wise op once over all T rows and each mixer's prefill and decode kernels on their parts. Each layer is pre-norm: x + mixer(norm(x)), then x + mlp(norm(x)), with
 the family's (1 + weight) RMSNorm. Every residual add is fused with the norm that reads its
 result (`ops.add_rms_norm`): the mixer's with the layer's post-mixer norm, the MLP's with the
 next layer's input norm, so a layer hands its MLP output on un-added, and the last one's is
@@ -96,17 +97,18 @@ class HybridModel(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, vocab] fp32 for the tokens at `batch.logits_indices`; written into
         `logits_out` [N, vocab] fp32 when given (the decode graphs' one shared buffer)."""
-        if caches.has_replay and not batch.is_decode:
-            _fold_pending_ring_entries(self.config, batch.state_slots, caches)
+        prefill, decode = batch.prefill_part, batch.decode_part  # a mixed step has both
+        if caches.has_replay and prefill is not None:
+            _fold_pending_ring_entries(self.config, prefill.state_slots, caches)
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions)  # [T, rot/2] each
         mlp_out = None
         for layer in self.layers:
             x, mlp_out = layer(x, mlp_out, batch, caches, self.rotary, cos, sin)
-        if batch.is_decode and batch.replay:
+        if decode is not None and decode.replay:
             # Every GDN layer appended one ring entry at index cursor % L (a full ring was
             # folded first), so the shared cursor advances once, after all layers.
-            slots = batch.state_slots
+            slots = decode.state_slots
             caches.cursor[slots] = caches.cursor[slots] % caches.ring_len + 1
         # The last residual add is needed only where logits are read: gather those rows first.
         rows = batch.logits_indices

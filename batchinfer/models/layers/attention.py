@@ -49,12 +49,19 @@ class GatedAttention(nn.Module):
 
         k_cache, v_cache = caches.kv_k[self.cache_index], caches.kv_v[self.cache_index]
         ops.store_kv(k, v, k_cache, v_cache, batch.out_kv_slots)
-        if batch.is_decode:
-            # Rows that share a prefix's KV (batch.shared_with_prev) read it once between them.
-            o = ops.attention_decode(q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr, self.scale,
-                                     shared_with_prev=batch.shared_with_prev)
-        else:
-            o = ops.attention_prefill(q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr,
-                                      batch.cu_seqlens, self.scale)  # [T, H, d]
+        # Token-wise above and below; attention itself per part of a mixed step.
+        parts = [self._attend(q[rows], k_cache, v_cache, part) for rows, part in batch.segments()]
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, H, d]
         o = o * torch.sigmoid(gate)  # the gate is per head and channel
         return linear(o.reshape(T, H * d), self.o_proj)  # [T, hidden]
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """Attention of one part's queries q [t, H, d] over their contexts (`batch`: prefill or
+        decode; a mixed step's part), their own keys already stored -> o [t, H, d]."""
+        if batch.is_decode:
+            # Rows that share a prefix's KV (batch.shared_with_prev) read it once between them.
+            return ops.attention_decode(q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr, self.scale,
+                                        shared_with_prev=batch.shared_with_prev)
+        return ops.attention_prefill(q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr,
+                                     batch.cu_seqlens, self.scale)

@@ -56,9 +56,7 @@ class GatedDeltaNet(nn.Module):
                                    fp8=fp8 is not None and "out_proj" in fp8)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        T = x.shape[0]
-        H_k, H_v, d_k, d_v = self.num_k_heads, self.num_v_heads, self.k_head_dim, self.v_head_dim
-        j = self.cache_index
+        T, H_v, d_v = x.shape[0], self.num_v_heads, self.v_head_dim
         # Views, not copies: every kernel (and reference) takes row strides, so the split and
         # the head reshapes below cost nothing.
         if self.in_proj_ba is None:
@@ -66,6 +64,19 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed_qkv, z = linear(x, self.in_proj).split(self.split_sizes[:2], dim=-1)
             b, a = F.linear(x, self.in_proj_ba).split(self.split_sizes[2:], dim=-1)  # [T, H_v] views
+        # Token-wise above and below; the conv and the delta rule per part of a mixed step.
+        parts = [self._mix(mixed_qkv[rows], a[rows], b[rows], part, caches) for rows, part in batch.segments()]
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, H_v, d_v]
+        o = ops.gated_rms_norm(o, z.reshape(T, H_v, d_v), self.norm_weight, self.eps)  # [T, H_v, d_v]
+        return linear(o.reshape(T, H_v * d_v), self.out_proj)  # [T, hidden]
+
+    def _mix(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch,
+             caches: ModelCaches) -> torch.Tensor:
+        """The conv and the gated delta rule over one part's rows (`batch`: prefill or decode;
+        a mixed step's part): mixed_qkv [t, D_conv], a and b [t, H_v] (views) -> o [t, H_v, d_v]."""
+        t = mixed_qkv.shape[0]
+        H_k, H_v, d_k, d_v = self.num_k_heads, self.num_v_heads, self.k_head_dim, self.v_head_dim
+        j = self.cache_index
         slots = batch.state_slots
         if batch.is_decode:
             mixed_qkv = ops.causal_conv1d_decode(mixed_qkv, self.conv_weight, None, caches.conv[j], slots)
@@ -73,19 +84,14 @@ class GatedDeltaNet(nn.Module):
             mixed_qkv = ops.causal_conv1d_prefill(mixed_qkv, self.conv_weight, None, caches.conv[j], slots,
                                                   batch.cu_seqlens, chunk_tables=batch.chunk_tables)
         q, k, v = mixed_qkv.split([H_k * d_k, H_k * d_k, H_v * d_v], dim=-1)
-        q = q.reshape(T, H_k, d_k)
-        k = k.reshape(T, H_k, d_k)
-        v = v.reshape(T, H_v, d_v)  # a, b: [T, H_v] views
+        q = q.reshape(t, H_k, d_k)
+        k = k.reshape(t, H_k, d_k)
+        v = v.reshape(t, H_v, d_v)  # a, b: [t, H_v] views
         gdn_args = (q, k, v, a, b, self.A_log, self.dt_bias)
-
         if batch.is_decode and batch.replay:
-            o = ops.replay_decode(*gdn_args, caches.ssm[j], caches.ring_k[j], caches.ring_u[j], caches.ring_g[j],
-                                  caches.cursor, slots)
-        elif batch.is_decode:
-            o = ops.gdn_decode(*gdn_args, caches.ssm[j], slots)
-        else:
-            o = ops.gdn_prefill(*gdn_args, caches.ssm[j], slots, batch.cu_seqlens,
-                                chunk_tables=batch.chunk_tables)  # [T, H_v, d_v]
-
-        o = ops.gated_rms_norm(o, z.reshape(T, H_v, d_v), self.norm_weight, self.eps)  # [T, H_v, d_v]
-        return linear(o.reshape(T, H_v * d_v), self.out_proj)  # [T, hidden]
+            return ops.replay_decode(*gdn_args, caches.ssm[j], caches.ring_k[j], caches.ring_u[j], caches.ring_g[j],
+                                     caches.cursor, slots)
+        if batch.is_decode:
+            return ops.gdn_decode(*gdn_args, caches.ssm[j], slots)
+        return ops.gdn_prefill(*gdn_args, caches.ssm[j], slots, batch.cu_seqlens,
+                               chunk_tables=batch.chunk_tables)  # [t, H_v, d_v]
