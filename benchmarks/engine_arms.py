@@ -158,9 +158,9 @@ def decode_bytes(model, replay: bool, batch: float, context: float, ring_len: in
 def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args,
             engine_overrides: dict | None = None) -> dict:
     """`engine_overrides`: EngineConfig fields set on top of the arm's (e.g. track_interval)."""
-    config = EngineConfig(device=args.device, cuda_graphs=not args.no_graphs, max_running=args.max_running,
-                          max_batch_tokens=args.max_batch_tokens, memory_budget_bytes=args.budget_bytes,
-                          **{**ARMS[arm], **(engine_overrides or {})})
+    fields = dict(device=args.device, cuda_graphs=not args.no_graphs, max_running=args.max_running,
+                  max_batch_tokens=args.max_batch_tokens, memory_budget_bytes=args.budget_bytes)
+    config = EngineConfig(**{**fields, **ARMS[arm], **(engine_overrides or {})})
     engine = Engine(model, config, model_name=args.preset)
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
     # Warm-up on unrelated tokens shaped like the workload (its first prompts' lengths, a pair
