@@ -26,6 +26,9 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.kernels.attention import prefill_backends as apb
 
 
+AUTO = -1  # `@auto` in --gen: max_running left to the engine
+
+
 def parse_policy(text: str, min_run: int) -> apb.PrefillPolicy:
     """"backend" or "backend:prefix_mask" (e.g. sdpa-cudnn:split)."""
     backend, _, mask = text.partition(":")
@@ -34,7 +37,8 @@ def parse_policy(text: str, min_run: int) -> apb.PrefillPolicy:
 
 def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
     """"NxLxO[@R][/field=int...]": N prompts of L tokens, O output tokens each, max_running R
-    (default: N, everything admitted at once), EngineConfig integer / boolean fields set after
+    (default: N, everything admitted at once; `@auto`: the engine's default for the model),
+    EngineConfig integer / boolean fields set after
     the slashes (e.g. `/track_interval=256`)."""
     spec, *settings = text.split("/")
     spec, _, running = spec.partition("@")
@@ -44,6 +48,8 @@ def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
         key, _, value = item.partition("=")
         default = getattr(EngineConfig(), key)  # AttributeError names a wrong field
         overrides[key] = type(default)(int(value))
+    if running == "auto":  # the engine's own default for the model (EngineConfig.max_running None)
+        return count, length, output, AUTO, overrides
     return count, length, output, int(running) if running else None, overrides
 
 
@@ -51,7 +57,8 @@ def generation_row(model, policy: apb.PrefillPolicy, count: int, length: int, ou
                    preset: str, track_interval: int, max_running: int | None = None,
                    overrides: dict | None = None) -> dict:
     prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
-    args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=max_running or count,
+    running = None if max_running == AUTO else max_running or count
+    args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=running,
                            max_batch_tokens=STEP_TOKENS, budget_bytes=None, preset=preset, floor=device == "cuda")
     with apb.prefill_policy(policy):
         row = run_arm(model, "replay+extra_buffer", prompts, output, args,

@@ -98,9 +98,10 @@ def test_run_arm_releases_its_engine_before_freeing_memory(monkeypatch):
 def test_generation_spec_parses_batch_and_engine_overrides_and_names_a_wrong_field():
     import pytest
 
-    from benchmarks.long_context import parse_generation
+    from benchmarks.long_context import AUTO, parse_generation
 
     assert parse_generation("48x8192x1024") == (48, 8192, 1024, None, {})
+    assert parse_generation("48x8192x1024@auto") == (48, 8192, 1024, AUTO, {})
     count, length, output, running, overrides = parse_generation("96x8192x1024@96/track_interval=256/cuda_graphs=0")
     assert (count, length, output, running) == (96, 8192, 1024, 96)
     assert overrides == {"track_interval": 256, "cuda_graphs": False}

@@ -21,8 +21,19 @@ def test_the_default_max_running_is_sized_to_the_cpu_budget_silently(caplog):
     assert "not max_running=256" in caplog.text
 
 
-def test_only_a_gpu_warns_for_the_default():
+def test_only_a_max_running_the_job_set_warns():
     assert not max_running_shortfall(166, None, 256, "cpu")
     assert max_running_shortfall(166, 256, 256, "cpu")
-    assert max_running_shortfall(166, None, 256, "cuda")
-    assert not max_running_shortfall(256, None, 256, "cuda")
+    assert not max_running_shortfall(166, None, 1024, "cuda")  # the default sizes itself to the memory
+    assert max_running_shortfall(166, 256, 256, "cuda")
+    assert not max_running_shortfall(256, 256, 256, "cuda")
+
+
+def test_the_default_max_running_suits_the_model():
+    from batchinfer.engine.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_RUNNING_MOE, EngineConfig
+    from batchinfer.models.config import model_config_from_dict
+    from batchinfer.models.presets import PRESETS
+    dense, moe = (model_config_from_dict(PRESETS[name]) for name in ("qwen3.5-27b", "qwen3.5-35b-a3b"))
+    assert EngineConfig().resolved_max_running(dense) == DEFAULT_MAX_RUNNING == 256
+    assert EngineConfig().resolved_max_running(moe) == DEFAULT_MAX_RUNNING_MOE == 1024
+    assert EngineConfig(max_running=48).resolved_max_running(moe) == 48

@@ -148,7 +148,7 @@ def test_mixed_steps_give_the_tokens_of_separate_forwards(request, kind, overlap
     requests = _staggered_requests(model.config.vocab_size, seed=11)
     settings = dict(max_running=3, max_batch_tokens=24, track_interval=16, overlap_decode=overlap)
     separate = make_engine(model, mixed_step=False, **settings)
-    mixed = make_engine(model, **settings)
+    mixed = make_engine(model, mixed_step=True, **settings)
     assert mixed.mixed_step and mixed.settings()["mixed_step"]
     expected, got = run(separate, requests), run(mixed, requests)
     _assert_same_outputs(got, expected)
@@ -157,9 +157,15 @@ def test_mixed_steps_give_the_tokens_of_separate_forwards(request, kind, overlap
     assert mixed.stats.replayssm_flushes == separate.stats.replayssm_flushes > 0
 
 
+def test_the_mixed_step_is_off_by_default_and_the_environment_switches_it(dense, monkeypatch):
+    assert not make_engine(dense).mixed_step
+    monkeypatch.setenv(MIXED_STEP_ENV, "1")
+    assert make_engine(dense).mixed_step
+
+
 def test_an_environment_switch_selects_separate_forwards(dense, monkeypatch):
     monkeypatch.setenv(MIXED_STEP_ENV, "0")
-    engine = make_engine(dense, max_running=3, max_batch_tokens=24)
+    engine = make_engine(dense, mixed_step=True, max_running=3, max_batch_tokens=24)
     assert not engine.mixed_step and engine.settings()["mixed_step"] is False
     run(engine, _staggered_requests(dense.config.vocab_size, seed=2, rows=5))
     assert engine.stats.mixed_steps == 0 and engine.stats.decode_steps > 0
@@ -169,7 +175,7 @@ def test_running_rows_decode_in_every_step_while_prefill_remains(dense):
     """Each step: every running row with one token to feed decodes, in the same (one) forward as
     the step's prefill chunks, and prefill tokens plus decode rows stay within max_batch_tokens."""
     budget = 20
-    engine = make_engine(dense, max_running=4, max_batch_tokens=budget, track_interval=16)
+    engine = make_engine(dense, mixed_step=True, max_running=4, max_batch_tokens=budget, track_interval=16)
     scheduler, forwards, steps = engine.scheduler, [0], []
     schedule, forward = scheduler.schedule, engine.model.forward
 

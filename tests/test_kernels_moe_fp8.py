@@ -184,9 +184,16 @@ def test_fp8_moe_layer_runs_the_grouped_kernel_in_a_cuda_graph():
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(block.num_experts, dtype=torch.int64, device="cuda").index_add_(0, flat, torch.ones_like(flat))
     dequantized = block._expert_rows(x, order // block.top_k, counts).float() * weights.reshape(-1)[order, None]
-    ref = torch.zeros_like(out).index_add_(0, order // block.top_k, dequantized)
+    unquantized = torch.zeros_like(out).index_add_(0, order // block.top_k, dequantized)
+    original, mlp._grouped_fp8_op = mlp._grouped_fp8_op, (lambda _: reference_moe_fp8)
+    try:  # the same math in fp32 torch: the activations quantized to e4m3 the same way
+        reference = block._run_experts(x, experts, weights).float()
+    finally:
+        mlp._grouped_fp8_op = original
     assert out.isfinite().all()
-    assert (out - ref).abs().max() <= 0.05 * ref.abs().max()
+    assert (out - reference).norm() <= 1e-2 * reference.norm()
+    # against unquantized activations: e4m3's 3 mantissa bits (a few % of each product)
+    assert (out - unquantized).norm() <= 0.08 * unquantized.norm()  # 0.045 measured on the CPU
 
 
 SM90_CHILD = """

@@ -8,12 +8,15 @@ from typing import Optional, get_args
 import torch
 
 from batchinfer.cache.cache_config import StateCacheMode
-MIXED_STEP_ENV = "BATCHINFER_MIXED_STEP"  # "0": separate prefill and decode forwards, whatever the config
+MIXED_STEP_ENV = "BATCHINFER_MIXED_STEP"  # "1" / "0": the mixed step on / off, whatever the config
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
 
 DEFAULT_MAX_RUNNING = 256
+# MoE: a decode step reads every routed expert's weights for a few rows each, so more rows amortise them
+# (the peer runs Qwen3.5-35B-A3B at 1,024 concurrent); the memory budget caps it where it fits fewer.
+DEFAULT_MAX_RUNNING_MOE = 1024
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,8 @@ class EngineConfig:
     ckpt_dtype: Optional[str] = None     # ReplaySSM checkpoint dtype; None → the model dtype
     track_interval: int = 8192           # also checkpoint every this many prompt tokens (unplanned reuse);
                                          # each multiple ends a prefill chunk, so small values cut long prompts short
-    # sequences decoding at once; None: DEFAULT_MAX_RUNNING, or fewer where the memory budget fits
-    # fewer (warned on a GPU; on the CPU, whose budget is a fixed modest pool, that is the default)
+    # sequences decoding at once; None: DEFAULT_MAX_RUNNING (DEFAULT_MAX_RUNNING_MOE for a MoE model),
+    # or fewer where the memory budget fits fewer (warned only for a value the job set)
     max_running: Optional[int] = None
     max_batch_tokens: int = 8192         # tokens per step: prefill tokens, plus the decode rows with mixed_step
     max_model_len: Optional[int] = None  # None → the model's max_position_embeddings
@@ -38,8 +41,9 @@ class EngineConfig:
     cuda_graphs: bool = True             # capture decode steps (CUDA only)
     overlap_decode: bool = True          # launch the next decode step before reading this one's tokens
     # One forward per step over the prefill chunks and the decode rows (False: a prefill forward,
-    # then a decode forward); BATCHINFER_MIXED_STEP=0 turns it off for an A/B run.
-    mixed_step: bool = True
+    # then a decode forward). Off by default: on the H200 it ran 8k-in/1k-out slower than the two
+    # forwards (docs/BENCHMARKS.md, "One forward per step"); BATCHINFER_MIXED_STEP=1 / 0 overrides.
+    mixed_step: bool = False
 
     def __post_init__(self) -> None:
         if self.state_cache not in get_args(StateCacheMode):
@@ -60,8 +64,13 @@ class EngineConfig:
         if self.plan_window is not None and self.plan_window < 1:
             raise ValueError("plan_window must be >= 1")
 
-    def resolved_max_running(self) -> int:
-        return DEFAULT_MAX_RUNNING if self.max_running is None else self.max_running
+    def resolved_max_running(self, model_config=None) -> int:
+        """The rows asked for: the config's, else the default for the model (`model_config`, a
+        `batchinfer.models.config.ModelConfig`; None: a dense model's)."""
+        if self.max_running is not None:
+            return self.max_running
+        moe = model_config is not None and getattr(model_config, "num_experts", 0) > 0
+        return DEFAULT_MAX_RUNNING_MOE if moe else DEFAULT_MAX_RUNNING
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -80,7 +89,8 @@ class EngineConfig:
         return torch.bfloat16 if self.resolved_dtype() == torch.bfloat16 else torch.float32
 
     def resolved_mixed_step(self) -> bool:
-        return self.mixed_step and os.environ.get(MIXED_STEP_ENV, "1").strip() != "0"
+        switch = os.environ.get(MIXED_STEP_ENV, "").strip()
+        return self.mixed_step if switch not in ("0", "1") else switch == "1"
 
     def to_dict(self) -> dict:
         return asdict(self)

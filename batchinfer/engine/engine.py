@@ -53,9 +53,9 @@ def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: 
     less than one prefill step needs on a nearly full device (docs/BENCHMARKS.md, "Memory budget:
     the activation reserve")."""
     dtype = config.resolved_dtype()
-    reserve = step_activation_bytes(model_config, dtype, config.max_batch_tokens, config.resolved_max_running())
+    reserve = step_activation_bytes(model_config, dtype, config.max_batch_tokens, config.resolved_max_running(model_config))
     if config.cuda_graphs:
-        reserve += decode_graph_bytes(model_config, dtype, bucket_sizes(config.resolved_max_running()),
+        reserve += decode_graph_bytes(model_config, dtype, bucket_sizes(config.resolved_max_running(model_config)),
                                       min(max_model_len, _GRAPH_CTX_CAP))
     return int(reserve * ACTIVATION_MARGIN)
 
@@ -100,7 +100,7 @@ class Engine:
         # One working slot per running request, plus plan_pools' shared pool of cached states
         # that tracking borrows from (a tracked state goes to the tree at once) and eviction
         # refills: tree states are never pinned by running requests, only during admission.
-        requested = config.resolved_max_running()
+        requested = config.resolved_max_running(model.config)
         self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=requested)
         if max_running_shortfall(self.pool_plan.max_running, config.max_running, requested, self.device.type):
             log.warning("memory budget fits %d concurrent requests, not max_running=%d (%.0f MiB per state slot)",
