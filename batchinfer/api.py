@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs.prepare import PreparedJob, prepare_job
-from batchinfer.jobs.runner import EngineLike, open_engine, run_job
-from batchinfer.jobs.spec import JobFile, load_job_file, parse_job_document
+from batchinfer.jobs.run.prepare import PreparedJob, prepare_job
+from batchinfer.jobs.run.runner import EngineLike, open_engine, run_job
+from batchinfer.jobs.spec.job_file import JobFile, load_job_file, parse_job_document
 
 JobSource = Union[str, os.PathLike, Mapping[str, Any]]
 _DICT_JOB_FILE = "<job dict>"  # names a dict job in error messages; its relative paths resolve against base_dir
@@ -171,8 +171,8 @@ class LLM:
         return pa.table({"prompt": pa.array(prompts, pa.string())}), {"column": "prompt"}, "list", chat
 
     def _tokenizer(self):
-        from batchinfer.jobs.checkpoint import resolve_checkpoint
-        from batchinfer.jobs.tokenizer import CheckpointTokenizer
+        from batchinfer.jobs.spec.checkpoint import resolve_checkpoint
+        from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
         probe = parse_job_document({"jobs": [{"name": "generate", "model": self.model, "input": "unused.parquet",
                                               "prompt": {"column": "prompt"}}]}, self.base_dir / _DICT_JOB_FILE)

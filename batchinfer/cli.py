@@ -23,12 +23,12 @@ from rich.console import Console
 
 from batchinfer import __version__
 from batchinfer.jobs.errors import JobError, JobRuntimeError, no_space_line
-from batchinfer.jobs.interruption import Stopped, signal_name, stop_on_signals, stop_signal_of
-from batchinfer.jobs.output_lock import OutputLock
-from batchinfer.jobs.prepare import PreparedJob, prepare_job
-from batchinfer.jobs.quiet_streams import quiet_when_closed
-from batchinfer.jobs.runner import lock_output, run_job
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.run.interruption import Stopped, signal_name, stop_on_signals, stop_signal_of
+from batchinfer.jobs.outdir.lock import OutputLock
+from batchinfer.jobs.run.prepare import PreparedJob, prepare_job
+from batchinfer.jobs.run.quiet_streams import quiet_when_closed
+from batchinfer.jobs.run.runner import lock_output, run_job
+from batchinfer.jobs.spec.job_file import load_job_file
 
 EXIT_RUNTIME_FAILURE = 1
 EXIT_BAD_INPUT = 2
@@ -130,7 +130,7 @@ def plan(job_file: Path, job_name: Optional[str], workers: Optional[int], per_wi
          unit_rows: Optional[int]) -> None:
     """Tokenise and plan the jobs of JOB_FILE globally without loading a model."""
     from batchinfer.jobs.global_plan import UnitConfig
-    from batchinfer.jobs.planning import plan_job_globally, render_global_plan, unit_config_with
+    from batchinfer.jobs.run.planning import plan_job_globally, render_global_plan, unit_config_with
 
     # Planning writes nothing into the output folder, so an existing one is no reason to refuse.
     prepared = _prepare_all(job_file, job_name, overwrite=True)
@@ -150,7 +150,7 @@ def plan(job_file: Path, job_name: Optional[str], workers: Optional[int], per_wi
 def warmup(job_file: Path, job_name: Optional[str]) -> None:
     """Compile the Triton kernels the jobs of JOB_FILE need into the compile cache (TRITON_CACHE_DIR),
     without reading weights or inputs, so their first run starts warm."""
-    from batchinfer.jobs.warmup import warm_up_job_file
+    from batchinfer.jobs.run.warmup import warm_up_job_file
 
     try:
         warm_up_job_file(job_file, job_name, echo=click.echo)

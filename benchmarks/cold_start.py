@@ -195,8 +195,8 @@ def child_main(out_path: Path, cli_args: list[str]) -> int:
     import batchinfer.engine.precompile as precompile
     import batchinfer.models.loader as loader
     import batchinfer.models.presets as presets
-    import batchinfer.jobs.global_run as global_run
-    import batchinfer.jobs.runner as runner
+    import batchinfer.jobs.run.global_run as global_run
+    import batchinfer.jobs.run.runner as runner
     imports_end = time.time()
     timeline.phases.append({"name": "imports", "start": imports_start, "end": imports_end, "io": {
         k: None if v is None or imports_io.get(k) is None else v - imports_io[k] for k, v in io_counters().items()}})

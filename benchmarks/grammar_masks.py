@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from batchinfer.jobs.structured import allowed_tokens, compile_grammar, fill_masks, new_bitmask
-from batchinfer.jobs.task_spec import GrammarSpec
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.tasks.structured import allowed_tokens, compile_grammar, fill_masks, new_bitmask
+from batchinfer.jobs.spec.task import GrammarSpec
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},

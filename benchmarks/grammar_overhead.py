@@ -44,7 +44,7 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.sampler import fused_logprobs_enabled, fused_sampler_enabled
 from batchinfer.engine.types import Request, SamplingParams
-from batchinfer.jobs.structured import mask_threads, set_mask_threads
+from batchinfer.jobs.tasks.structured import mask_threads, set_mask_threads
 from benchmarks.engine_arms import build_model
 from benchmarks.host_overhead import PhaseTimer
 
@@ -112,11 +112,11 @@ def synthetic_tokenizer_json(vocab_size: int, seed: int = 0) -> tuple[str, int]:
 def compiled_schema(vocab_size: int, tokenizer_dir: Path | None, schema: dict = SCHEMA):
     import llguidance
 
-    from batchinfer.jobs.structured import compile_source, grammar_source, grammar_tokenizer
+    from batchinfer.jobs.tasks.structured import compile_source, grammar_source, grammar_tokenizer
 
     source = grammar_source("json_schema", json.dumps(schema))
     if tokenizer_dir is not None:
-        from batchinfer.jobs.tokenizer import CheckpointTokenizer
+        from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
         return compile_source(source, grammar_tokenizer(CheckpointTokenizer.from_checkpoint(tokenizer_dir), vocab_size))
     text, eos = synthetic_tokenizer_json(vocab_size)

@@ -84,9 +84,9 @@ def write_job(folder: Path, name: str, data: Path, checkpoint: Path, plan: str, 
 
 def run_arm(job_file: Path, model, console: Console) -> tuple[dict, float, Path]:
     from batchinfer.engine import Engine, EngineConfig
-    from batchinfer.jobs.prepare import prepare_job
-    from batchinfer.jobs.runner import engine_config_kwargs, run_job
-    from batchinfer.jobs.spec import load_job_file
+    from batchinfer.jobs.run.prepare import prepare_job
+    from batchinfer.jobs.run.runner import engine_config_kwargs, run_job
+    from batchinfer.jobs.spec.job_file import load_job_file
 
     (spec,) = load_job_file(job_file).jobs
     job = prepare_job(spec, overwrite=True)

@@ -253,7 +253,7 @@ def plan_token_prompts(prompts: list[np.ndarray], n: int, max_tokens: int, folde
 
 
 def bench_makespan(folder: Path, workers: tuple[int, ...] = (2, 4, 8)) -> dict:
-    from batchinfer.jobs.executors.balance import predict_balance
+    from batchinfer.jobs.run.executors.balance import predict_balance
     from batchinfer.jobs.global_plan.units import unit_size_quantiles
 
     results = {}

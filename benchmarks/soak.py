@@ -96,7 +96,7 @@ def halves_summary(results: list[RoundResult]) -> dict:
 def soak_one(checkpoint: Path, ring_len: int, args) -> tuple[list[dict], dict]:
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
-    from batchinfer.jobs.tokenizer import CheckpointTokenizer
+    from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
     tokenizer = CheckpointTokenizer.from_checkpoint(checkpoint)
     config = EngineConfig(device=args.device, dtype=args.dtype, replayssm=True, state_cache="extra_buffer",

@@ -19,7 +19,7 @@ from batchinfer.demo import demo_checkpoint
 from batchinfer.engine import Engine, EngineConfig
 from batchinfer.engine.planner import plan_prompts
 from batchinfer.engine.types import Request, SamplingParams
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
 _SYLLABLES = ("ka", "lo", "mi", "ru", "sen", "tav", "qui", "ber", "dol", "fex", "gan", "hup", "zor", "wim", "ne", "po")
 _COUNTERS = ("prompt_tokens", "cached_tokens", "theoretical_max_cached_tokens", "planned_reuse_lost_tokens",

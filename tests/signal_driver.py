@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import batchinfer.jobs.part_store as part_store  # noqa: E402
-import batchinfer.jobs.runner as runner  # noqa: E402
+import batchinfer.jobs.outdir.part_store as part_store  # noqa: E402
+import batchinfer.jobs.run.runner as runner  # noqa: E402
 
 
 def main() -> None:

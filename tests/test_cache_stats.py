@@ -22,9 +22,9 @@ from rich.console import Console
 from batchinfer.demo_task import held_out_rows
 from batchinfer.engine.planner import plan_prompts
 from batchinfer.engine.types import Request, RequestOutput
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, write_job_file, write_parquet
 

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pytest
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs.prompts import build_prompts
-from batchinfer.jobs.spec import PromptSpec, load_job_file
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.inputs.prompts import build_prompts
+from batchinfer.jobs.spec.job_file import PromptSpec, load_job_file
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, write_job_file
 
 THINKING_TEMPLATE = """{%- if messages[0].role == 'system' %}

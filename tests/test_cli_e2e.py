@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchinfer.cli import main
-from batchinfer.jobs.outputs import RESULT_COLUMNS
+from batchinfer.jobs.outdir.part_writer import RESULT_COLUMNS
 from tests.job_process import demo_cache, read_parts, start_run, wait_for, write_demo_job  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, rag_table, write_job_file, write_parquet
 

@@ -13,9 +13,9 @@ import pytest
 
 from batchinfer.demo import DEMO_VERSION, random_demo_checkpoint
 from batchinfer.models.config import load_model_config
-from batchinfer.jobs.prompts import build_prompts
-from batchinfer.jobs.spec import PromptSpec
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.inputs.prompts import build_prompts
+from batchinfer.jobs.spec.job_file import PromptSpec
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
 
 def file_hashes(folder: Path) -> dict[str, str]:

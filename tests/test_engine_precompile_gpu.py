@@ -96,7 +96,7 @@ def test_warmup_command_fills_the_cache_for_the_run(tmp_path):
         import json, sys
         from batchinfer.demo import demo_checkpoint
         from batchinfer.engine import Engine, EngineConfig
-        from batchinfer.jobs.spec import engine_config_kwargs, load_job_file
+        from batchinfer.jobs.spec.job_file import engine_config_kwargs, load_job_file
         spec = load_job_file(sys.argv[1]).jobs[0]  # the engine settings the run would use
         engine = Engine.from_pretrained(str(demo_checkpoint()), EngineConfig(**engine_config_kwargs(spec.engine)))
         print(json.dumps(engine.precompile_report.__dict__))

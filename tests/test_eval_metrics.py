@@ -12,12 +12,12 @@ import pytest
 from rich.console import Console
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs.eval_metrics import accuracy, choice_correct, correct_values, exact_match, normalize_answer
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file, parse_job_file
-from batchinfer.jobs.task_spec import EvalSpec, NormalizeOptions, TaskSpec
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.tasks.eval_metrics import accuracy, choice_correct, correct_values, exact_match, normalize_answer
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file, parse_job_file
+from batchinfer.jobs.spec.task import EvalSpec, NormalizeOptions, TaskSpec
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, write_job_file, write_parquet
 
@@ -108,7 +108,7 @@ def test_an_eval_job_writes_correct_per_row_and_accuracy_in_the_stats(tmp_path, 
 def test_the_summary_shows_the_examples_it_was_given():
     from io import StringIO
 
-    from batchinfer.jobs.stats import render_summary
+    from batchinfer.jobs.outdir.stats import render_summary
     console = Console(file=StringIO(), width=200)
     stats = {"job": "j", "status": "done", "rows": 1, "samples": 1, "samples_written": 1, "samples_resumed": 0,
              "errors": 0, "prompt_tokens": 3, "cached_tokens": 0, "planned_cached_tokens": 0,

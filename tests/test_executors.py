@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer.jobs.executors import (LocalExecutor, ProgressDelta, RateLimitedSink, RetryPolicy, UnitResult, UnitSpec,
+from batchinfer.jobs.run.executors import (LocalExecutor, ProgressDelta, RateLimitedSink, RetryPolicy, UnitResult, UnitSpec,
                             executor_problem, local_placements, predict_balance, resolve_workers, visible_gpus)
-from batchinfer.jobs.executors.tally import Tally
-from batchinfer.jobs.executors.unit_queue import UnitQueue
+from batchinfer.jobs.run.executors.tally import Tally
+from batchinfer.jobs.run.executors.unit_queue import UnitQueue
 from tests.conftest import requires_cuda
 from tests.test_executors_fakes import committed_rows, opened_workers, read_attempts, write_fake_job
 
@@ -117,9 +117,9 @@ def test_placements_split_cores_and_a_shared_gpus_memory():
 
 
 def test_importing_the_package_does_not_import_ray_and_a_missing_ray_is_one_line(monkeypatch):
-    code = "import sys, jobs.executors; assert 'ray' not in sys.modules and 'torch' not in sys.modules"
+    code = "import sys, batchinfer.jobs.run.executors; assert 'ray' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    import batchinfer.jobs.executors.ray_executor as ray_executor
+    import batchinfer.jobs.run.executors.ray_executor as ray_executor
     monkeypatch.setattr(ray_executor.importlib.util, "find_spec", lambda name: None)
     assert executor_problem("ray") == "executor: ray needs Ray, which is not installed (pip install 'batchinfer[ray]')"
     assert executor_problem("local") is None

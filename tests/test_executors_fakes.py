@@ -17,8 +17,8 @@ from typing import Any, Generator, Iterator, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchinfer.jobs.executors.contract import ProgressDelta, ProgressSink, UnitResult, WorkerRecipe
-from batchinfer.jobs.executors.storage import PartStore
+from batchinfer.jobs.run.executors.contract import ProgressDelta, ProgressSink, UnitResult, WorkerRecipe
+from batchinfer.jobs.run.executors.storage import PartStore
 
 FACTORY = "tests.test_executors_fakes:build_fake_worker"
 

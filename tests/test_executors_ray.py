@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer.jobs.executors import RayExecutor, RetryPolicy, UnitSpec
+from batchinfer.jobs.run.executors import RayExecutor, RetryPolicy, UnitSpec
 from tests.test_executors_fakes import committed_rows, opened_workers, read_attempts, write_fake_job
 
 pytestmark = pytest.mark.slow  # a local Ray cluster

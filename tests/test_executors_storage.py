@@ -6,7 +6,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from batchinfer.jobs.executors.storage import PartStore
+from batchinfer.jobs.run.executors.storage import PartStore
 
 TABLE = pa.table({"row": [1, 2, 3]})
 

@@ -24,10 +24,10 @@ from batchinfer.cli import main
 from batchinfer.engine.planner import make_plan
 from batchinfer.jobs.global_plan import (PlanNotFound, PlanningProgress, SortBudget, UnitConfig, build_work_plan,
                               open_matching_plan, open_work_plan, remove_work_dir, work_dir_for)
-from batchinfer.jobs.planning import plan_job, plan_job_globally
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.prompts import build_prompts
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.run.planning import plan_job, plan_job_globally
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.inputs.prompts import build_prompts
+from batchinfer.jobs.spec.job_file import load_job_file
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, write_job_file, write_parquet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -205,8 +205,8 @@ KILLED_BUILD = """
 import sys
 from pathlib import Path
 from batchinfer.jobs.global_plan import SortBudget, UnitConfig, build_work_plan
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.spec.job_file import load_job_file
 job = prepare_job(load_job_file(Path(sys.argv[1])).jobs[0], overwrite=True)
 build_work_plan(job, Path(sys.argv[2]), UnitConfig(max_rows=40, min_rows=1),
                 budget=SortBudget(run_bytes=2000, merge_bytes=2000, fan_in=2), window_rows=20)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from batchinfer.engine.planner import make_plan
-from batchinfer.jobs.executors.balance import predict_balance
+from batchinfer.jobs.run.executors.balance import predict_balance
 from batchinfer.jobs.global_plan.keys import common_prefix_tokens, encode_key
 from batchinfer.jobs.global_plan.sorted_rows import SpillTotals
 from batchinfer.jobs.global_plan.units import UnitConfig, _row_quantities, cut_units

@@ -11,10 +11,10 @@ import pyarrow as pa
 import pytest
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs.part_store import is_part_name
-from batchinfer.jobs.spec import parse_job_file
-from batchinfer.jobs.spec_checks import device_name
-from batchinfer.jobs.yaml_loader import load_yaml
+from batchinfer.jobs.outdir.part_store import is_part_name
+from batchinfer.jobs.spec.job_file import parse_job_file
+from batchinfer.jobs.spec.checks import device_name
+from batchinfer.jobs.spec.yaml_loader import load_yaml
 from tests.jobs_fixtures import make_tokenizer_checkpoint, write_parquet
 
 JOB_FILE = Path("/project/jobs.yaml")

@@ -7,10 +7,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.prompts import MAX_CHARS_PER_TOKEN, build_prompts, prompt_char_limit
-from batchinfer.jobs.spec import PromptSpec, load_job_file
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.inputs.prompts import MAX_CHARS_PER_TOKEN, build_prompts, prompt_char_limit
+from batchinfer.jobs.spec.job_file import PromptSpec, load_job_file
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 from tests.test_cli_errors import run_cli
 
@@ -83,7 +83,7 @@ def test_prepared_jobs_carry_the_limit_from_the_checkpoint_when_max_model_len_is
 
 
 def test_a_planned_row_over_the_limit_is_an_error_row_in_both_planners(tmp_path, checkpoint):
-    from batchinfer.jobs.planning import plan_job, plan_job_globally
+    from batchinfer.jobs.run.planning import plan_job, plan_job_globally
 
     table = rag_table(4)
     documents = table["document"].to_pylist()
@@ -99,7 +99,7 @@ def test_a_planned_row_over_the_limit_is_an_error_row_in_both_planners(tmp_path,
 
 
 def test_an_openai_request_line_over_the_limit_is_its_error_line(tmp_path, checkpoint):
-    from batchinfer.jobs.openai_batch import read_batch_file
+    from batchinfer.jobs.formats.openai_batch import read_batch_file
 
     tokenizer = CountingTokenizer(CheckpointTokenizer.from_checkpoint(checkpoint))
     requests = tmp_path / "requests.jsonl"

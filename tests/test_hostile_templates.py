@@ -1,5 +1,5 @@
 """Chat templates are the checkpoint's code: whatever one raises while rendering a row makes that
-row an error row, never a crashed job (jobs/tokenizer.py wraps it, jobs/prompts.py records it)."""
+row an error row, never a crashed job (jobs/inputs/tokenizer.py wraps it, jobs/inputs/prompts.py records it)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -7,11 +7,11 @@ from dataclasses import replace
 import pyarrow as pa
 import pytest
 
-from batchinfer.jobs.openai_batch import read_batch_file
-from batchinfer.jobs.prompts import build_prompts
-from batchinfer.jobs.reasoning import reasoning_split
-from batchinfer.jobs.spec import PromptSpec, load_job_file
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.formats.openai_batch import read_batch_file
+from batchinfer.jobs.inputs.prompts import build_prompts
+from batchinfer.jobs.tasks.reasoning import reasoning_split
+from batchinfer.jobs.spec.job_file import PromptSpec, load_job_file
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, write_job_file
 
 HOSTILE = {  # template → what the row's error names

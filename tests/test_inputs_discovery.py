@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer.jobs.inputs import open_inputs
+from batchinfer.jobs.inputs.files import open_inputs
 from tests.jobs_fixtures import rag_table, write_parquet
 
 ROWS = 7
@@ -43,6 +43,6 @@ def test_without_links_the_walk_matches_what_glob_matches(tmp_path, pattern):
                  "data/.h/x4.parquet", "data/c/b/notes.txt", "x5.parquet"):
         write_parquet(rag_table(2), tmp_path / name)
     expected = sorted(Path(p) for p in glob.glob(str(tmp_path / pattern), recursive=True) if Path(p).is_file())
-    from batchinfer.jobs.input_glob import glob_files
+    from batchinfer.jobs.inputs.input_glob import glob_files
 
     assert glob_files(str(tmp_path / pattern)) == expected and expected

@@ -74,8 +74,8 @@ def run_to_end(folder: Path, demo_cache: Path) -> str:
 
 @pytest.mark.parametrize("module, name, plan", [
     ("batchinfer.jobs.global_plan.store", "spill_prompts", "global"),   # _work/ made, nothing read yet
-    ("batchinfer.jobs.unit_inputs", "_spill_rows", "global"),          # sorted rows and units committed
-    ("batchinfer.jobs.window_run", "iter_windows", "window"),          # the window arm's only read
+    ("batchinfer.jobs.inputs.unit_inputs", "_spill_rows", "global"),          # sorted rows and units committed
+    ("batchinfer.jobs.run.window_run", "iter_windows", "window"),          # the window arm's only read
 ], ids=["planning-pass", "unit-input-buckets", "window-plan"])
 def test_an_input_swapped_mid_run_is_exit_2_and_the_rerun_after_restoring_uses_it_alone(
         tmp_path, demo_cache, reference, module, name, plan):

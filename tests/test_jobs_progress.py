@@ -10,10 +10,10 @@ import pytest
 from rich.console import Console
 
 from batchinfer.engine.startup import listening, phase
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.progress import ETA_AFTER_SECONDS, ProgressReporter
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.progress import ETA_AFTER_SECONDS, ProgressReporter
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 

@@ -7,9 +7,9 @@ import decimal
 import pyarrow as pa
 import pytest
 
-from batchinfer.jobs.prompts import build_prompts, parse_template, row_ids, template_can_format, template_columns
-from batchinfer.jobs.spec import PromptSpec
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.inputs.prompts import build_prompts, parse_template, row_ids, template_can_format, template_columns
+from batchinfer.jobs.spec.job_file import PromptSpec
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import make_tokenizer_checkpoint
 
 
@@ -71,7 +71,7 @@ def test_chat_prompts_render_through_the_template_and_add_no_extra_special_token
 
 
 def test_chat_templates_with_generation_blocks_compile_and_render_their_body():
-    from batchinfer.jobs.tokenizer import compile_chat_template
+    from batchinfer.jobs.inputs.tokenizer import compile_chat_template
 
     template = compile_chat_template(
         "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}<{{ m.content }}>{% endgeneration %}"

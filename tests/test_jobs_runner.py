@@ -12,13 +12,13 @@ import pytest
 from rich.console import Console
 
 from batchinfer.jobs.errors import JobError, JobRuntimeError
-from batchinfer.jobs.outputs import RESULT_COLUMNS
+from batchinfer.jobs.outdir.part_writer import RESULT_COLUMNS
 from batchinfer.engine.planner import plan_prompts
-from batchinfer.jobs.planning import plan_job
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.engine_io import cut_at_stop as _cut_at_stop
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.run.planning import plan_job
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.engine_io import cut_at_stop as _cut_at_stop
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file
 from tests.fake_engine import FakeEngine, fake_tokens
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs.spec import DEMO_MODEL, EngineSettings, load_job_file, parse_job_file
+from batchinfer.jobs.spec.job_file import DEMO_MODEL, EngineSettings, load_job_file, parse_job_file
 
 JOB_FILE = Path("/project/jobs/jobs.yaml")
 
@@ -151,7 +151,7 @@ def test_engine_section_is_engine_config_with_its_defaults():
     from dataclasses import fields
 
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.jobs.spec import ENGINE_KEYS, JOB_ONLY_ENGINE_KEYS, engine_config_kwargs
+    from batchinfer.jobs.spec.job_file import ENGINE_KEYS, JOB_ONLY_ENGINE_KEYS, engine_config_kwargs
 
     config_fields = {f.name for f in fields(EngineConfig)}
     assert set(ENGINE_KEYS) - set(JOB_ONLY_ENGINE_KEYS) <= config_fields

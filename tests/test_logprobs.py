@@ -101,9 +101,9 @@ def test_a_logprobs_job_writes_one_struct_per_output_token(tmp_path, tokenizer_c
     import pyarrow.parquet as pq
     from rich.console import Console
 
-    from batchinfer.jobs.prepare import prepare_job
-    from batchinfer.jobs.runner import run_job
-    from batchinfer.jobs.spec import load_job_file
+    from batchinfer.jobs.run.prepare import prepare_job
+    from batchinfer.jobs.run.runner import run_job
+    from batchinfer.jobs.spec.job_file import load_job_file
     from tests.jobs_fixtures import job_entry, rag_table, write_job_file, write_parquet
 
     write_parquet(rag_table(6), tmp_path / "data" / "rag.parquet")
@@ -128,10 +128,10 @@ def test_openai_batch_lines_get_logprobs_in_openais_shape(tmp_path, tokenizer_ch
 
     from rich.console import Console
 
-    from batchinfer.jobs.openai_batch import OUTPUT_NAME
-    from batchinfer.jobs.prepare import prepare_job
-    from batchinfer.jobs.runner import run_job
-    from batchinfer.jobs.spec import load_job_file
+    from batchinfer.jobs.formats.openai_batch import OUTPUT_NAME
+    from batchinfer.jobs.run.prepare import prepare_job
+    from batchinfer.jobs.run.runner import run_job
+    from batchinfer.jobs.spec.job_file import load_job_file
     from tests.jobs_fixtures import write_job_file
 
     lines = [

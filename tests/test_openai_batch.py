@@ -8,12 +8,12 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from batchinfer.jobs.errors import JobError, JobRuntimeError
-from batchinfer.jobs.openai_batch import OUTPUT_NAME, LineError, parse_line
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file, parse_job_file
+from batchinfer.jobs.formats.openai_batch import OUTPUT_NAME, LineError, parse_line
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file, parse_job_file
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import make_tokenizer_checkpoint, write_job_file
 

@@ -15,10 +15,10 @@ from rich.console import Console
 
 from batchinfer.cli import main
 from batchinfer.jobs.errors import JobRuntimeError
-from batchinfer.jobs.output_lock import LOCK_NAME, STALE_AFTER_SECONDS, LockLost, OutputBusy, OutputLock, this_process
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.outdir.lock import LOCK_NAME, STALE_AFTER_SECONDS, LockLost, OutputBusy, OutputLock, this_process
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 
@@ -130,8 +130,8 @@ def test_a_forked_worker_never_releases_its_parents_lock(tmp_path):
 CONTENDER = """
 import sys, time
 from pathlib import Path
-import batchinfer.jobs.output_lock as output_lock
-from batchinfer.jobs.output_lock import OutputBusy, OutputLock
+import batchinfer.jobs.outdir.lock as output_lock
+from batchinfer.jobs.outdir.lock import OutputBusy, OutputLock
 folder, go = Path(sys.argv[1]), Path(sys.argv[2])
 judge = output_lock._is_stale
 def judge_slowly(*args):  # every contender judges the dead lock stale before any of them acts on it

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer.jobs.output_lock import LOCK_NAME, STALE_AFTER_SECONDS, OutputBusy, OutputLock
+from batchinfer.jobs.outdir.lock import LOCK_NAME, STALE_AFTER_SECONDS, OutputBusy, OutputLock
 
 
 def age(path: Path, seconds: float) -> None:

@@ -12,11 +12,11 @@ import pytest
 from rich.console import Console
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs import part_store
-from batchinfer.jobs.part_store import PARTS_DIR, commit_part, record_path, scan_parts
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.outdir import part_store
+from batchinfer.jobs.outdir.part_store import PARTS_DIR, commit_part, record_path, scan_parts
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 from tests.job_process import damage_column

@@ -19,7 +19,7 @@ def test_foreign_top_level_packages_of_the_same_names_break_neither(tmp_path):
     for name in ("kernels", "cache", "jobs"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("FOREIGN = True\n")
-    check = ("import batchinfer.cli, batchinfer.kernels.ops, batchinfer.jobs.runner, batchinfer.cache.state_cache\n"
+    check = ("import batchinfer.cli, batchinfer.kernels.ops, batchinfer.jobs.run.runner, batchinfer.cache.state_cache\n"
              "import batchinfer.engine.engine, batchinfer.models.qwen3_hybrid\n"
              "import kernels, cache, jobs\n"
              "assert kernels.FOREIGN and cache.FOREIGN and jobs.FOREIGN\n"
@@ -50,7 +50,7 @@ def test_the_checkout_root_shadows_no_installed_package():
         "for name in ('kernels', 'cache', 'jobs'):\n"
         "    spec = u.find_spec(name)\n"
         "    print(name, spec.origin if spec and spec.origin not in (None, 'namespace') else '-')\n"
-        "import batchinfer.kernels.public, batchinfer.cache.state_cache, batchinfer.jobs.spec\n"
+        "import batchinfer.kernels.public, batchinfer.cache.state_cache, batchinfer.jobs.spec.job_file\n"
         "print('package', batchinfer.kernels.public.__file__)")
     assert done.returncode == 0, done.stderr
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from batchinfer.jobs.executors.balance import predict_balance
-from batchinfer.jobs.executors.contract import UnitResult
-from batchinfer.jobs.executors.dispatch import Finished, Ready, Want, run_dispatch
-from batchinfer.jobs.executors.unit_queue import UnitQueue, UnitSpec
+from batchinfer.jobs.run.executors.balance import predict_balance
+from batchinfer.jobs.run.executors.contract import UnitResult
+from batchinfer.jobs.run.executors.dispatch import Finished, Ready, Want, run_dispatch
+from batchinfer.jobs.run.executors.unit_queue import UnitQueue, UnitSpec
 
 
 class SimulatedTransport:

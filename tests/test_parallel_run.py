@@ -19,10 +19,10 @@ import pytest
 from rich.console import Console
 
 from batchinfer.jobs.global_plan import UnitConfig
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file
-from batchinfer.jobs.unit_worker import KILL_AFTER_ENV, STOP_PARENT_AFTER_ENV
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file
+from batchinfer.jobs.run.unit_worker import KILL_AFTER_ENV, STOP_PARENT_AFTER_ENV
 from tests.job_process import demo_cache, run_in_this_process, start_run, wait_for  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import batchinfer.jobs.executors.ray_executor as ray_executor
+import batchinfer.jobs.run.executors.ray_executor as ray_executor
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 from tests.test_cli_errors import run_cli
 

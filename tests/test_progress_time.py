@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from batchinfer.jobs.executors.tally import ProgressSnapshot
+from batchinfer.jobs.run.executors.tally import ProgressSnapshot
 from batchinfer.jobs.global_plan.progress import PlanningProgress
-from batchinfer.jobs.progress import ProgressReporter
-from batchinfer.jobs.progress_time import format_seconds
+from batchinfer.jobs.run.progress import ProgressReporter
+from batchinfer.jobs.run.progress_time import format_seconds
 
 
 class Clock:

@@ -9,10 +9,10 @@ import pytest
 from rich.console import Console
 
 import tests.fake_engine as fake_engine
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.reasoning import ReasoningParts, ReasoningSplit, split_reasoning
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.tasks.reasoning import ReasoningParts, ReasoningSplit, split_reasoning
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 from tests.test_chat_template import make_thinking_checkpoint
@@ -76,7 +76,7 @@ SCRIPTS = {0: ("The capital of France is Paris.\n</think>\n\nParis.", True),
 @pytest.fixture
 def scripted_engine(monkeypatch, thinking_checkpoint):
     """A FakeEngine whose row r generates SCRIPTS[r] (then EOS where it finishes)."""
-    from batchinfer.jobs.tokenizer import CheckpointTokenizer
+    from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
     tokenizer = CheckpointTokenizer.from_checkpoint(thinking_checkpoint)
 
     def scripted(request, sample, vocab_size, eos_token_ids):

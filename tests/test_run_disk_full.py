@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-import batchinfer.jobs.atomic_files as atomic_files
-import batchinfer.jobs.global_run as global_run
-import batchinfer.jobs.part_store as part_store
+import batchinfer.jobs.outdir.atomic_files as atomic_files
+import batchinfer.jobs.run.global_run as global_run
+import batchinfer.jobs.outdir.part_store as part_store
 from tests.job_process import demo_cache, keys, read_parts, run_in_this_process, write_demo_job  # noqa: F401
 
 pytestmark = pytest.mark.slow  # the demo model, in this process

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file
 from tests.engine_utils import demo_engine_fp32
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, write_job_file, write_parquet
 

@@ -128,10 +128,10 @@ def test_a_score_job_writes_continuation_columns_and_choice_accuracy(tmp_path, t
     import pyarrow.parquet as pq
     from rich.console import Console
 
-    from batchinfer.jobs.prepare import prepare_job
-    from batchinfer.jobs.runner import run_job
-    from batchinfer.jobs.scoring import continuation_token_ids
-    from batchinfer.jobs.spec import load_job_file
+    from batchinfer.jobs.run.prepare import prepare_job
+    from batchinfer.jobs.run.runner import run_job
+    from batchinfer.jobs.tasks.scoring import continuation_token_ids
+    from batchinfer.jobs.spec.job_file import load_job_file
     from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 
     rows = len(CHOICES)
@@ -172,8 +172,8 @@ def test_a_score_job_writes_continuation_columns_and_choice_accuracy(tmp_path, t
 
 
 def test_continuation_tokens_follow_the_joint_tokenisation(tokenizer_checkpoint):
-    from batchinfer.jobs.scoring import continuation_token_ids
-    from batchinfer.jobs.tokenizer import CheckpointTokenizer
+    from batchinfer.jobs.tasks.scoring import continuation_token_ids
+    from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
     tokenizer = CheckpointTokenizer.from_checkpoint(tokenizer_checkpoint)
     prompt = tokenizer.encode_batch(["The capital is"], add_special_tokens=False)[0]
@@ -192,8 +192,8 @@ def test_a_score_job_needs_one_sample(tmp_path, tokenizer_checkpoint):
     import pyarrow as pa
 
     from batchinfer.jobs.errors import JobError
-    from batchinfer.jobs.prepare import prepare_job
-    from batchinfer.jobs.spec import load_job_file
+    from batchinfer.jobs.run.prepare import prepare_job
+    from batchinfer.jobs.spec.job_file import load_job_file
     from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 
     write_parquet(pa.table({"question": ["q"], "choices": [["a"]]}), tmp_path / "data" / "rag.parquet")
@@ -233,9 +233,9 @@ def test_a_crashed_score_job_resumes_with_every_row_once(tmp_path, tokenizer_che
     import pyarrow.parquet as pq
     from rich.console import Console
 
-    from batchinfer.jobs.prepare import prepare_job
-    from batchinfer.jobs.runner import run_job
-    from batchinfer.jobs.spec import load_job_file
+    from batchinfer.jobs.run.prepare import prepare_job
+    from batchinfer.jobs.run.runner import run_job
+    from batchinfer.jobs.spec.job_file import load_job_file
     from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 
     rows = 9

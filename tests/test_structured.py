@@ -8,10 +8,10 @@ import re
 import numpy as np
 import pytest
 
-from batchinfer.jobs import structured
-from batchinfer.jobs.structured import (GrammarError, allowed_tokens, compile_grammar, fill_masks, new_bitmask)
-from batchinfer.jobs.task_spec import GrammarSpec
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.tasks import structured
+from batchinfer.jobs.tasks.structured import (GrammarError, allowed_tokens, compile_grammar, fill_masks, new_bitmask)
+from batchinfer.jobs.spec.task import GrammarSpec
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import make_tokenizer_checkpoint
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -142,8 +142,8 @@ from pathlib import Path  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from batchinfer.jobs.errors import JobError  # noqa: E402
-from batchinfer.jobs.prepare import prepare_job  # noqa: E402
-from batchinfer.jobs.spec import load_job_file, parse_job_file  # noqa: E402
+from batchinfer.jobs.run.prepare import prepare_job  # noqa: E402
+from batchinfer.jobs.spec.job_file import load_job_file, parse_job_file  # noqa: E402
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet  # noqa: E402
 
 

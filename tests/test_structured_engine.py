@@ -16,9 +16,9 @@ from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
 from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.presets import random_model
-from batchinfer.jobs.structured import compile_grammar
-from batchinfer.jobs.task_spec import GrammarSpec
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.tasks.structured import compile_grammar
+from batchinfer.jobs.spec.task import GrammarSpec
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import make_tokenizer_checkpoint
 from tests.test_structured import SCHEMA
 
@@ -124,9 +124,9 @@ def _job_engine(job, model):
 def _run_job(tmp_path, entry, model):
     from rich.console import Console
 
-    from batchinfer.jobs.prepare import prepare_job
-    from batchinfer.jobs.runner import run_job
-    from batchinfer.jobs.spec import load_job_file
+    from batchinfer.jobs.run.prepare import prepare_job
+    from batchinfer.jobs.run.runner import run_job
+    from batchinfer.jobs.spec.job_file import load_job_file
     from tests.jobs_fixtures import write_job_file
 
     job = prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
@@ -166,7 +166,7 @@ def test_a_json_schema_job_and_per_row_schemas_write_valid_json(tmp_path, tokeni
 
 
 def test_openai_batch_response_format_lines_return_valid_json(tmp_path, model):
-    from batchinfer.jobs.openai_batch import OUTPUT_NAME
+    from batchinfer.jobs.formats.openai_batch import OUTPUT_NAME
 
     small = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
              "required": ["n"], "additionalProperties": False}

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs.grammar_rows import RowGrammars
-from batchinfer.jobs.openai_batch import parse_line
-from batchinfer.jobs.schema_strict import strict_schema
-from batchinfer.jobs.spec import parse_job_file
-from batchinfer.jobs.structured import compile_grammar
-from batchinfer.jobs.task_spec import GrammarSpec
-from batchinfer.jobs.tokenizer import CheckpointTokenizer
+from batchinfer.jobs.tasks.grammar_rows import RowGrammars
+from batchinfer.jobs.formats.openai_batch import parse_line
+from batchinfer.jobs.tasks.schema_strict import strict_schema
+from batchinfer.jobs.spec.job_file import parse_job_file
+from batchinfer.jobs.tasks.structured import compile_grammar
+from batchinfer.jobs.spec.task import GrammarSpec
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from tests.jobs_fixtures import make_tokenizer_checkpoint
 
 VOCAB = 1024

@@ -15,9 +15,9 @@ from rich.console import Console
 from batchinfer.engine import Engine, EngineConfig
 from batchinfer.models.presets import build_model
 from batchinfer.jobs.global_plan import UnitConfig
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import engine_config_kwargs, load_job_file
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import engine_config_kwargs, load_job_file
 from tests.job_process import demo_cache  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
 
@@ -93,7 +93,7 @@ def by_prompt(out: pa.Table) -> dict:
 
 
 def prompt_ids(table: pa.Table, tokenizer_folder: Path) -> list[list[int]]:
-    from batchinfer.jobs.tokenizer import CheckpointTokenizer
+    from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
     tokenizer = CheckpointTokenizer.from_checkpoint(tokenizer_folder)
     texts = [TEMPLATE.format(document=d, question=q) for d, q in zip(table["document"].to_pylist(),

@@ -18,12 +18,12 @@ import pytest
 from rich.console import Console
 
 from batchinfer.jobs.global_plan import UnitConfig, open_work_plan, work_dir_for
-from batchinfer.jobs.ordered_output import finish_interrupted_compaction
-from batchinfer.jobs.part_store import UNIT_PART_PATTERN, record_path
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file
-from batchinfer.jobs.unit_runner import UnitRunner
+from batchinfer.jobs.outdir.ordered_output import finish_interrupted_compaction
+from batchinfer.jobs.outdir.part_store import UNIT_PART_PATTERN, record_path
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file
+from batchinfer.jobs.run.unit_runner import UnitRunner
 from tests.fake_engine import FakeEngine
 from tests.job_process import damage_column
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
@@ -224,9 +224,9 @@ import os, signal, sys, importlib
 from pathlib import Path
 from rich.console import Console
 from batchinfer.jobs.global_plan import UnitConfig
-from batchinfer.jobs.prepare import prepare_job
-from batchinfer.jobs.runner import run_job
-from batchinfer.jobs.spec import load_job_file
+from batchinfer.jobs.run.prepare import prepare_job
+from batchinfer.jobs.run.runner import run_job
+from batchinfer.jobs.spec.job_file import load_job_file
 from tests.fake_engine import FakeEngine
 job_file, module, name, after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 target = importlib.import_module(module)
@@ -254,7 +254,7 @@ def kill_at(job_file: Path, module: str, name: str, after: int) -> None:
 @pytest.mark.parametrize("module, name", [
     ("batchinfer.jobs.global_plan.store", "write_sorted_rows"),   # runs spilled, the global merge starting
     ("batchinfer.jobs.global_plan.store", "_write_units"),        # sorted rows written, units cut
-    ("batchinfer.jobs.unit_inputs", "_write_bucket"),             # plan committed, inputs being bucketed
+    ("batchinfer.jobs.inputs.unit_inputs", "_write_bucket"),             # plan committed, inputs being bucketed
 ], ids=["sort", "units", "inputs"])
 def test_kill_9_during_planning_then_a_rerun_is_right(tmp_path, checkpoint, reference, module, name):
     job_file = make_job(tmp_path, checkpoint)
@@ -268,7 +268,7 @@ def test_kill_9_during_planning_then_a_rerun_is_right(tmp_path, checkpoint, refe
 
 def test_kill_9_during_generation_then_a_rerun_completes_each_pair_once(tmp_path, checkpoint, reference):
     job_file = make_job(tmp_path, checkpoint)
-    kill_at(job_file, "batchinfer.jobs.unit_runner", "commit_part", after=5)
+    kill_at(job_file, "batchinfer.jobs.run.unit_runner", "commit_part", after=5)
     before = {p.name: p.read_bytes() for p in parts_of(tmp_path)}
     assert len(before) == 5
     stats = run(job_file)
@@ -280,8 +280,8 @@ def test_kill_9_during_generation_then_a_rerun_completes_each_pair_once(tmp_path
 
 
 @pytest.mark.parametrize("module, name, after", [
-    ("batchinfer.jobs.ordered_output", "commit_part", 3),     # some parts in input order written
-    ("batchinfer.jobs.ordered_output", "_delete_part", 2),    # all written, sources being removed
+    ("batchinfer.jobs.outdir.ordered_output", "commit_part", 3),     # some parts in input order written
+    ("batchinfer.jobs.outdir.ordered_output", "_delete_part", 2),    # all written, sources being removed
 ], ids=["merge", "remove"])
 def test_kill_9_during_the_rewrite_in_input_order_then_each_pair_once(tmp_path, checkpoint, reference, module,
                                                                       name, after):

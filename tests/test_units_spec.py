@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs.parallel_spec import ParallelSpec
-from batchinfer.jobs.spec import engine_config_kwargs, engine_settings_dict, parse_job_file
+from batchinfer.jobs.spec.parallel import ParallelSpec
+from batchinfer.jobs.spec.job_file import engine_config_kwargs, engine_settings_dict, parse_job_file
 
 JOB_FILE = Path("/project/jobs/jobs.yaml")
 BASE = """

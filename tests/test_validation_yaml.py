@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs.spec import parse_job_file
-from batchinfer.jobs.yaml_loader import DuplicateKeyError, load_yaml
+from batchinfer.jobs.spec.job_file import parse_job_file
+from batchinfer.jobs.spec.yaml_loader import DuplicateKeyError, load_yaml
 
 JOB_FILE = Path("/project/jobs.yaml")
 

@@ -4,7 +4,7 @@ Names come from the safetensors index (or the single file's header), shapes from
 header: no tensor data is read. A config whose layer count, expert count or sizes do not match
 the tensors is refused here, in one line, instead of allocating a model of the config's size
 first (`num_hidden_layers: 1000000` allocated for minutes) and failing when the weights load.
-The job's checks (`jobs/checkpoint.py`) and `loader.empty_model` both run it.
+The job's checks (`jobs/spec/checkpoint.py`) and `loader.empty_model` both run it.
 """
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def evaluate(checkpoint: Path, rows: list[dict], engine_config, max_tokens: int 
     questions), so that long decodes, e.g. ReplaySSM ring flushes, are exercised too."""
     from batchinfer.engine.engine import Engine
     from batchinfer.engine.types import Request, SamplingParams
-    from batchinfer.jobs.tokenizer import CheckpointTokenizer
+    from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
     tokenizer = CheckpointTokenizer.from_checkpoint(Path(checkpoint))
     prompts = tokenizer.encode_batch([demo_task.row_prompt(row) for row in rows])

@@ -15,9 +15,9 @@ from typing import Callable, Iterator, Optional
 from batchinfer.jobs.global_plan.external_sort import RunWriter
 from batchinfer.jobs.global_plan.keys import encode_key
 from batchinfer.jobs.global_plan.unique_ids import IdHashes
-from batchinfer.jobs.inputs import RowWindow, iter_windows
-from batchinfer.jobs.prepare import PreparedJob
-from batchinfer.jobs.prompts import PromptBatch, build_prompts
+from batchinfer.jobs.inputs.files import RowWindow, iter_windows
+from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prompts import PromptBatch, build_prompts
 
 SPILL_WINDOW_ROWS = 4096  # rows tokenised per batch-encode call
 

@@ -36,11 +36,11 @@ from batchinfer.jobs.global_plan.sorted_rows import (SortedRowsReader, SpillTota
 from batchinfer.jobs.global_plan.spill import SPILL_WINDOW_ROWS, spill_prompts
 from batchinfer.jobs.global_plan.unique_ids import IdHashes, check_unique_ids, checks_ids
 from batchinfer.jobs.global_plan.units import GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
-from batchinfer.jobs.atomic_files import checksum_problem, file_checksum
+from batchinfer.jobs.outdir.atomic_files import checksum_problem, file_checksum
 from batchinfer.jobs.errors import display_path
-from batchinfer.jobs.outputs import TEMP_SUFFIX, write_atomically
-from batchinfer.jobs.prepare import PreparedJob
-from batchinfer.jobs.resume import fingerprint_digest
+from batchinfer.jobs.outdir.part_writer import TEMP_SUFFIX, write_atomically
+from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.outdir.resume import fingerprint_digest
 
 WORK_DIR_NAME = "_work"
 MANIFEST_NAME = "plan.json"

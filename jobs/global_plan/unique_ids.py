@@ -18,9 +18,9 @@ import polars as pl
 import pyarrow as pa
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs.inputs import iter_windows
-from batchinfer.jobs.prepare import PreparedJob
-from batchinfer.jobs.spec import openai_batch_input
+from batchinfer.jobs.inputs.files import iter_windows
+from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.spec.job_file import openai_batch_input
 
 PARTITIONS = 256
 FLUSH_HASHES = 1 << 20   # hashes buffered in memory before they go to their partition files

@@ -1,0 +1,1 @@
+"""Foreign file formats in and out: OpenAI batch files."""

@@ -1,0 +1,477 @@
+"""OpenAI batch files: request lines in as input rows, batch output lines out from the parts.
+
+In: `input: requests.jsonl`, one request per line (`custom_id`, `method: POST`, `url`
+`/v1/chat/completions` or `/v1/completions`, `body`). `read_batch_file` parses it with the
+stdlib json parser into an Arrow table of one row per (line, choice): a line with `n: k` is k
+rows with the same prompt, which the planner shares as it shares n samples (k − 1 reuse the
+prompt), and whose `seed_key`s differ so their samples do. Chat lines are rendered through the
+checkpoint's chat template, completion lines tokenised as plain prompts. A line that cannot run
+(invalid JSON, no custom_id, a custom_id seen before, an unsupported url or body field) is one
+row with its `request_error` and becomes an error line of the output, never a job failure. The
+table is held in memory: a batch file is bounded (OpenAI's limit is 50,000 lines, 200 MB).
+
+Per line sampling: the body's max_tokens / max_completion_tokens, temperature, top_p, seed,
+stop (and the vLLM extensions top_k, min_p, repetition_penalty) override the job's sampling
+values; `row_sampling` turns a table's columns into one `SamplingParams` per row (the engine's
+`Request` carries its own).
+
+Out (`output.format: openai`): the parts, rewritten in input order as for `output.order: input`,
+are read in order and each line's rows become one output line (`id`, `custom_id`, `response:
+{status_code, request_id, body}` with a chat.completion or text_completion body incl. `usage`,
+`error`), written once the job is complete to `_batch_output.jsonl` through a temporary name and
+a rename, so after a kill and a rerun it holds each line exactly once (the parts hold each
+(line, choice) once). The underscore keeps Parquet dataset readers of the folder off it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import zlib
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import jinja2
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchinfer.engine.types import SamplingParams
+from batchinfer.jobs.outdir.atomic_files import write_atomically
+from batchinfer.jobs.errors import JobError, display_path
+from batchinfer.jobs.inputs.files import InputFiles
+from batchinfer.jobs.outdir.part_store import scan_parts
+from batchinfer.jobs.inputs.prompts import too_long
+from batchinfer.jobs.tasks.schema_strict import strict_schema
+from batchinfer.jobs.spec.job_file import BATCH_ERROR_COLUMN, BATCH_SEED_KEY_COLUMN, BATCH_TOKEN_IDS_COLUMN, JobSpec
+from batchinfer.jobs.spec.task import ENGINE_FEATURES, MAX_LOGPROBS
+from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
+
+OUTPUT_NAME = "_batch_output.jsonl"
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+CHAT, TEXT = "chat.completion", "text_completion"
+MAX_CHOICES = 128  # n per line: each choice is a row
+
+BATCH_SCHEMA = pa.schema([
+    ("line", pa.int64()),                  # 1-based line number in the request file
+    ("custom_id", pa.string()),
+    ("choice_index", pa.int32()),
+    ("choices", pa.int32()),               # the line's n
+    ("endpoint", pa.string()),             # chat.completion | text_completion (null: unusable line)
+    ("model", pa.string()),                # body.model, echoed in the output
+    ("max_tokens", pa.int64()),            # the per-line overrides; null: the job's value
+    ("temperature", pa.float64()),
+    ("top_p", pa.float64()),
+    ("top_k", pa.int64()),
+    ("min_p", pa.float64()),
+    ("repetition_penalty", pa.float64()),
+    ("seed", pa.int64()),
+    ("stop", pa.list_(pa.string())),
+    ("logprobs_k", pa.int32()),            # top-k logprobs asked for (null: none); output column `logprobs` holds them
+    ("response_schema", pa.string()),      # response_format json_schema's schema, JSON text
+    (BATCH_TOKEN_IDS_COLUMN, pa.list_(pa.int32())),
+    (BATCH_ERROR_COLUMN, pa.string()),
+    (BATCH_SEED_KEY_COLUMN, pa.int64()),
+])
+BATCH_COLUMNS = tuple(BATCH_SCHEMA.names)
+SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+                    "logprobs_k")
+SAMPLING_FIELD_OF = {"logprobs_k": "logprobs"}  # column → SamplingParams field where the names differ
+# body keys accepted and not used: they do not change what is generated
+IGNORED_BODY_KEYS = ("model", "user", "metadata", "store", "service_tier", "stream_options")
+
+
+class LineError(ValueError):
+    """Why a request line cannot run (its output line's error message)."""
+
+
+def _int(body: dict, key: str, low: int, high: int) -> Optional[int]:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise LineError(f"body.{key}: must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _number(body: dict, key: str, low: float, high: float, low_open: bool = False) -> Optional[float]:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high or (low_open and value == low):
+        raise LineError(f"body.{key}: must be a number in {'(' if low_open else '['}{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def _stop(body: dict) -> Optional[list[str]]:
+    value = body.get("stop")
+    if value is None:
+        return None
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise LineError(f"body.stop: must be a string or a list of non-empty strings, got {value!r}")
+    return value
+
+
+def _message_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text parts only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise LineError(f"body.messages[{index}].content: only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise LineError(f"body.messages[{index}].content: must be a string or a list of text parts")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise LineError("body.messages: must be a non-empty list of messages")
+    clean = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise LineError(f"body.messages[{index}]: must be a mapping with a role")
+        clean.append({**message, "content": _message_text(message.get("content"), index)})
+    return clean
+
+
+def _logprobs(body: dict, endpoint: str) -> Optional[int]:
+    if endpoint == CHAT:  # chat: logprobs is a switch, top_logprobs the k
+        if body.get("logprobs") not in (None, False, True):
+            raise LineError(f"body.logprobs: must be true or false, got {body['logprobs']!r}")
+        top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if top is not None and not body.get("logprobs"):
+            raise LineError("body.top_logprobs: needs logprobs: true")
+        return (top or 0) if body.get("logprobs") else None
+    return _int(body, "logprobs", 0, MAX_LOGPROBS)  # completions: the k itself
+
+
+def _response_schema(body: dict) -> Optional[str]:
+    form = body.get("response_format")
+    if form is None:
+        return None
+    if not isinstance(form, dict) or form.get("type") not in ("text", "json_schema"):
+        raise LineError("body.response_format: type must be text or json_schema")
+    if form["type"] == "text":
+        return None
+    spec = form.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise LineError("body.response_format.json_schema.schema: must be a JSON schema (an object)")
+    strict = spec.get("strict", True)  # absent: strict, as every job's schema (jobs/tasks/schema_strict.py)
+    if strict is not None and not isinstance(strict, bool):
+        raise LineError(f"body.response_format.json_schema.strict: must be true or false, got {strict!r}")
+    # Key order kept: it is the order properties are generated in.
+    return json.dumps(strict_schema(schema) if strict is not False else schema)
+
+
+def _check_penalties(body: dict) -> None:
+    for key in ("presence_penalty", "frequency_penalty"):  # clients send 0 by default
+        if body.get(key) not in (None, 0):
+            raise LineError(f"body.{key}: not supported (use repetition_penalty)")
+
+
+BODY_KEYS = {CHAT: ("messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+                    "seed", "logprobs", "top_logprobs", "response_format", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "stream") + IGNORED_BODY_KEYS,
+             TEXT: ("prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "top_k",
+                    "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stream")
+             + IGNORED_BODY_KEYS}
+
+
+def parse_line(text: str) -> dict:
+    """One request line → its fields (custom_id, endpoint, prompt or messages, overrides); raises
+    LineError with the line's custom_id (when it has one) in `.custom_id`."""
+    custom_id = None
+    try:
+        try:
+            request = json.loads(text)
+        except ValueError as exc:
+            raise LineError(f"invalid JSON: {exc}") from None
+        if not isinstance(request, dict):
+            raise LineError("must be a JSON object")
+        custom_id = request.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            custom_id = None
+            raise LineError("custom_id: missing (a non-empty string is required)")
+        if request.get("method", "POST") != "POST":
+            raise LineError(f"method: must be POST, got {request.get('method')!r}")
+        url = request.get("url")
+        endpoint = {CHAT_URL: CHAT, COMPLETIONS_URL: TEXT}.get(url)
+        if endpoint is None:
+            raise LineError(f"url: {url!r} is not supported (use {CHAT_URL} or {COMPLETIONS_URL})")
+        body = request.get("body")
+        if not isinstance(body, dict):
+            raise LineError("body: must be a JSON object")
+        unknown = [key for key in body if key not in BODY_KEYS[endpoint]]
+        if unknown:
+            raise LineError(f"body.{unknown[0]}: not supported for {url}")
+        if body.get("stream"):
+            raise LineError("body.stream: a batch request cannot stream")
+        _check_penalties(body)
+        fields: dict[str, Any] = {"custom_id": custom_id, "endpoint": endpoint,
+                                  "model": body.get("model") if isinstance(body.get("model"), str) else None}
+        if endpoint == CHAT:
+            fields["messages"] = _messages(body)
+            if "max_tokens" in body and "max_completion_tokens" in body:
+                raise LineError("body.max_completion_tokens: give max_tokens or max_completion_tokens, not both")
+            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            fields["max_tokens"] = _int(body, key, 1, (1 << 31) - 1)
+        else:
+            if not isinstance(body.get("prompt"), str) or not body["prompt"]:
+                raise LineError("body.prompt: must be a non-empty string")
+            fields["prompt"] = body["prompt"]
+            fields["max_tokens"] = _int(body, "max_tokens", 1, (1 << 31) - 1)
+        fields.update(temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0, True),
+                      top_k=_int(body, "top_k", 0, 1 << 31), min_p=_number(body, "min_p", 0.0, 1.0),
+                      repetition_penalty=_number(body, "repetition_penalty", 0.0, 1e6, True),
+                      seed=_int(body, "seed", 0, (1 << 63) - 1), stop=_stop(body),
+                      choices=_int(body, "n", 1, MAX_CHOICES) or 1, logprobs_k=_logprobs(body, endpoint),
+                      response_schema=_response_schema(body))
+        if fields["logprobs_k"] is not None and "logprobs" not in ENGINE_FEATURES:
+            raise LineError("body.logprobs: not supported yet by the engine")
+        if fields["response_schema"] is not None and "grammar" not in ENGINE_FEATURES:
+            raise LineError("body.response_format: json_schema is not supported yet by the engine")
+        return fields
+    except LineError as exc:
+        exc.custom_id = custom_id  # type: ignore[attr-defined]
+        raise
+
+
+def _seed_key(custom_id: str, choice: int) -> int:
+    """Per (line, choice): choices differ; the same custom_id samples the same in any file position."""
+    return zlib.crc32(f"{choice}:{custom_id}".encode())
+
+
+def _render(fields: dict, tokenizer: CheckpointTokenizer, template_kwargs: Mapping[str, Any]) -> tuple[str, bool]:
+    """The prompt text and whether it is chat-rendered (which holds its special tokens already)."""
+    if fields["endpoint"] == TEXT:
+        return fields["prompt"], False
+    if not tokenizer.has_chat_template:
+        raise LineError(f"url {CHAT_URL}: the checkpoint has no chat template")
+    try:
+        return tokenizer.render_messages(fields["messages"], template_kwargs), True
+    except jinja2.TemplateError as exc:  # templates may reject a conversation via raise_exception
+        raise LineError(f"chat template: {exc}") from None
+
+
+def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[int] = None,
+                    template_kwargs: Mapping[str, Any] = {}, max_chars: Optional[int] = None) -> pa.Table:
+    """The request file's lines (the first `limit` requests) as rows of `BATCH_SCHEMA` (one per
+    choice; one per bad line); a prompt longer than `max_chars` is its line's error, not tokenised."""
+    requests = 0
+    rows: dict[str, list] = {name: [] for name in BATCH_COLUMNS}
+    texts: list[tuple[int, str, bool]] = []  # (first row, text, chat) of each line to tokenise
+    seen: set[str] = set()
+
+    def add(line: int, fields: dict, error: Optional[str]) -> None:
+        choices = 1 if error else fields["choices"]
+        for choice in range(choices):
+            for name in BATCH_COLUMNS:
+                rows[name].append(fields.get(name))
+            rows["line"][-1], rows["choice_index"][-1], rows["choices"][-1] = line, choice, choices
+            rows[BATCH_ERROR_COLUMN][-1] = error
+            rows[BATCH_SEED_KEY_COLUMN][-1] = _seed_key(fields.get("custom_id") or "", choice)
+
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue  # blank lines (a trailing newline) are no requests
+            if limit is not None and requests >= limit:
+                break
+            requests += 1
+            fields: Optional[dict] = None
+            try:
+                fields = parse_line(text)
+                if fields["custom_id"] in seen:
+                    raise LineError(f"custom_id {fields['custom_id']!r}: duplicate of an earlier line")
+                seen.add(fields["custom_id"])
+                prompt, chat = _render(fields, tokenizer, template_kwargs)
+                if max_chars is not None and len(prompt) > max_chars:
+                    raise LineError(too_long(prompt, max_chars))
+            except LineError as exc:
+                custom_id = fields["custom_id"] if fields is not None else getattr(exc, "custom_id", None)
+                add(line, {"custom_id": custom_id}, str(exc))
+                continue
+            texts.append((len(rows["line"]), prompt, chat))
+            add(line, fields, None)
+    ids: list[Optional[list[int]]] = [None] * len(rows["line"])
+    for chat in (False, True):  # chat-rendered text holds its special tokens: encoded without adding more
+        batch = [(first, text) for first, text, is_chat in texts if is_chat == chat]
+        for (first, _), encoded in zip(batch, tokenizer.encode_batch([t for _, t in batch],
+                                                                       add_special_tokens=not chat)):
+            for row in range(first, first + rows["choices"][first]):
+                ids[row] = encoded
+    for row, encoded in enumerate(ids):
+        if encoded is not None and not encoded:
+            rows[BATCH_ERROR_COLUMN][row] = "empty prompt"
+    rows[BATCH_TOKEN_IDS_COLUMN] = ids
+    return pa.table({name: pa.array(values, type=BATCH_SCHEMA.field(name).type) for name, values in rows.items()},
+                    schema=BATCH_SCHEMA)
+
+
+def row_sampling(spec: JobSpec, table: pa.Table) -> Optional[list[SamplingParams]]:
+    """One SamplingParams per row of a batch input's `table` (the job's, with the line's overrides);
+    None when the job's sampling holds for every row (not a batch input). Equal rows share one
+    object: the sampler tables its parameters per distinct object."""
+    if BATCH_ERROR_COLUMN not in table.column_names or spec.prompt.error_column != BATCH_ERROR_COLUMN:
+        return None
+    base = spec.sampling
+    columns = [table[name].to_pylist() for name in SAMPLING_COLUMNS]
+    shared: dict[tuple, SamplingParams] = {}
+    result = []
+    for values in zip(*columns):
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in values)
+        params = shared.get(key)
+        if params is None:
+            overrides = {SAMPLING_FIELD_OF.get(name, name): value for name, value in zip(SAMPLING_COLUMNS, key)
+                         if value is not None}
+            if "max_tokens" in overrides and base.min_tokens > overrides["max_tokens"]:
+                overrides["min_tokens"] = overrides["max_tokens"]
+            params = shared[key] = replace(base, **overrides)
+        result.append(params)
+    return result
+
+
+# ---- output ---------------------------------------------------------------------------------
+def _line_id(job: str, line: int) -> str:
+    return hashlib.sha256(f"{job}:{line}".encode()).hexdigest()[:24]
+
+
+def _error_line(job: str, row: dict, message: str, code: str) -> dict:
+    ident = _line_id(job, row["line"])
+    return {"id": f"batch_req_{ident}", "custom_id": row["custom_id"],
+            "response": {"status_code": 400, "request_id": f"req_{ident}", "body": None},
+            "error": {"code": code, "message": message}}
+
+
+def _token_entry(token_text: Callable[[int], str], token: int, logprob: float) -> dict:
+    text = token_text(token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def choice_logprobs(row: dict, chat: bool, token_text: Callable[[int], str]) -> Optional[dict]:
+    """A choice's `logprobs` in OpenAI's shape (chat: `content` entries with top_logprobs;
+    completions: tokens / token_logprobs / top_logprobs / text_offset); None when not asked.
+    A token's text is its own decoding (a piece of a multi-byte character shows as U+FFFD)."""
+    entries = row.get("logprobs")
+    if row.get("logprobs_k") is None or entries is None:
+        return None
+    tokens = row["output_token_ids"]
+    if chat:
+        content = []
+        for token, entry in zip(tokens, entries):
+            item = _token_entry(token_text, token, entry["logprob"])
+            item["top_logprobs"] = [_token_entry(token_text, t, lp)
+                                    for t, lp in zip(entry["top_ids"] or (), entry["top_logprobs"] or ())]
+            content.append(item)
+        return {"content": content, "refusal": None}
+    texts = [token_text(token) for token in tokens]
+    offsets, at = [], 0
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": texts, "token_logprobs": [entry["logprob"] for entry in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in zip(entry["top_ids"] or (), entry["top_logprobs"] or ())}
+                             for entry in entries],
+            "text_offset": offsets}
+
+
+def output_line(job: str, model: str, rows: list[dict], created: int,
+                token_text: Callable[[int], str] = str) -> dict:
+    """One request line's output from its rows (one per choice, in choice order); `token_text`
+    renders a token id for logprobs."""
+    first = rows[0]
+    if first[BATCH_ERROR_COLUMN] is not None and first["endpoint"] is None:
+        return _error_line(job, first, first[BATCH_ERROR_COLUMN], "invalid_request")
+    failed = next((row for row in rows if row["finish_reason"] == "error"), None)
+    if failed is not None:  # e.g. a prompt longer than the model takes
+        return _error_line(job, first, failed["error"] or "generation failed", "invalid_prompt")
+    ident = _line_id(job, first["line"])
+    chat = first["endpoint"] == CHAT
+    choices = []
+    for row in rows:
+        choice: dict[str, Any] = {"index": row["choice_index"]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": row["generated_text"]}
+        else:
+            choice["text"] = row["generated_text"]
+        choice.update(logprobs=choice_logprobs(row, chat, token_text), finish_reason=row["finish_reason"])
+        choices.append(choice)
+    completion = sum(row["completion_tokens"] for row in rows)
+    prompt = first["prompt_tokens"]  # the prompt once, as OpenAI counts it for n choices
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{ident}", "object": first["endpoint"], "created": created,
+            "model": first["model"] or model, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                      "prompt_tokens_details": {"cached_tokens": first["cached_tokens"]}}}
+    return {"id": f"batch_req_{ident}", "custom_id": first["custom_id"],
+            "response": {"status_code": 200, "request_id": f"req_{ident}", "body": body}, "error": None}
+
+
+OUTPUT_READ_COLUMNS = ("line", "custom_id", "choice_index", "endpoint", "model", BATCH_ERROR_COLUMN,
+                       "generated_text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
+                       "error", "logprobs_k", "output_token_ids", "logprobs")
+
+
+def _line_groups(parts: list[Path]) -> Iterator[list[dict]]:
+    """The parts' rows (in input order) grouped by request line."""
+    group: list[dict] = []
+    for path in parts:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=list(OUTPUT_READ_COLUMNS)):
+            for row in batch.to_pylist():
+                if group and row["line"] != group[0]["line"]:
+                    if row["line"] < group[0]["line"]:
+                        raise RuntimeError(f"{path.name}: parts are not in input order")
+                    yield group
+                    group = []
+                group.append(row)
+    if group:
+        yield group
+
+
+def write_batch_output(out_dir: Path, spec: JobSpec, before_commit: Callable[[], None] = lambda: None,
+                       tokenizer: Optional[CheckpointTokenizer] = None) -> Path:
+    """`_batch_output.jsonl` from the folder's finished parts, which must be in input order;
+    `tokenizer` renders the tokens of logprobs (without one, a token shows as its id)."""
+    parts = sorted((path for path, _ in scan_parts(out_dir, verify=False).finished), key=lambda p: p.name)
+    model = Path(spec.model).name
+    created = int(time.time())
+    target = out_dir / OUTPUT_NAME
+    token_text: Callable[[int], str] = str
+    if tokenizer is not None:
+        def token_text(token: int) -> str:
+            return tokenizer.tokenizer.decode([token], skip_special_tokens=False)
+
+    def write(temp: Path) -> None:
+        with open(temp, "w", encoding="utf-8") as handle:
+            for rows in _line_groups(parts):
+                handle.write(json.dumps(output_line(spec.name, model, rows, created, token_text), ensure_ascii=False))
+                handle.write("\n")
+
+    before_commit()
+    write_atomically(target, write)
+    return target
+
+
+def open_batch_input(pattern: str, tokenizer: CheckpointTokenizer, job_file: Path, where: str,
+                     limit: Optional[int] = None, template_kwargs: Mapping[str, Any] = {},
+                     max_chars: Optional[int] = None) -> InputFiles:
+    """The request file as the job's input: its rows parsed and held in memory (`InputFiles.table`).
+    `limit` counts request lines (so a line keeps all its choices); `PreparedJob.rows` then takes every row.
+    `template_kwargs`: the job's `chat_template_kwargs`, for every chat line."""
+    path = Path(pattern)
+    if not path.is_file():
+        raise JobError(job_file, where,
+                       f"no such file: {display_path(path)} (an OpenAI batch input is one .jsonl file)")
+    try:
+        table = read_batch_file(path, tokenizer, limit, template_kwargs, max_chars)
+    except OSError as exc:
+        raise JobError(job_file, where, f"cannot read {display_path(path)}: {exc.strerror or exc}") from None
+    if table.num_rows == 0:
+        raise JobError(job_file, where, f"{display_path(path)} has no request lines")
+    return InputFiles(paths=(path,), schema=table.schema, num_rows=table.num_rows, table=table)

@@ -1,0 +1,1 @@
+"""Job kinds beyond plain generation: scoring, structured output, eval metrics, reasoning blocks."""
