@@ -158,3 +158,17 @@ def warmup(job_file: Path, job_name: Optional[str]) -> None:
         _fail(str(exc), EXIT_BAD_INPUT)
     except OSError as exc:
         _fail(f"{job_file}: {exc}", EXIT_BAD_INPUT)
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
+def show(out_dir: Path) -> None:
+    """Print the summary of the job whose output folder is OUT_DIR: finished, stopped or still
+    running (its last _stats.json, the samples its parts hold, the run holding it)."""
+    from batchinfer.jobs.outdir.show import folder_report, render_report
+
+    try:
+        report = folder_report(out_dir)
+    except JobError as exc:
+        _fail(str(exc), EXIT_BAD_INPUT)
+    render_report(Console(), out_dir, report)

@@ -290,6 +290,16 @@ def _make_dirs(folder: Path) -> list[Path]:
     return missing
 
 
+def live_holder(folder: Path, stale_after: float = STALE_AFTER_SECONDS) -> Optional[LockHolder]:
+    """The run holding `folder` now, if a live one does (None: free, or a stale lock; an unreadable
+    lock that is still fresh reads as held by an unknown run: a LockHolder is not made up for it)."""
+    seen = _read_lock(folder / LOCK_NAME)
+    if seen is None or seen.holder is None:
+        return None
+    stale, _age = _is_stale(seen, this_process(), folder, stale_after)
+    return None if stale else seen.holder
+
+
 class OutputLock:
     """A held output-folder lock; `acquire` it, `release` it (or use it as a context manager)."""
 

@@ -179,3 +179,13 @@ def scan_parts(out_dir: Path, verify: bool = True) -> PartScan:
     orphans = [records_dir / name for name in record_names
                if name.endswith(RECORD_SUFFIX) and not (out_dir / name[:-len(RECORD_SUFFIX)]).exists()]
     return PartScan(tuple(finished), tuple(damaged), tuple(foreign), tuple(orphans), max(numbers) + 1)
+
+
+def samples_on_disk(out_dir: Path) -> tuple[int, int]:
+    """((row, sample) pairs, parts) in the folder's recorded parts, from their records (no part is read)."""
+    total = parts = 0
+    for path in scan_parts(out_dir, verify=False).recorded:
+        record = PartRecord.read(record_path(out_dir, path.name))
+        total += record.rows if record is not None else 0
+        parts += 1
+    return total, parts

@@ -71,11 +71,6 @@ def resolved_workers(spec: JobSpec) -> int:
     return worker_layout(spec).workers
 
 
-def uses_workers(spec: JobSpec) -> bool:
-    """Whether the job's units go to workers (more than one engine, or Ray) instead of this process."""
-    return spec.parallel.executor == "ray" or resolved_workers(spec) > 1
-
-
 class WorkersProgress:
     """All workers' progress as one bar on a terminal, else a plain line every `log_every_seconds`."""
 

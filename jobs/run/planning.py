@@ -75,21 +75,6 @@ def plan_job(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> JobPlan:
     return JobPlan(job=spec.name, **totals)
 
 
-def render_plan(console: Console, plan: JobPlan) -> None:
-    table = Table(title=f"plan {plan.job}", show_header=False, title_justify="left")
-    table.add_column("what", style="bold")
-    table.add_column("value", justify="right")
-    table.add_row("rows", f"{plan.rows:,}")
-    table.add_row("samples", f"{plan.samples:,}")
-    table.add_row("rows without a prompt (errors)", f"{plan.error_rows:,}")
-    table.add_row("prompt tokens", f"{plan.prompt_tokens:,}")
-    table.add_row("ideal cached tokens", f"{plan.theoretical_max_cached_tokens:,}")
-    table.add_row("ideal cache hit rate", f"{plan.hit_rate:.1%}")
-    table.add_row("shared-prefix groups", f"{plan.shared_prefix_groups:,}")
-    table.add_row("planned branch points", f"{plan.branch_points:,}")
-    console.print(table)
-
-
 @dataclass(frozen=True)
 class GlobalPlanReport:
     job: str

@@ -34,7 +34,7 @@ from batchinfer.jobs.formats.openai_batch import OUTPUT_NAME as BATCH_OUTPUT_NAM
 from batchinfer.jobs.outdir.ordered_output import compact_in_input_order, finish_interrupted_compaction
 from batchinfer.jobs.outdir.lock import OutputBusy, OutputLock
 from batchinfer.jobs.outdir.part_writer import PartWriter, job_result_fields
-from batchinfer.jobs.outdir.part_store import PARTS_DIR, PartRecord, damaged_path, record_path, scan_parts
+from batchinfer.jobs.outdir.part_store import PARTS_DIR, damaged_path, samples_on_disk, scan_parts
 from batchinfer.jobs.run.prepare import PreparedJob
 from batchinfer.engine.startup import listening, phase
 from batchinfer.jobs.run.progress import ProgressReporter
@@ -170,12 +170,7 @@ def _raise_interruption(report: Any) -> None:
 
 
 def _rows_on_disk(out_dir: Path) -> int:
-    """(row, sample) pairs in the folder's recorded parts, from their records (no part is read)."""
-    total = 0
-    for path in scan_parts(out_dir, verify=False).recorded:
-        record = PartRecord.read(record_path(out_dir, path.name))
-        total += record.rows if record is not None else 0
-    return total
+    return samples_on_disk(out_dir)[0]
 
 
 class _ParallelWork:
