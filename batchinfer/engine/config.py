@@ -41,8 +41,9 @@ class EngineConfig:
     cuda_graphs: bool = True             # capture decode steps (CUDA only)
     overlap_decode: bool = True          # launch the next decode step before reading this one's tokens
     # One forward per step over the prefill chunks and the decode rows (False: a prefill forward,
-    # then a decode forward). Off by default: on the H200 it ran 8k-in/1k-out slower than the two
-    # forwards (docs/BENCHMARKS.md, "One forward per step"); BATCHINFER_MIXED_STEP=1 / 0 overrides.
+    # then a decode forward). Off by default: on the H200 it is level with the two forwards once its
+    # shapes are compiled, and compiles them mid-run (docs/BENCHMARKS.md, "One forward per step");
+    # BATCHINFER_MIXED_STEP=1 / 0 overrides.
     mixed_step: bool = False
 
     def __post_init__(self) -> None:
