@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
+import logging
 import time
 import zlib
 from dataclasses import replace
@@ -43,15 +43,13 @@ from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.inputs.files import InputFiles
 from batchinfer.jobs.outdir.part_store import scan_parts
 from batchinfer.jobs.inputs.prompts import too_long
-from batchinfer.jobs.tasks.schema_strict import strict_schema
+from batchinfer.jobs.formats.openai_fields import CHAT, CHAT_URL, TEXT, LineError, param_of, parse_line
+from batchinfer.jobs.spec.checkpoint import checkpoint_fingerprint, resolve_checkpoint
 from batchinfer.jobs.spec.job_file import BATCH_ERROR_COLUMN, BATCH_SEED_KEY_COLUMN, BATCH_TOKEN_IDS_COLUMN, JobSpec
-from batchinfer.jobs.spec.task import ENGINE_FEATURES, MAX_LOGPROBS
 from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
 OUTPUT_NAME = "_batch_output.jsonl"
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-CHAT, TEXT = "chat.completion", "text_completion"
-MAX_CHOICES = 128  # n per line: each choice is a row
+log = logging.getLogger(__name__)
 
 BATCH_SCHEMA = pa.schema([
     ("line", pa.int64()),                  # 1-based line number in the request file
@@ -68,6 +66,9 @@ BATCH_SCHEMA = pa.schema([
     ("repetition_penalty", pa.float64()),
     ("seed", pa.int64()),
     ("stop", pa.list_(pa.string())),
+    ("min_tokens", pa.int64()),
+    ("ignore_eos", pa.bool_()),
+    ("stop_token_ids", pa.list_(pa.int32())),
     ("logprobs_k", pa.int32()),            # top-k logprobs asked for (null: none); output column `logprobs` holds them
     ("response_schema", pa.string()),      # response_format json_schema's schema, JSON text
     (BATCH_TOKEN_IDS_COLUMN, pa.list_(pa.int32())),
@@ -76,171 +77,8 @@ BATCH_SCHEMA = pa.schema([
 ])
 BATCH_COLUMNS = tuple(BATCH_SCHEMA.names)
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-                    "logprobs_k")
+                    "min_tokens", "ignore_eos", "stop_token_ids", "logprobs_k")
 SAMPLING_FIELD_OF = {"logprobs_k": "logprobs"}  # column → SamplingParams field where the names differ
-# body keys accepted and not used: they do not change what is generated
-IGNORED_BODY_KEYS = ("model", "user", "metadata", "store", "service_tier", "stream_options")
-
-
-class LineError(ValueError):
-    """Why a request line cannot run (its output line's error message)."""
-
-
-def _int(body: dict, key: str, low: int, high: int) -> Optional[int]:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise LineError(f"body.{key}: must be an integer in [{low}, {high}], got {value!r}")
-    return value
-
-
-def _number(body: dict, key: str, low: float, high: float, low_open: bool = False) -> Optional[float]:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high or (low_open and value == low):
-        raise LineError(f"body.{key}: must be a number in {'(' if low_open else '['}{low}, {high}], got {value!r}")
-    return float(value)
-
-
-def _stop(body: dict) -> Optional[list[str]]:
-    value = body.get("stop")
-    if value is None:
-        return None
-    value = [value] if isinstance(value, str) else value
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise LineError(f"body.stop: must be a string or a list of non-empty strings, got {value!r}")
-    return value
-
-
-def _message_text(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: text parts only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise LineError(f"body.messages[{index}].content: only text parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise LineError(f"body.messages[{index}].content: must be a string or a list of text parts")
-
-
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise LineError("body.messages: must be a non-empty list of messages")
-    clean = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise LineError(f"body.messages[{index}]: must be a mapping with a role")
-        clean.append({**message, "content": _message_text(message.get("content"), index)})
-    return clean
-
-
-def _logprobs(body: dict, endpoint: str) -> Optional[int]:
-    if endpoint == CHAT:  # chat: logprobs is a switch, top_logprobs the k
-        if body.get("logprobs") not in (None, False, True):
-            raise LineError(f"body.logprobs: must be true or false, got {body['logprobs']!r}")
-        top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
-        if top is not None and not body.get("logprobs"):
-            raise LineError("body.top_logprobs: needs logprobs: true")
-        return (top or 0) if body.get("logprobs") else None
-    return _int(body, "logprobs", 0, MAX_LOGPROBS)  # completions: the k itself
-
-
-def _response_schema(body: dict) -> Optional[str]:
-    form = body.get("response_format")
-    if form is None:
-        return None
-    if not isinstance(form, dict) or form.get("type") not in ("text", "json_schema"):
-        raise LineError("body.response_format: type must be text or json_schema")
-    if form["type"] == "text":
-        return None
-    spec = form.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        raise LineError("body.response_format.json_schema.schema: must be a JSON schema (an object)")
-    strict = spec.get("strict", True)  # absent: strict, as every job's schema (jobs/tasks/schema_strict.py)
-    if strict is not None and not isinstance(strict, bool):
-        raise LineError(f"body.response_format.json_schema.strict: must be true or false, got {strict!r}")
-    # Key order kept: it is the order properties are generated in.
-    return json.dumps(strict_schema(schema) if strict is not False else schema)
-
-
-def _check_penalties(body: dict) -> None:
-    for key in ("presence_penalty", "frequency_penalty"):  # clients send 0 by default
-        if body.get(key) not in (None, 0):
-            raise LineError(f"body.{key}: not supported (use repetition_penalty)")
-
-
-BODY_KEYS = {CHAT: ("messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-                    "seed", "logprobs", "top_logprobs", "response_format", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "stream") + IGNORED_BODY_KEYS,
-             TEXT: ("prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "top_k",
-                    "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stream")
-             + IGNORED_BODY_KEYS}
-
-
-def parse_line(text: str) -> dict:
-    """One request line → its fields (custom_id, endpoint, prompt or messages, overrides); raises
-    LineError with the line's custom_id (when it has one) in `.custom_id`."""
-    custom_id = None
-    try:
-        try:
-            request = json.loads(text)
-        except ValueError as exc:
-            raise LineError(f"invalid JSON: {exc}") from None
-        if not isinstance(request, dict):
-            raise LineError("must be a JSON object")
-        custom_id = request.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            custom_id = None
-            raise LineError("custom_id: missing (a non-empty string is required)")
-        if request.get("method", "POST") != "POST":
-            raise LineError(f"method: must be POST, got {request.get('method')!r}")
-        url = request.get("url")
-        endpoint = {CHAT_URL: CHAT, COMPLETIONS_URL: TEXT}.get(url)
-        if endpoint is None:
-            raise LineError(f"url: {url!r} is not supported (use {CHAT_URL} or {COMPLETIONS_URL})")
-        body = request.get("body")
-        if not isinstance(body, dict):
-            raise LineError("body: must be a JSON object")
-        unknown = [key for key in body if key not in BODY_KEYS[endpoint]]
-        if unknown:
-            raise LineError(f"body.{unknown[0]}: not supported for {url}")
-        if body.get("stream"):
-            raise LineError("body.stream: a batch request cannot stream")
-        _check_penalties(body)
-        fields: dict[str, Any] = {"custom_id": custom_id, "endpoint": endpoint,
-                                  "model": body.get("model") if isinstance(body.get("model"), str) else None}
-        if endpoint == CHAT:
-            fields["messages"] = _messages(body)
-            if "max_tokens" in body and "max_completion_tokens" in body:
-                raise LineError("body.max_completion_tokens: give max_tokens or max_completion_tokens, not both")
-            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-            fields["max_tokens"] = _int(body, key, 1, (1 << 31) - 1)
-        else:
-            if not isinstance(body.get("prompt"), str) or not body["prompt"]:
-                raise LineError("body.prompt: must be a non-empty string")
-            fields["prompt"] = body["prompt"]
-            fields["max_tokens"] = _int(body, "max_tokens", 1, (1 << 31) - 1)
-        fields.update(temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0, True),
-                      top_k=_int(body, "top_k", 0, 1 << 31), min_p=_number(body, "min_p", 0.0, 1.0),
-                      repetition_penalty=_number(body, "repetition_penalty", 0.0, 1e6, True),
-                      seed=_int(body, "seed", 0, (1 << 63) - 1), stop=_stop(body),
-                      choices=_int(body, "n", 1, MAX_CHOICES) or 1, logprobs_k=_logprobs(body, endpoint),
-                      response_schema=_response_schema(body))
-        if fields["logprobs_k"] is not None and "logprobs" not in ENGINE_FEATURES:
-            raise LineError("body.logprobs: not supported yet by the engine")
-        if fields["response_schema"] is not None and "grammar" not in ENGINE_FEATURES:
-            raise LineError("body.response_format: json_schema is not supported yet by the engine")
-        return fields
-    except LineError as exc:
-        exc.custom_id = custom_id  # type: ignore[attr-defined]
-        raise
 
 
 def _seed_key(custom_id: str, choice: int) -> int:
@@ -249,15 +87,18 @@ def _seed_key(custom_id: str, choice: int) -> int:
 
 
 def _render(fields: dict, tokenizer: CheckpointTokenizer, template_kwargs: Mapping[str, Any]) -> tuple[str, bool]:
-    """The prompt text and whether it is chat-rendered (which holds its special tokens already)."""
+    """The prompt text and whether it is chat-rendered (which holds its special tokens already);
+    a line's own `chat_template_kwargs` override the job's."""
     if fields["endpoint"] == TEXT:
         return fields["prompt"], False
     if not tokenizer.has_chat_template:
         raise LineError(f"url {CHAT_URL}: the checkpoint has no chat template")
     try:
-        return tokenizer.render_messages(fields["messages"], template_kwargs), True
+        return tokenizer.render_messages(fields["messages"], {**template_kwargs, **(fields["template_kwargs"] or {})}), True
     except jinja2.TemplateError as exc:  # templates may reject a conversation via raise_exception
         raise LineError(f"chat template: {exc}") from None
+    except TypeError as exc:  # a line's chat_template_kwargs clash with the template's own arguments
+        raise LineError(f"body.chat_template_kwargs: {exc}") from None
 
 
 def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[int] = None,
@@ -267,6 +108,7 @@ def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[
     requests = 0
     rows: dict[str, list] = {name: [] for name in BATCH_COLUMNS}
     texts: list[tuple[int, str, bool]] = []  # (first row, text, chat) of each line to tokenise
+    given: list[tuple[int, list[int]]] = []  # (first row, token ids) of each line that gave its prompt's ids
     seen: set[str] = set()
 
     def add(line: int, fields: dict, error: Optional[str]) -> None:
@@ -291,14 +133,20 @@ def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[
                 if fields["custom_id"] in seen:
                     raise LineError(f"custom_id {fields['custom_id']!r}: duplicate of an earlier line")
                 seen.add(fields["custom_id"])
-                prompt, chat = _render(fields, tokenizer, template_kwargs)
-                if max_chars is not None and len(prompt) > max_chars:
-                    raise LineError(too_long(prompt, max_chars))
+                if fields.get("prompt_ids") is None:
+                    prompt, chat = _render(fields, tokenizer, template_kwargs)
+                    if max_chars is not None and len(prompt) > max_chars:
+                        raise LineError(too_long(prompt, max_chars))
             except LineError as exc:
                 custom_id = fields["custom_id"] if fields is not None else getattr(exc, "custom_id", None)
                 add(line, {"custom_id": custom_id}, str(exc))
                 continue
-            texts.append((len(rows["line"]), prompt, chat))
+            for warning in fields["warnings"]:
+                log.warning("%s line %d (custom_id %r): %s", display_path(path), line, fields["custom_id"], warning)
+            if fields.get("prompt_ids") is not None:
+                given.append((len(rows["line"]), fields["prompt_ids"]))
+            else:
+                texts.append((len(rows["line"]), prompt, chat))
             add(line, fields, None)
     ids: list[Optional[list[int]]] = [None] * len(rows["line"])
     for chat in (False, True):  # chat-rendered text holds its special tokens: encoded without adding more
@@ -307,6 +155,9 @@ def read_batch_file(path: Path, tokenizer: CheckpointTokenizer, limit: Optional[
                                                                        add_special_tokens=not chat)):
             for row in range(first, first + rows["choices"][first]):
                 ids[row] = encoded
+    for first, encoded in given:
+        for row in range(first, first + rows["choices"][first]):
+            ids[row] = encoded
     for row, encoded in enumerate(ids):
         if encoded is not None and not encoded:
             rows[BATCH_ERROR_COLUMN][row] = "empty prompt"
@@ -331,8 +182,9 @@ def row_sampling(spec: JobSpec, table: pa.Table) -> Optional[list[SamplingParams
         if params is None:
             overrides = {SAMPLING_FIELD_OF.get(name, name): value for name, value in zip(SAMPLING_COLUMNS, key)
                          if value is not None}
-            if "max_tokens" in overrides and base.min_tokens > overrides["max_tokens"]:
-                overrides["min_tokens"] = overrides["max_tokens"]
+            max_tokens = overrides.get("max_tokens", base.max_tokens)
+            if overrides.get("min_tokens", base.min_tokens) > max_tokens:  # never past the line's budget
+                overrides["min_tokens"] = max_tokens
             params = shared[key] = replace(base, **overrides)
         result.append(params)
     return result
@@ -343,11 +195,17 @@ def _line_id(job: str, line: int) -> str:
     return hashlib.sha256(f"{job}:{line}".encode()).hexdigest()[:24]
 
 
-def _error_line(job: str, row: dict, message: str, code: str) -> dict:
+def _error_line(job: str, row: dict, message: str, code: str, param: Optional[str] = None) -> dict:
+    """A line that failed, as OpenAI writes one: no response, the error with its field (`param`)."""
     ident = _line_id(job, row["line"])
-    return {"id": f"batch_req_{ident}", "custom_id": row["custom_id"],
-            "response": {"status_code": 400, "request_id": f"req_{ident}", "body": None},
-            "error": {"code": code, "message": message}}
+    return {"id": f"batch_req_{ident}", "custom_id": row["custom_id"], "response": None,
+            "error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+
+
+def system_fingerprint(model_fingerprint: Mapping[str, Any]) -> str:
+    """`fp_batchinfer_` and a short hash of the checkpoint's fingerprint: changes when the model does."""
+    digest = hashlib.sha256(json.dumps(model_fingerprint, sort_keys=True, default=str).encode()).hexdigest()
+    return f"fp_batchinfer_{digest[:10]}"
 
 
 def _token_entry(token_text: Callable[[int], str], token: int, logprob: float) -> dict:
@@ -383,12 +241,15 @@ def choice_logprobs(row: dict, chat: bool, token_text: Callable[[int], str]) -> 
 
 
 def output_line(job: str, model: str, rows: list[dict], created: int,
-                token_text: Callable[[int], str] = str) -> dict:
-    """One request line's output from its rows (one per choice, in choice order); `token_text`
-    renders a token id for logprobs."""
+                token_text: Callable[[int], str] = str, fingerprint: Optional[str] = None,
+                reasoning: bool = False) -> dict:
+    """One request line's output from its rows (one per choice, in choice order); `model`: the
+    model that ran; `token_text` renders a token id for logprobs; `reasoning`: the job splits
+    reasoning (a chat message then has `reasoning_content`)."""
     first = rows[0]
     if first[BATCH_ERROR_COLUMN] is not None and first["endpoint"] is None:
-        return _error_line(job, first, first[BATCH_ERROR_COLUMN], "invalid_request")
+        return _error_line(job, first, first[BATCH_ERROR_COLUMN], "invalid_request",
+                           param_of(first[BATCH_ERROR_COLUMN]))
     failed = next((row for row in rows if row["finish_reason"] == "error"), None)
     if failed is not None:  # e.g. a prompt longer than the model takes
         return _error_line(job, first, failed["error"] or "generation failed", "invalid_prompt")
@@ -399,6 +260,8 @@ def output_line(job: str, model: str, rows: list[dict], created: int,
         choice: dict[str, Any] = {"index": row["choice_index"]}
         if chat:
             choice["message"] = {"role": "assistant", "content": row["generated_text"]}
+            if reasoning or row.get("reasoning_text") is not None:
+                choice["message"]["reasoning_content"] = row.get("reasoning_text")
         else:
             choice["text"] = row["generated_text"]
         choice.update(logprobs=choice_logprobs(row, chat, token_text), finish_reason=row["finish_reason"])
@@ -406,7 +269,7 @@ def output_line(job: str, model: str, rows: list[dict], created: int,
     completion = sum(row["completion_tokens"] for row in rows)
     prompt = first["prompt_tokens"]  # the prompt once, as OpenAI counts it for n choices
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{ident}", "object": first["endpoint"], "created": created,
-            "model": first["model"] or model, "choices": choices,
+            "model": model, "system_fingerprint": fingerprint, "choices": choices,
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                       "prompt_tokens_details": {"cached_tokens": first["cached_tokens"]}}}
     return {"id": f"batch_req_{ident}", "custom_id": first["custom_id"],
@@ -415,7 +278,7 @@ def output_line(job: str, model: str, rows: list[dict], created: int,
 
 OUTPUT_READ_COLUMNS = ("line", "custom_id", "choice_index", "endpoint", "model", BATCH_ERROR_COLUMN,
                        "generated_text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
-                       "error", "logprobs_k", "output_token_ids", "logprobs")
+                       "error", "logprobs_k", "output_token_ids", "logprobs", "reasoning_text")
 
 
 def _line_groups(parts: list[Path]) -> Iterator[list[dict]]:
@@ -439,7 +302,8 @@ def write_batch_output(out_dir: Path, spec: JobSpec, before_commit: Callable[[],
     """`_batch_output.jsonl` from the folder's finished parts, which must be in input order;
     `tokenizer` renders the tokens of logprobs (without one, a token shows as its id)."""
     parts = sorted((path for path, _ in scan_parts(out_dir, verify=False).finished), key=lambda p: p.name)
-    model = Path(spec.model).name
+    model = Path(spec.model).name  # the checkpoint folder's name, or `demo`
+    fingerprint = system_fingerprint(checkpoint_fingerprint(resolve_checkpoint(spec)))
     created = int(time.time())
     target = out_dir / OUTPUT_NAME
     token_text: Callable[[int], str] = str
@@ -450,7 +314,8 @@ def write_batch_output(out_dir: Path, spec: JobSpec, before_commit: Callable[[],
     def write(temp: Path) -> None:
         with open(temp, "w", encoding="utf-8") as handle:
             for rows in _line_groups(parts):
-                handle.write(json.dumps(output_line(spec.name, model, rows, created, token_text), ensure_ascii=False))
+                handle.write(json.dumps(output_line(spec.name, model, rows, created, token_text, fingerprint,
+                                                   spec.reasoning == "split"), ensure_ascii=False))
                 handle.write("\n")
 
     before_commit()
