@@ -137,4 +137,4 @@ def check_unique_ids(job: PreparedJob, hashes: IdHashes) -> None:
 
 def checks_ids(job: PreparedJob) -> bool:
     """The job's own id column (an OpenAI batch file's seed keys are made by batchinfer, not ids)."""
-    return job.spec.id_column is not None and not openai_batch_input(job.spec.input)
+    return job.spec.id_column is not None and not openai_batch_input(job.spec)

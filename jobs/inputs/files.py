@@ -1,4 +1,5 @@
 """Parquet input: find the files, check them, stream their rows in bounded windows.
+(Other formats are converted to Parquet first: `readers.py`.)
 
 Rows are never loaded all at once: `iter_windows` walks record batches file by file, so
 memory is bounded by the window size whatever the input size. Each row gets a global
@@ -24,6 +25,7 @@ import pyarrow.parquet as pq
 from batchinfer.jobs.outdir.atomic_files import HASH_CHUNK_BYTES, sha256_file
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.inputs.input_glob import glob_files, has_glob, unique_files
+from batchinfer.jobs.inputs.readers import convert_input, format_of, is_hf_dataset
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class InputFiles:
     num_rows: int  # all files together, before any limit
     table: Optional[pa.Table] = None  # rows held in memory (an OpenAI batch file, parsed): read from here
     stamps: tuple[InputStamp, ...] = ()  # one per path, taken when its schema was read
+    # the user's files when `paths` are their Parquet conversions (readers.py): what the fingerprint records
+    sources: tuple[dict, ...] = ()
     job_file: Path = Path("jobs.yaml")   # for the error when a file changed during the run
     where: str = "input"
 
@@ -91,6 +95,8 @@ def _matching_files(pattern: str, exclude: Optional[Path] = None) -> list[Path]:
     """Files of `pattern`, sorted, each real file once, leaving out every file under the folder `exclude`."""
     if has_glob(pattern):
         paths = glob_files(pattern)
+    elif is_hf_dataset(Path(pattern)):
+        paths = [Path(pattern)]
     elif Path(pattern).is_dir():
         paths = unique_files(p for p in Path(pattern).glob("*.parquet") if p.is_file())
     else:
@@ -101,11 +107,13 @@ def _matching_files(pattern: str, exclude: Optional[Path] = None) -> list[Path]:
     return sorted(paths)
 
 
-def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path] = None) -> InputFiles:
+def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path] = None,
+                input_format: str = "auto") -> InputFiles:
     """Resolve `pattern` (file, folder or glob) and check every file is Parquet with one schema.
 
     Files under `exclude` (the job's own output folder) are never inputs: a glob such as
     `data/**/*.parquet` would otherwise read the job's earlier parts back in on every rerun.
+    Other formats (`input_format`, or by name: readers.py) are converted to Parquet first.
     """
     paths = _matching_files(pattern, exclude)
     if not paths:
@@ -118,6 +126,18 @@ def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path
         if exclude is not None and _matching_files(pattern):
             what += f" outside the job's output folder {display_path(exclude)}"
         raise JobError(job_file, where, f"{what}: {display_path(pattern)}")
+    sources: list[dict] = []
+    formats = [format_of(path, input_format) for path in paths]
+    if any(fmt != "parquet" for fmt in formats):
+        converted = []
+        for path, fmt in zip(paths, formats):
+            if fmt == "parquet":
+                raise JobError(job_file, where, f"{display_path(path)}: a Parquet file among inputs of another "
+                                                "format; give one format per job")
+            target, entries = convert_input(path, fmt, job_file, where)
+            converted.append(target)
+            sources.extend(entries)
+        paths = converted
     schema: Optional[pa.Schema] = None
     num_rows = 0
     stamps = []
@@ -138,7 +158,7 @@ def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path
         num_rows += metadata.num_rows
     assert schema is not None
     return InputFiles(paths=tuple(paths), schema=schema, num_rows=num_rows, stamps=tuple(stamps),
-                      job_file=job_file, where=where)
+                      sources=tuple(sources), job_file=job_file, where=where)
 
 
 def iter_windows(inputs: InputFiles, window_rows: int, limit: Optional[int] = None) -> Iterator[RowWindow]:
@@ -173,6 +193,8 @@ def input_fingerprint(inputs: InputFiles) -> list[dict]:
     file is hashed through a handle checked against its stamp before and after, so the hash
     is of the very file every later read checks for.
     """
+    if inputs.sources:  # converted inputs: the user's files, hashed when they were converted
+        return [dict(entry) for entry in inputs.sources]
     if not inputs.stamps:  # rows parsed into memory when the job was prepared
         return [{"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)} for path in inputs.paths]
     fingerprint = []

@@ -65,7 +65,7 @@ def job_result_fields(spec) -> tuple[pa.Field, ...]:
     """`result_fields` of a JobSpec."""
     from batchinfer.jobs.spec.job_file import openai_batch_input
 
-    return result_fields(spec.task, openai_batch_input(spec.input))
+    return result_fields(spec.task, openai_batch_input(spec))
 
 
 def append_results(table: pa.Table, results: list["SampleResult"], fields: tuple[pa.Field, ...]) -> pa.Table:

@@ -159,14 +159,15 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     max_prompt_chars = prompt_char_limit(spec.engine.max_model_len or model_config.max_position_embeddings)
     sampling = resolve_sampling(spec, checkpoint)
     spec = replace(spec, sampling=sampling.params)
-    if openai_batch_input(spec.input):  # its lines are rendered and tokenised as they are read
+    if openai_batch_input(spec):  # its lines are rendered and tokenised as they are read
         tokenizer = _load_tokenizer(checkpoint, spec)
         inputs = open_batch_input(spec.input, tokenizer, spec.job_file, spec.where("input"), spec.limit,
                                   dict(spec.prompt.chat_template_kwargs), max_prompt_chars)
         spec = replace(spec, limit=None)  # applied to request lines already: every row of the table runs
         _check_columns(spec, inputs.schema)
     else:
-        inputs = open_inputs(spec.input, spec.job_file, spec.where("input"), exclude=spec.output.path)
+        inputs = open_inputs(spec.input, spec.job_file, spec.where("input"), exclude=spec.output.path,
+                             input_format=spec.input_format)
         _check_columns(spec, inputs.schema)
         tokenizer = _load_tokenizer(checkpoint, spec)
     oversized = oversized_job_text(spec.prompt, spec.system if spec.chat else None, max_prompt_chars)

@@ -86,6 +86,8 @@ class JobSpec:
     limit: Optional[int] = None
     parallel: ParallelSpec = ParallelSpec()
     task: TaskSpec = TaskSpec()  # logprobs, scoring, structured output, eval (jobs/spec/task.py)
+    # auto (by name: jobs/inputs/readers.py) | parquet | csv | jsonl | arrow | hf_dataset | openai_batch
+    input_format: str = "auto"
     job_file: Path = Path("jobs.yaml")  # for error messages
 
     def where(self, key: str) -> str:
@@ -116,6 +118,8 @@ SAMPLING_KEYS: dict[str, Callable[[Any], Any]] = {
     "use_generation_config": check.boolean,
 }
 REASONING_MODES = ("auto", "split", "raw")
+# `input_format:`; auto: by the input's name (jobs/inputs/readers.py), a .jsonl being openai_batch
+INPUT_FORMATS = ("auto", "parquet", "csv", "jsonl", "arrow", "hf_dataset", "openai_batch")
 ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
     "device": check.device_name,
     "dtype": check.choice("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
@@ -128,7 +132,7 @@ PROMPT_KEYS = {"template": check.text(), "column": check.text(), "token_ids_colu
 OUTPUT_KEYS = {"path": check.text(), "flush_rows": check.integer(1),
                "order": check.choice("completion", "input"), "keep_work": check.boolean,
                "format": check.choice("parquet", "openai")}
-JOB_KEYS = ("name", "model", "input", "prompt", "chat", "system", "chat_template_kwargs", "reasoning", "id_column",
+JOB_KEYS = ("name", "model", "input", "input_format", "prompt", "chat", "system", "chat_template_kwargs", "reasoning", "id_column",
             "sampling", "engine", "output", "limit", "parallel") + TASK_JOB_KEYS
 TOP_KEYS = ("defaults", "jobs")
 
@@ -169,7 +173,13 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
     if not isinstance(name, str) or not JOB_NAME_PATTERN.fullmatch(name):
         raise checker.fail(f"{where}.name", f"must match [A-Za-z0-9_-]+, got {name!r}")
     where = f"jobs.{name}"
-    batch_input = isinstance(raw.get("input"), str) and openai_batch_input(raw["input"])
+    input_format = raw.get("input_format", "auto")
+    if input_format not in INPUT_FORMATS:
+        raise checker.fail(f"{where}.input_format", f"must be one of {', '.join(INPUT_FORMATS)}, "
+                                                    f"got {input_format!r}{did_you_mean(str(input_format), INPUT_FORMATS)}")
+    if input_format == "auto" and isinstance(raw.get("input"), str) and raw["input"].endswith(BATCH_INPUT_SUFFIX):
+        input_format = "openai_batch"  # a .jsonl is request lines unless the job says input_format: jsonl
+    batch_input = input_format == "openai_batch"
     for key in ("model", "input") if batch_input else ("model", "input", "prompt"):
         if key not in raw:
             raise checker.fail(f"{where}.{key}", "missing (required)")
@@ -215,6 +225,7 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
         name=name,
         model=model if model == DEMO_MODEL else str(_resolve(model, base)),
         input=str(_resolve(input_pattern, base)),
+        input_format=input_format,
         prompt=PromptSpec(**prompt, chat_template_kwargs=tuple(sorted(template_kwargs.items()))),
         sampling=sampling,
         engine=EngineSettings(**checker.section(raw.get("engine", {}), f"{where}.engine", ENGINE_KEYS)),
@@ -239,9 +250,9 @@ BATCH_SEED_KEY_COLUMN = "seed_key"  # per (line, choice): the choices of a line 
 BATCH_INPUT_SUFFIX = ".jsonl"
 
 
-def openai_batch_input(input_pattern: str) -> bool:
-    """An `input:` naming a `.jsonl` file is an OpenAI batch file of request lines."""
-    return input_pattern.endswith(BATCH_INPUT_SUFFIX)
+def openai_batch_input(spec: JobSpec) -> bool:
+    """The job reads an OpenAI batch file of request lines (a `.jsonl` input, unless `input_format` says else)."""
+    return spec.input_format == "openai_batch"
 
 
 def _batch_input_prompt(checker: Checker, raw: dict, where: str) -> dict:

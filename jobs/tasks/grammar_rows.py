@@ -27,7 +27,7 @@ class RowGrammars:
             from batchinfer.jobs.tasks.structured import compile_grammar
 
             self._job = compile_grammar(grammar, tokenizer, vocab_size)  # validated by prepare_job
-        if openai_batch_input(spec.input):
+        if openai_batch_input(spec):
             self.column = BATCH_SCHEMA_COLUMN  # a line's response_format overrides the job's constraint
             self._strict = False  # applied per line by openai_batch, where its `strict` flag is
 
