@@ -80,10 +80,12 @@ def test_glob_matching_nothing(tmp_path, checkpoint):
 
 
 def test_non_parquet_input(tmp_path, checkpoint):
-    setup_job(tmp_path, checkpoint, input="data/rows.csv")
-    (tmp_path / "data" / "rows.csv").write_text("document,question\na,b\n")
+    # CSV, JSON Lines and Arrow are input kinds of their own (tests/test_input_kinds.py); a file of no
+    # known kind is read as Parquet and refused as one
+    setup_job(tmp_path, checkpoint, input="data/rows.txt")
+    (tmp_path / "data" / "rows.txt").write_text("document,question\na,b\n")
     line = run_cli(tmp_path, "run", "jobs.yaml")
-    assert line.startswith("error: jobs.yaml: jobs.rag.input: data/rows.csv: not a readable Parquet file"), line
+    assert line.startswith("error: jobs.yaml: jobs.rag.input: data/rows.txt: not a readable Parquet file"), line
 
 
 @pytest.mark.parametrize("overrides, where, column", [
