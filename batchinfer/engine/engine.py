@@ -100,8 +100,9 @@ class Engine:
         # One working slot per running request, plus plan_pools' shared pool of cached states
         # that tracking borrows from (a tracked state goes to the tree at once) and eviction
         # refills: tree states are never pinned by running requests, only during admission.
-        requested = config.resolved_max_running(model.config)
-        self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=requested)
+        budget = self._budget_bytes()
+        requested = config.resolved_max_running(model.config, (budget, kv_shape.bytes_per_token, state_shape.bytes_per_slot))
+        self.pool_plan = plan_pools(kv_shape, state_shape, budget, max_running=requested)
         if max_running_shortfall(self.pool_plan.max_running, config.max_running, requested, self.device.type):
             log.warning("memory budget fits %d concurrent requests, not max_running=%d (%.0f MiB per state slot)",
                         self.pool_plan.max_running, requested, self.pool_plan.bytes_per_state_slot / 2**20)
