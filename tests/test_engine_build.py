@@ -106,3 +106,22 @@ def test_the_builds_exception_is_raised_in_the_caller():
     build = EngineBuild.start(lambda: (_ for _ in ()).throw(KeyError("weights")))
     with pytest.raises(KeyError, match="weights"):
         build.result()
+
+
+@pytest.mark.slow
+def test_a_cli_run_sizes_its_engine_by_the_plan(tmp_path, demo_cache):
+    """Through `python -m batchinfer run`: the engine built beside the plan gets the plan's row
+    figure (in `_stats.json`), and the job completes with every row."""
+    import json
+
+    from tests.job_process import start_run, write_demo_job
+
+    out = write_demo_job(tmp_path, 12, engine={"device": "cpu"}, sampling={"max_tokens": 5, "ignore_eos": True})
+    process = start_run(tmp_path, demo_cache)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-2000:]
+    stats = json.loads((out / "_stats.json").read_text())
+    plan, settings = stats["plan"], stats["engine_settings"]
+    assert stats["status"] == "done" and stats["rows"] == 12
+    assert settings["row_tokens"] == math.ceil((plan["prompt_tokens"] - plan["global_ideal_cached_tokens"] + 12 * 5) / 12)
+    assert stats["startup_seconds"]["plan"] > 0 and stats["startup_seconds"]["load"] > 0
