@@ -208,7 +208,9 @@ def child_main(out_path: Path, cli_args: list[str]) -> int:
     kernel_class = triton_compiler.CompiledKernel
     kernel_class._init_handles = timeline.event("first_launch", kernel_class._init_handles)
     _patch(timeline, cli, "_prepare_all", "prepare_job")
-    _patch(timeline, engine_module.Engine, "from_pretrained", "open_engine")
+    import batchinfer.engine.engine_build as engine_build
+    # The runner builds through build_engine (beside the plan), which calls from_pretrained outside a build.
+    _patch(timeline, engine_build, "build_engine", "open_engine")
     _patch(timeline, presets, "load_model", "build_model")  # a load before the engine (no overlap)
     if hasattr(loader, "empty_model"):  # the weights load inside the engine, beside the compile
         _patch(timeline, loader, "empty_model", "allocate_model")

@@ -222,3 +222,34 @@ def test_cancel_ends_the_worker_processes(tmp_path, monkeypatch):
     while any(w.is_alive() for w in workers) and time.monotonic() - start < 20:
         time.sleep(0.05)
     assert not any(w.is_alive() for w in workers) and time.monotonic() - start < 20
+
+
+def test_a_trace_on_record_is_not_traced_again(tmp_path, monkeypatch):
+    """The trace manifest: the second start-up with the same key reads the specialisations and
+    traces nothing; a damaged manifest or another key traces again (and nothing is lost)."""
+    from batchinfer.engine import trace_manifest
+    from batchinfer.engine.step_shapes import EngineTrace
+
+    traces = []
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("BATCHINFER_PRECOMPILE", "1")
+    monkeypatch.setattr(P, "supported_triton", lambda version=None: True)
+    monkeypatch.setattr(P, "trace_specialisations", lambda trace: traces.append(trace.key) or _fake_specs(3))
+    monkeypatch.setattr(P, "current_target", lambda: ("cuda", 90, 32))
+    monkeypatch.setattr(P, "_cached_or_unknown", lambda spec, target: True)  # a warm compile cache
+    monkeypatch.setattr(P, "load_all", lambda specs: None)
+
+    def start(key: str):
+        pending = P.start_precompile(EngineTrace(lambda: None, key))
+        assert not pending.compiling
+        return [s.key for s in pending.specs]
+
+    assert start("a") == ["k0", "k1", "k2"] and traces == ["a"]
+    assert start("a") == ["k0", "k1", "k2"] and traces == ["a"]  # on record: no trace
+    assert start("b") == ["k0", "k1", "k2"] and traces == ["a", "b"]  # another model or shape: traced
+    manifest = trace_manifest.manifest_dir() / "a.json"
+    assert manifest.parent == tmp_path / "cache" / trace_manifest.DIR_NAME
+    for damage in ("{not json", '{"version": 1, "key": "other", "specs": []}', '{"version": 1, "key": "a", "specs": [[1]]}'):
+        manifest.write_text(damage)
+        assert start("a") == ["k0", "k1", "k2"] and traces[-1] == "a"  # ignored: traced and rewritten
+    assert len(traces) == 5 and start("a") and len(traces) == 5

@@ -1,13 +1,17 @@
 """Engine settings: one frozen dataclass, validated on creation, resolved against the host."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import asdict, dataclass
 from typing import Optional, get_args
 
 import torch
 
+from batchinfer.cache.budget import size_max_running
 from batchinfer.cache.cache_config import StateCacheMode
+
+log = logging.getLogger(__name__)
 MIXED_STEP_ENV = "BATCHINFER_MIXED_STEP"  # "1" / "0": the mixed step on / off, whatever the config
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -33,6 +37,10 @@ class EngineConfig:
     # sequences decoding at once; None: DEFAULT_MAX_RUNNING (DEFAULT_MAX_RUNNING_MOE for a MoE model),
     # or fewer where the memory budget fits fewer (warned only for a value the job set)
     max_running: Optional[int] = None
+    # KV positions a running row is expected to hold (its prompt tokens not shared with other rows +
+    # max_tokens; the job's plan knows them): with max_running unset, the rows are sized so that
+    # that many fit the KV pool (cache.budget.size_max_running), capped by the default above
+    row_tokens: Optional[int] = None
     max_batch_tokens: int = 8192         # tokens per step: prefill tokens, plus the decode rows with mixed_step
     max_model_len: Optional[int] = None  # None → the model's max_position_embeddings
     memory_fraction: float = 0.9         # share of the free device memory for the pools (at most free − a step's activations)
@@ -53,7 +61,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, not {self.dtype!r}")
         if self.ckpt_dtype is not None and self.ckpt_dtype not in _DTYPES:
             raise ValueError(f"ckpt_dtype must be one of {sorted(_DTYPES)}, not {self.ckpt_dtype!r}")
-        for name in ("ring_len", "track_interval", "max_running", "max_batch_tokens"):
+        for name in ("ring_len", "track_interval", "max_running", "max_batch_tokens", "row_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -65,13 +73,22 @@ class EngineConfig:
         if self.plan_window is not None and self.plan_window < 1:
             raise ValueError("plan_window must be >= 1")
 
-    def resolved_max_running(self, model_config=None) -> int:
+    def resolved_max_running(self, model_config=None, pools: Optional[tuple[int, int, int]] = None) -> int:
         """The rows asked for: the config's, else the default for the model (`model_config`, a
-        `batchinfer.models.config.ModelConfig`; None: a dense model's)."""
+        `batchinfer.models.config.ModelConfig`; None: a dense model's), lowered to what the KV pool
+        holds at `row_tokens` a row when both that and `pools` = (budget bytes, KV bytes a token,
+        state bytes a slot) are given."""
         if self.max_running is not None:
             return self.max_running
         moe = model_config is not None and getattr(model_config, "num_experts", 0) > 0
-        return DEFAULT_MAX_RUNNING_MOE if moe else DEFAULT_MAX_RUNNING
+        cap = DEFAULT_MAX_RUNNING_MOE if moe else DEFAULT_MAX_RUNNING
+        if self.row_tokens is None or pools is None:
+            return cap
+        budget, kv_token, state_slot = pools
+        rows = size_max_running(budget, kv_token, state_slot, self.row_tokens, cap)
+        log.info("max_running %d for rows of ~%d KV positions (cap %d; %.1f GiB of pools, %d B a KV position, "
+                 "%.0f MiB a state slot)", rows, self.row_tokens, cap, budget / 2**30, kv_token, state_slot / 2**20)
+        return rows
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -30,6 +30,7 @@ from batchinfer.engine.overlap import DecodeOverlap
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
 from batchinfer.engine.sampler import SamplingTensors, apply_token_bitmask, identity_key, sample, token_logprobs
 from batchinfer.engine.scheduler import Scheduler
+from batchinfer.engine.step_cost import engine_step_cost
 from batchinfer.engine.sequence import Detokenize, Sequence, StopRules
 from batchinfer.engine.startup import max_running_shortfall, phase
 from batchinfer.engine.step_batch import logits_rows, sequence_chunk
@@ -100,8 +101,9 @@ class Engine:
         # One working slot per running request, plus plan_pools' shared pool of cached states
         # that tracking borrows from (a tracked state goes to the tree at once) and eviction
         # refills: tree states are never pinned by running requests, only during admission.
-        requested = config.resolved_max_running(model.config)
-        self.pool_plan = plan_pools(kv_shape, state_shape, self._budget_bytes(), max_running=requested)
+        budget = self._budget_bytes()
+        requested = config.resolved_max_running(model.config, (budget, kv_shape.bytes_per_token, state_shape.bytes_per_slot))
+        self.pool_plan = plan_pools(kv_shape, state_shape, budget, max_running=requested)
         if max_running_shortfall(self.pool_plan.max_running, config.max_running, requested, self.device.type):
             log.warning("memory budget fits %d concurrent requests, not max_running=%d (%.0f MiB per state slot)",
                         self.pool_plan.max_running, requested, self.pool_plan.bytes_per_state_slot / 2**20)
@@ -117,7 +119,9 @@ class Engine:
             self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.max_batch_tokens,
             track_interval=config.track_interval, wait_for_leaders=cache_config.tracks, tally=self.tally,
             state_slots=self.pool_plan.state_slots, branch_state_capacity=self.pool_plan.cache_state_slots,
-            max_model_len=self.max_model_len, decode_rows_in_budget=self.mixed_step)
+            max_model_len=self.max_model_len, decode_rows_in_budget=self.mixed_step,
+            step_cost=engine_step_cost(model, kv_shape.bytes_per_token, state_shape.bytes_per_slot,
+                                       config.row_tokens or min(self.max_model_len, 8192)) if self.mixed_step else None)
         self._windows = itertools.count()
         self.overlap = DecodeOverlap()  # the decode step whose tokens the host has not read yet
         self.token_logprobs: dict[Sequence, list[TokenLogprob]] = {}  # sequences with sampling.logprobs set

@@ -2,7 +2,8 @@
 
 Each step decodes every running sequence with exactly one token to feed and prefills chunks
 of several sequences, ≤ max_batch_tokens new tokens (with `decode_rows_in_budget`, the engine's
-mixed step: one forward over both, whose decode rows count against that budget first).
+mixed step: one forward over both, whose decode rows count against that budget first, and whose
+prompt tokens beside them a `step_cost.StepCost` model picks when given).
 A prefill chunk ends at the sequence's next boundary: a planned branch point it leads, a
 multiple of track_interval inside the prompt, or the end of its tokens — so the GDN state at
 every such position exists at a chunk end and can be tracked.
@@ -29,9 +30,11 @@ to recompute prompt + generated tokens (resuming from whatever the cache still h
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.stats import StatsTally
+from batchinfer.engine.step_cost import StepCost
 from batchinfer.engine.wait_queue import WaitQueue
 
 _ADMISSION_SCAN_FACTOR = 4  # waiting entries inspected per free running place, per step
@@ -51,12 +54,15 @@ class Scheduler:
     def __init__(self, cache, *, max_running: int, max_batch_tokens: int, track_interval: int,
                  wait_for_leaders: bool, tally: StatsTally, state_slots: int = 1 << 30,
                  branch_state_capacity: int = 1 << 30,
-                 max_model_len: int = 1 << 62, decode_rows_in_budget: bool = False) -> None:
+                 max_model_len: int = 1 << 62, decode_rows_in_budget: bool = False,
+                 step_cost: Optional[StepCost] = None) -> None:
         self.cache = cache                    # cache.StateCache
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         # Mixed steps: a decode row is a token of the step, so prefill gets what they leave.
         self.decode_rows_in_budget = decode_rows_in_budget
+        # Mixed steps: the prompt tokens beside the decode rows come from this cost model (step_cost.py).
+        self.step_cost = step_cost if decode_rows_in_budget else None
         self.track_interval = track_interval
         self.wait_for_leaders = wait_for_leaders  # only when planned states are tracked (extra_buffer)
         self.tally = tally
@@ -100,6 +106,8 @@ class Scheduler:
 
     def _plan_prefill(self, plan: StepPlan) -> None:
         budget = self.max_batch_tokens - (len(plan.decode) if self.decode_rows_in_budget else 0)
+        if self.step_cost is not None and plan.decode and budget > 0:
+            budget = self.step_cost.prefill_budget(len(plan.decode), budget)
         for seq in self.running:
             if seq.pending < 2 or budget <= 0:
                 continue

@@ -37,6 +37,7 @@ from batchinfer.jobs.outdir.part_writer import PartWriter, job_result_fields
 from batchinfer.jobs.outdir.part_store import PARTS_DIR, damaged_path, samples_on_disk, scan_parts
 from batchinfer.jobs.run.prepare import PreparedJob
 from batchinfer.engine.startup import listening, phase
+from batchinfer.engine.engine_build import EngineBuild, expected_row_tokens
 from batchinfer.jobs.run.progress import ProgressReporter
 from batchinfer.jobs.outdir.resume import STATS_NAME, ResumeState, check_resumable, prepare_output_dir, read_resume_state
 from batchinfer.jobs.spec.job_file import JobSpec, engine_config_kwargs, engine_settings_dict
@@ -57,13 +58,14 @@ class EngineLike(Protocol):
 
 
 def open_engine(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> EngineLike:
-    from batchinfer.engine import Engine, EngineConfig
+    from batchinfer.engine import EngineConfig
+    from batchinfer.engine.engine_build import build_engine
 
     # The engine plans `plan_window` requests at a time and pulls the next window only when
     # its queue runs dry: memory stays bounded and there is no pause between windows.
     config = EngineConfig(**engine_config_kwargs(job.spec.engine), plan_window=window_rows)
-    return Engine.from_pretrained(str(job.checkpoint), config, eos_token_ids=job.tokenizer.eos_token_ids,
-                                  detokenize=job.tokenizer.decode)
+    return build_engine(str(job.checkpoint), config, eos_token_ids=job.tokenizer.eos_token_ids,
+                        detokenize=job.tokenizer.decode)
 
 
 def lock_output(job: PreparedJob) -> OutputLock:
@@ -290,20 +292,32 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
     progress = ProgressReporter(console, spec.name, total, resumed)
     try:
         with listening(progress.phase_listener):  # the startup phases, shown as they run
-            if executor is None:  # first: a model that cannot load leaves the folder as it was
-                try:
-                    engine = options.engine_factory(job, options.window_rows)
-                except Exception as exc:
-                    raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
-                startup.update(getattr(engine, "startup_seconds", {}))
-            if spec.engine.plan == "global":
-                if lock.lost:  # planning writes into the folder: only while it is ours
-                    raise _lost(lock, spec)
-                work_dir = work_dir_for(out_dir)
-                if overwrite:
-                    remove_work_dir(work_dir)
-                with phase("planning", startup, "plan"):
-                    planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget, warn)
+            # The engine builds while the job plans, and is sized by the plan (engine/engine_build.py).
+            build = EngineBuild.start(partial(options.engine_factory, job, options.window_rows)) \
+                if executor is None else None
+            work_dir = work_dir_for(out_dir)
+            made_work_dir = spec.engine.plan == "global" and (overwrite or not work_dir.exists())
+            try:
+                if spec.engine.plan == "global":
+                    if lock.lost:  # planning writes into the folder: only while it is ours
+                        raise _lost(lock, spec)
+                    if overwrite:
+                        remove_work_dir(work_dir)
+                    with phase("planning", startup, "plan"):
+                        planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget, warn)
+                    summary = planned.plan.summary
+                    if build is not None:
+                        build.post_row_tokens(expected_row_tokens(summary.prompt_tokens, summary.ideal_cached_tokens,
+                                                                  summary.decode_tokens, summary.samples))
+            finally:  # a model that cannot load fails the run as before, and leaves the folder as it was
+                if build is not None:
+                    try:
+                        engine = build.result()
+                    except Exception as exc:
+                        if made_work_dir:
+                            remove_work_dir(work_dir)
+                        raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
+                    startup.update(getattr(engine, "startup_seconds", {}))
     except Exception:
         raise
     except BaseException as exc:  # a stop signal while loading or planning: stopped like any other
