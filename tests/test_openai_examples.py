@@ -12,9 +12,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchinfer.demo import demo_checkpoint
-from tests.job_process import REPO_ROOT, run_in_this_process
-from tests.jobs_fixtures import write_job_file
+from tests.job_process import REPO_ROOT
+from tests.random_demo_jobs import run_random_demo_jobs
 
 pytestmark = pytest.mark.slow
 DATA = REPO_ROOT / "tests" / "data"
@@ -29,10 +28,6 @@ def _lines(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("examples")
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "demo-cache"))
-    monkeypatch.setenv("BATCHINFER_DEMO", "random")
-    demo_checkpoint()
     jobs = []
     for name, file in FILES.items():
         shutil.copyfile(DATA / file, folder / file)  # byte for byte
@@ -41,11 +36,7 @@ def out(tmp_path_factory) -> Path:
             jobs.append({"name": f"{name}_{form}", "model": "demo", "input": file,
                          "engine": {"device": "cpu", "max_model_len": 80},
                          "output": {"path": f"out/{name}_{form}", "format": "openai", "error_form": form}})
-    write_job_file(folder, jobs)
-    result = run_in_this_process(folder)
-    monkeypatch.undo()
-    assert result.exit_code == 0, result.output
-    return folder / "out"
+    return run_random_demo_jobs(folder, tmp_path_factory.getbasetemp() / "demo-cache", jobs)
 
 
 @pytest.mark.parametrize("name, budget_key", [("openai_guide", "max_tokens"), ("vllm_example", "max_completion_tokens")])

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchinfer.demo import demo_checkpoint
-from tests.job_process import REPO_ROOT, run_in_this_process
-from tests.jobs_fixtures import job_entry, rag_table, write_job_file, write_parquet
+from tests.job_process import REPO_ROOT
+from tests.jobs_fixtures import job_entry, rag_table, write_parquet
+from tests.random_demo_jobs import run_random_demo_jobs
 
 pytestmark = pytest.mark.slow
 DOC = REPO_ROOT / "docs" / "OUTPUTS.md"
@@ -50,10 +50,6 @@ def _keys(value: Any, path: str = "") -> Iterator[str]:
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("outputs")
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "demo-cache"))
-    monkeypatch.setenv("BATCHINFER_DEMO", "random")
-    demo_checkpoint()
     rows = 6
     table = rag_table(rows).append_column("answer", pa.array(["yes", "no"] * (rows // 2)))
     table = table.append_column("choices", pa.array([["yes", "no"], ["a b", "c"]] * (rows // 2)))
@@ -82,11 +78,7 @@ def outputs(tmp_path_factory) -> Path:
         {"name": "batch", **batch, "output": {"path": "out/batch", "format": "openai"}},
         {"name": "batch_vllm", **batch, "output": {"path": "out/batch_vllm", "format": "openai", "error_form": "vllm"}},
     ]
-    write_job_file(folder, jobs)
-    result = run_in_this_process(folder)
-    monkeypatch.undo()
-    assert result.exit_code == 0, result.output
-    return folder / "out"
+    return run_random_demo_jobs(folder, tmp_path_factory.getbasetemp() / "demo-cache", jobs)
 
 
 def test_every_written_column_is_in_the_reference(outputs):
