@@ -1,4 +1,5 @@
-"""OpenAI batch files: request lines in, one output line per request line out, errors in their lines."""
+"""OpenAI batch files: request lines in, one output line per request line that ran out, the lines that could
+not run in the error file as OpenAI writes them (or in the output, in vLLM's form, when the job asks)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from rich.console import Console
 
 from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from batchinfer.jobs.errors import JobError, JobRuntimeError
-from batchinfer.jobs.formats.openai_batch import OUTPUT_NAME, LineError, parse_line
+from batchinfer.jobs.formats.openai_batch import ERRORS_NAME, OUTPUT_NAME, LineError, parse_line
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.run.runner import run_job
 from batchinfer.jobs.spec.job_file import load_job_file, parse_job_file
@@ -59,15 +60,20 @@ def run(job_file: Path, engine: FakeEngine) -> dict:
     return run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: engine, window_rows=3)
 
 
-def read_lines(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "out" / "b" / OUTPUT_NAME).read_text().splitlines()]
+def read_lines(folder: Path, name: str = OUTPUT_NAME) -> list[dict]:
+    path = folder / "out" / "b" / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def read_errors(folder: Path) -> list[dict]:
+    return read_lines(folder, ERRORS_NAME)
 
 
 def without_created(lines):
     """The lines less what differs between runs: the time, and cached tokens (the cache's history)."""
     def body(value):
-        if value is None:
-            return None
+        if value is None or "usage" not in value:
+            return value
         usage = {k: v for k, v in value["usage"].items() if k != "prompt_tokens_details"}
         return {**{k: v for k, v in value.items() if k != "created"}, "usage": usage}
 
@@ -80,15 +86,16 @@ def test_a_batch_file_round_trips_with_an_output_line_per_request_line(tmp_path,
     engine = FakeEngine()
     stats = run(write_batch(tmp_path, checkpoint, plan=plan), engine)
     assert stats["status"] == "done"
-    lines = read_lines(tmp_path)
-    assert [line["custom_id"] for line in lines] == ["c1", "t1", None, "c2", None, "t1", "e1", "t2"]
-    by_position = dict(enumerate(lines))
-    for position, what in [(2, "invalid JSON"), (4, "custom_id: missing"), (5, "duplicate of an earlier line"),
-                           (6, "'/v1/embeddings' is not supported")]:
-        line = by_position[position]
-        assert line["response"] is None and line["error"]["type"] == "invalid_request_error"
-        assert what in line["error"]["message"], line
-    c1, t1, c2, t2 = lines[0], lines[1], lines[3], lines[7]
+    lines, errors = read_lines(tmp_path), read_errors(tmp_path)
+    assert [line["custom_id"] for line in lines] == ["c1", "t1", "c2", "t2"]  # the lines that ran
+    assert [line["custom_id"] for line in errors] == [None, None, "t1", "e1"]  # the error file, in line order
+    for line, what in zip(errors, ["invalid JSON", "custom_id: missing", "duplicate of an earlier line",
+                                   "'/v1/embeddings' is not supported"]):
+        assert line["error"] is None and line["response"]["status_code"] == 400  # as OpenAI's parser reads it
+        error = line["response"]["body"]["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert what in error["message"], line
+    c1, t1, c2, t2 = lines
     assert c1["error"] is None and c1["response"]["status_code"] == 200
     body = c1["response"]["body"]
     assert body["object"] == "chat.completion" and body["model"] == checkpoint.name  # the model that ran
@@ -123,17 +130,17 @@ def test_after_a_failure_the_rerun_writes_each_line_exactly_once(tmp_path, check
     reference = tmp_path / "ref"
     reference.mkdir()
     run(write_batch(reference, checkpoint), FakeEngine())
-    expected = without_created(read_lines(reference))
+    expected = without_created(read_lines(reference)), read_errors(reference)
     job_file = write_batch(tmp_path, checkpoint)
     with pytest.raises(JobRuntimeError):
         run(job_file, FakeEngine(fail_after=3))
     assert not (tmp_path / "out" / "b" / OUTPUT_NAME).exists()  # written only once the job is complete
     run(job_file, FakeEngine())
-    assert without_created(read_lines(tmp_path)) == expected
+    assert (without_created(read_lines(tmp_path)), read_errors(tmp_path)) == expected
     (tmp_path / "out" / "b" / OUTPUT_NAME).unlink()  # as if killed while writing it
     engine = FakeEngine()
     run(job_file, engine)
-    assert not engine.calls and without_created(read_lines(tmp_path)) == expected
+    assert not engine.calls and (without_created(read_lines(tmp_path)), read_errors(tmp_path)) == expected
 
 
 @pytest.mark.parametrize("text, what", [
@@ -229,3 +236,30 @@ def test_chat_lines_are_rendered_with_the_jobs_template_kwargs(tmp_path, checkpo
                                           "output": {"path": "out/b", "format": "openai"}}])
     prepare_job(load_job_file(job_file).jobs[0])
     assert seen and all(kwargs == {"enable_thinking": False} for kwargs in seen)
+
+
+def test_error_form_vllm_writes_every_line_in_the_output_as_vllm_run_batch_does(tmp_path, checkpoint):
+    (tmp_path / "out" / "b").mkdir(parents=True)
+    (tmp_path / "out" / "b" / ERRORS_NAME).write_text("stale\n")  # e.g. from an earlier run in OpenAI's form
+    assert run(write_batch(tmp_path, checkpoint, error_form="vllm"), FakeEngine())["status"] == "done"
+    lines = read_lines(tmp_path)
+    assert [line["custom_id"] for line in lines] == ["c1", "t1", None, "c2", None, "t1", "e1", "t2"]
+    assert not (tmp_path / "out" / "b" / ERRORS_NAME).exists()  # vLLM writes no error file
+    for position, what in [(2, "invalid JSON"), (4, "custom_id: missing"), (5, "duplicate of an earlier line"),
+                           (6, "'/v1/embeddings' is not supported")]:
+        line = lines[position]
+        assert line["id"].startswith("vllm-") and line["response"]["request_id"].startswith("vllm-batch-")
+        assert line["response"]["status_code"] == 400 and line["response"]["body"] is None
+        assert set(line["error"]) == {"error"}  # vLLM's ErrorResponse
+        assert line["error"]["error"]["type"] == "BadRequestError" and line["error"]["error"]["code"] == 400
+        assert what in line["error"]["error"]["message"], line
+    for line in (lines[0], lines[1], lines[3], lines[7]):
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        assert line["response"]["body"]["choices"]
+
+
+def test_error_form_needs_format_openai():
+    text = "jobs:\n  - name: b\n    model: demo\n    input: r.jsonl\n    output: {path: o, error_form: vllm}\n"
+    with pytest.raises(JobError) as caught:
+        parse_job_file(text, Path("/p/jobs.yaml"))
+    assert "jobs.b.output.error_form" in str(caught.value) and "needs format: openai" in str(caught.value)

@@ -10,7 +10,7 @@ import yaml
 from batchinfer.jobs.formats.openai_batch import _render, parse_line, system_fingerprint
 from batchinfer.jobs.spec.checkpoint import checkpoint_fingerprint
 from tests.fake_engine import FakeEngine
-from tests.test_openai_batch import checkpoint, chat, completion, read_lines, run, write_batch  # noqa: F401
+from tests.test_openai_batch import checkpoint, chat, completion, read_errors, read_lines, run, write_batch  # noqa: F401
 
 OPENAI_EXAMPLE = ('{"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions", "body": '
                   '{"model": "gpt-3.5-turbo-0125", "messages": [{"role": "system", "content": "You are a helpful '
@@ -37,14 +37,16 @@ LINES = [
 def test_a_realistic_batch_file_runs_each_field_as_documented(tmp_path, checkpoint):
     engine = FakeEngine()
     assert run(write_batch(tmp_path, checkpoint, LINES), engine)["status"] == "done"
-    lines = {line["custom_id"]: line for line in read_lines(tmp_path)}
+    lines = {line["custom_id"]: line for line in read_lines(tmp_path) + read_errors(tmp_path)}
     refused = {"pen1": "presence_penalty", "bias1": "logit_bias", "stopstr": "include_stop_str_in_output",
                "many": "prompt"}
+    assert [line["custom_id"] for line in read_errors(tmp_path)] == list(refused)
     for custom_id, line in lines.items():
         if custom_id in refused:
-            assert line["response"] is None, line
-            assert line["error"]["param"] == refused[custom_id] and line["error"]["type"] == "invalid_request_error"
-            assert refused[custom_id] in line["error"]["message"]
+            assert line["error"] is None and line["response"]["status_code"] == 400, line
+            error = line["response"]["body"]["error"]
+            assert error["param"] == refused[custom_id] and error["type"] == "invalid_request_error"
+            assert refused[custom_id] in error["message"]
         else:
             assert line["error"] is None and line["response"]["status_code"] == 200, line
     body = lines["request-1"]["response"]["body"]

@@ -21,6 +21,14 @@ are read in order and each line's rows become one output line (`id`, `custom_id`
 `error`), written once the job is complete to `_batch_output.jsonl` through a temporary name and
 a rename, so after a kill and a rerun it holds each line exactly once (the parts hold each
 (line, choice) once). The underscore keeps Parquet dataset readers of the folder off it.
+
+Errors (`output.error_form`): `openai` (default) as OpenAI's Batch API writes them: a failed line goes
+to the error file `_batch_errors.jsonl` (written before the output file, only when a line failed) as
+`response: {status_code: 400, request_id, body: {error: {message, type, param, code}}}, error: null`,
+and the output file holds the lines that ran. `vllm` as vLLM's `run-batch` writes them: every line in
+the one output file, a failed one as `response: {status_code: 400, request_id, body: null}` with
+`error: {error: {message, type: BadRequestError, param, code: 400}}` (its ErrorResponse), ids
+`vllm-...` / `vllm-batch-...`.
 """
 from __future__ import annotations
 
@@ -49,6 +57,8 @@ from batchinfer.jobs.spec.job_file import BATCH_ERROR_COLUMN, BATCH_SEED_KEY_COL
 from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 
 OUTPUT_NAME = "_batch_output.jsonl"
+ERRORS_NAME = "_batch_errors.jsonl"   # error_form openai: the failed lines, as OpenAI's error file
+ERROR_FORMS = ("openai", "vllm")
 log = logging.getLogger(__name__)
 
 BATCH_SCHEMA = pa.schema([
@@ -195,11 +205,33 @@ def _line_id(job: str, line: int) -> str:
     return hashlib.sha256(f"{job}:{line}".encode()).hexdigest()[:24]
 
 
-def _error_line(job: str, row: dict, message: str, code: str, param: Optional[str] = None) -> dict:
-    """A line that failed, as OpenAI writes one: no response, the error with its field (`param`)."""
-    ident = _line_id(job, row["line"])
-    return {"id": f"batch_req_{ident}", "custom_id": row["custom_id"], "response": None,
-            "error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+def _ids(job: str, line: int, error_form: str) -> tuple[str, str, str]:
+    """(ident, line id, request id) of a line: stable across reruns, in the form's prefixes."""
+    ident = _line_id(job, line)
+    if error_form == "vllm":
+        return ident, f"vllm-{ident}", f"vllm-batch-{ident}"
+    return ident, f"batch_req_{ident}", f"req_{ident}"
+
+
+def _error_line(job: str, row: dict, message: str, code: str, param: Optional[str] = None,
+                error_form: str = "openai") -> dict:
+    """A line that failed with a 400, in OpenAI's form (the error in the response body) or vLLM's (the
+    ErrorResponse in `error`, no body); `param`: the field, if one."""
+    _, line_id, request_id = _ids(job, row["line"], error_form)
+    if error_form == "vllm":
+        return {"id": line_id, "custom_id": row["custom_id"],
+                "response": {"status_code": 400, "request_id": request_id, "body": None},
+                "error": {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}}
+    return {"id": line_id, "custom_id": row["custom_id"],
+            "response": {"status_code": 400, "request_id": request_id,
+                         "body": {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                            "code": code}}},
+            "error": None}
+
+
+def failed(line: dict) -> bool:
+    """An output line of a request that did not run (either error form)."""
+    return line["response"] is None or line["response"]["status_code"] != 200
 
 
 def system_fingerprint(model_fingerprint: Mapping[str, Any]) -> str:
@@ -242,18 +274,19 @@ def choice_logprobs(row: dict, chat: bool, token_text: Callable[[int], str]) -> 
 
 def output_line(job: str, model: str, rows: list[dict], created: int,
                 token_text: Callable[[int], str] = str, fingerprint: Optional[str] = None,
-                reasoning: bool = False) -> dict:
+                reasoning: bool = False, error_form: str = "openai") -> dict:
     """One request line's output from its rows (one per choice, in choice order); `model`: the
     model that ran; `token_text` renders a token id for logprobs; `reasoning`: the job splits
-    reasoning (a chat message then has `reasoning_content`)."""
+    reasoning (a chat message then has `reasoning_content`); `error_form`: openai | vllm (module docstring)."""
     first = rows[0]
     if first[BATCH_ERROR_COLUMN] is not None and first["endpoint"] is None:
         return _error_line(job, first, first[BATCH_ERROR_COLUMN], "invalid_request",
-                           param_of(first[BATCH_ERROR_COLUMN]))
-    failed = next((row for row in rows if row["finish_reason"] == "error"), None)
-    if failed is not None:  # e.g. a prompt longer than the model takes
-        return _error_line(job, first, failed["error"] or "generation failed", "invalid_prompt")
-    ident = _line_id(job, first["line"])
+                           param_of(first[BATCH_ERROR_COLUMN]), error_form)
+    failed_row = next((row for row in rows if row["finish_reason"] == "error"), None)
+    if failed_row is not None:  # e.g. a prompt longer than the model takes
+        return _error_line(job, first, failed_row["error"] or "generation failed", "invalid_prompt",
+                           error_form=error_form)
+    ident, line_id, request_id = _ids(job, first["line"], error_form)
     chat = first["endpoint"] == CHAT
     choices = []
     for row in rows:
@@ -272,8 +305,8 @@ def output_line(job: str, model: str, rows: list[dict], created: int,
             "model": model, "system_fingerprint": fingerprint, "choices": choices,
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                       "prompt_tokens_details": {"cached_tokens": first["cached_tokens"]}}}
-    return {"id": f"batch_req_{ident}", "custom_id": first["custom_id"],
-            "response": {"status_code": 200, "request_id": f"req_{ident}", "body": body}, "error": None}
+    return {"id": line_id, "custom_id": first["custom_id"],
+            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
 
 OUTPUT_READ_COLUMNS = ("line", "custom_id", "choice_index", "endpoint", "model", BATCH_ERROR_COLUMN,
@@ -299,8 +332,9 @@ def _line_groups(parts: list[Path]) -> Iterator[list[dict]]:
 
 def write_batch_output(out_dir: Path, spec: JobSpec, before_commit: Callable[[], None] = lambda: None,
                        tokenizer: Optional[CheckpointTokenizer] = None) -> Path:
-    """`_batch_output.jsonl` from the folder's finished parts, which must be in input order;
-    `tokenizer` renders the tokens of logprobs (without one, a token shows as its id)."""
+    """`_batch_output.jsonl` (and with error_form openai, `_batch_errors.jsonl` of the failed lines) from
+    the folder's finished parts, which must be in input order; `tokenizer` renders the tokens of logprobs
+    (without one, a token shows as its id)."""
     parts = sorted((path for path, _ in scan_parts(out_dir, verify=False).finished), key=lambda p: p.name)
     model = Path(spec.model).name  # the checkpoint folder's name, or `demo`
     fingerprint = system_fingerprint(checkpoint_fingerprint(resolve_checkpoint(spec)))
@@ -311,15 +345,31 @@ def write_batch_output(out_dir: Path, spec: JobSpec, before_commit: Callable[[],
         def token_text(token: int) -> str:
             return tokenizer.tokenizer.decode([token], skip_special_tokens=False)
 
-    def write(temp: Path) -> None:
-        with open(temp, "w", encoding="utf-8") as handle:
-            for rows in _line_groups(parts):
-                handle.write(json.dumps(output_line(spec.name, model, rows, created, token_text, fingerprint,
-                                                   spec.reasoning == "split"), ensure_ascii=False))
-                handle.write("\n")
+    error_form = spec.output.error_form
+    errors = out_dir / ERRORS_NAME
+
+    def lines(want_failed: Optional[bool]) -> Iterator[dict]:
+        for rows in _line_groups(parts):
+            line = output_line(spec.name, model, rows, created, token_text, fingerprint, spec.reasoning == "split",
+                               error_form)
+            if want_failed is None or failed(line) == want_failed:
+                yield line
+
+    def writer(want_failed: Optional[bool]) -> Callable[[Path], None]:
+        def write(temp: Path) -> None:
+            with open(temp, "w", encoding="utf-8") as handle:
+                for line in lines(want_failed):
+                    handle.write(json.dumps(line, ensure_ascii=False))
+                    handle.write("\n")
+        return write
 
     before_commit()
-    write_atomically(target, write)
+    # The error file first: the output file's presence says the job's lines are all written.
+    if error_form == "openai" and any(True for _ in lines(True)):
+        write_atomically(errors, writer(True))
+    else:
+        errors.unlink(missing_ok=True)  # an earlier run's, or the other form's
+    write_atomically(target, writer(False if error_form == "openai" else None))
     return target
 
 

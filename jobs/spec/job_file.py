@@ -65,6 +65,8 @@ class OutputSpec:
     keep_work: bool = False    # keep the planning folder `_work/` after the job completes
     # parquet: the parts only; openai: also the batch output lines (jobs/formats/openai_batch.py), from the parts
     format: str = "parquet"
+    # with format openai, where failed lines go: openai (an error file, the error in the response body) | vllm
+    error_form: str = "openai"
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
 PROMPT_KEYS = {"template": check.text(), "column": check.text(), "token_ids_column": check.text()}
 OUTPUT_KEYS = {"path": check.text(), "flush_rows": check.integer(1),
                "order": check.choice("completion", "input"), "keep_work": check.boolean,
-               "format": check.choice("parquet", "openai")}
+               "format": check.choice("parquet", "openai"), "error_form": check.choice("openai", "vllm")}
 JOB_KEYS = ("name", "model", "input", "input_format", "prompt", "chat", "system", "chat_template_kwargs", "reasoning", "id_column",
             "sampling", "engine", "output", "limit", "parallel") + TASK_JOB_KEYS
 TOP_KEYS = ("defaults", "jobs")
@@ -270,6 +272,8 @@ def _check_batch_output(checker: Checker, output: dict, batch_input: bool, sampl
     if batch_input and sampling.n != 1:
         raise checker.fail(f"{where}.sampling.n", "set n in each request line's body (OpenAI batch input)")
     if output.get("format") != "openai":
+        if "error_form" in output:
+            raise checker.fail(f"{where}.output.error_form", "needs format: openai (it shapes the batch output lines)")
         return
     if not batch_input:
         raise checker.fail(f"{where}.output.format", "openai needs an OpenAI batch input (a .jsonl file)")
