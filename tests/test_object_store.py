@@ -74,9 +74,9 @@ def remote_parts(client, prefix: str) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def write_job(folder: Path, input_url: str, output="out/rag", **extra) -> None:
+def write_job(folder: Path, input_url: str, output="out/rag", sampling=None, **extra) -> None:
     entry = job_entry(model="demo", input=input_url, engine={"device": "cpu", "max_running": 3},
-                      sampling={"max_tokens": 4, "seed": 7, "ignore_eos": True},
+                      sampling=sampling or {"max_tokens": 4, "seed": 7, "ignore_eos": True},
                       output={"path": output, "flush_rows": 3}, **extra)
     write_job_file(folder, [entry])
 
@@ -167,3 +167,42 @@ def test_bad_urls_are_one_line(case, s3, tmp_path, demo_cache, monkeypatch):  # 
     line = one_error_line(run_in_this_process(tmp_path))
     assert expected in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_output_to_s3_locked_killed_and_resumed_exactly_once(s3, tmp_path, demo_cache, monkeypatch):  # noqa: F811
+    """A run writing to s3 holds the bucket's lock (a second run elsewhere is refused), is killed with
+    SIGKILL mid-job, and a rerun from an empty staging folder resumes from the bucket alone."""
+    rows, prefix = 12, "out/rag/"
+    put_parquet(s3, "qa/rag.parquet", rag_table(rows))
+    write_job(tmp_path, "s3://bi-data/qa/rag.parquet", output="s3://bi-data/out/rag",
+              sampling={"max_tokens": 3, "seed": 7, "ignore_eos": True, "n": 2})
+    first = start_run(tmp_path, demo_cache)
+    try:
+        wait_for(lambda: any(name.startswith("_parts/") for name in remote_keys(s3, prefix)), first)
+        assert first.poll() is None, first.stderr.read()
+        assert "_lock.json" in remote_keys(s3, prefix)
+
+        import batchinfer.jobs.spec.job_file as job_file
+        with monkeypatch.context() as patch:  # a second host: its own staging folder, only the bucket shared
+            patch.setattr(job_file, "staging_folder", lambda url: tmp_path / "other-host-staging")
+            line = one_error_line(run_in_this_process(tmp_path))
+        assert f"jobs.rag.output.path: s3://bi-data/out/rag is in use by pid {first.pid}" in line, line
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert first.returncode == -signal.SIGKILL
+    done_before = remote_parts(s3, prefix).num_rows
+    assert 0 < done_before < rows * 2
+
+    import shutil
+    shutil.rmtree(demo_cache / "outputs")  # the rerun knows only what the bucket holds
+    result = run_in_this_process(tmp_path)
+    assert result.exit_code == 0, result.output
+    names = remote_keys(s3, prefix)
+    assert "_lock.json" not in names and "_stats.json" in names and "_job.json" in names
+    assert not any(name.startswith("_work") for name in names)
+    table = remote_parts(s3, prefix)
+    assert keys(table) == [(row, sample) for row in range(rows) for sample in range(2)]  # each exactly once
+    stats = json.loads(s3.get_object(Bucket=BUCKET, Key=prefix + "_stats.json")["Body"].read())
+    assert stats["status"] == "done"
