@@ -149,7 +149,7 @@ def test_https_input(tmp_path, demo_cache):  # noqa: F811
 
 
 @pytest.mark.parametrize("case", ["missing_object", "missing_bucket", "no_credentials", "bad_scheme",
-                                  "output_scheme"])
+                                  "output_scheme", "output_bucket"])
 def test_bad_urls_are_one_line(case, s3, tmp_path, demo_cache, monkeypatch):  # noqa: F811
     url, output, expected = {
         "missing_object": ("s3://bi-data/nothing.parquet", "out/rag", "jobs.rag.input: no such object: s3://bi-data/nothing"),
@@ -158,6 +158,8 @@ def test_bad_urls_are_one_line(case, s3, tmp_path, demo_cache, monkeypatch):  # 
         "no_credentials": ("s3://bi-data/qa.parquet", "out/rag", "jobs.rag.input: s3://bi-data/qa.parquet: no AWS credentials"),
         "bad_scheme": ("ftp://host/qa.parquet", "out/rag", "jobs.rag.input: ftp://host/qa.parquet: not a supported URL"),
         "output_scheme": ("s3://bi-data/qa.parquet", "gs://b/out", "jobs.rag.output.path: gs://b/out: only s3://"),
+        "output_bucket": ("s3://bi-data/qa.parquet", "s3://no-such-bucket/out",
+                          "jobs.rag.output.path: s3://no-such-bucket/out: bucket no-such-bucket does not exist"),
     }[case]
     put_parquet(s3, "qa.parquet", rag_table(3))
     if case == "no_credentials":
@@ -167,6 +169,9 @@ def test_bad_urls_are_one_line(case, s3, tmp_path, demo_cache, monkeypatch):  # 
     line = one_error_line(run_in_this_process(tmp_path))
     assert expected in line, line
     assert not (tmp_path / "out").exists()
+    if output.startswith("s3://"):  # nothing staged either
+        from batchinfer.jobs.spec.urls import staging_folder
+        assert not staging_folder(output).exists()
 
 
 def test_output_to_s3_locked_killed_and_resumed_exactly_once(s3, tmp_path, demo_cache, monkeypatch):  # noqa: F811
