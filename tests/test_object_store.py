@@ -211,3 +211,32 @@ def test_output_to_s3_locked_killed_and_resumed_exactly_once(s3, tmp_path, demo_
     assert keys(table) == [(row, sample) for row in range(rows) for sample in range(2)]  # each exactly once
     stats = json.loads(s3.get_object(Bucket=BUCKET, Key=prefix + "_stats.json")["Body"].read())
     assert stats["status"] == "done"
+
+
+def test_remote_lock_staleness_and_take_over(s3, monkeypatch):
+    """The lock object of another host: refused while fresh by the server's clock, taken over once
+    stale by a conditional PUT; its old holder's next heartbeat finds the lock lost; release leaves
+    another run's lock alone."""
+    import time
+
+    from batchinfer.jobs.outdir import remote_lock
+    from batchinfer.jobs.outdir.lock import OutputBusy
+    from batchinfer.jobs.outdir.remote_lock import RemoteLock
+
+    folder = "s3://bi-data/out/locked"
+    elsewhere = remote_lock.this_process()
+    with monkeypatch.context() as patch:
+        patch.setattr(remote_lock, "this_process", lambda: elsewhere.__class__(
+            **{**elsewhere.__dict__, "host": "other-host", "token": "theirs"}))
+        theirs = RemoteLock.acquire(folder)
+    with pytest.raises(OutputBusy, match="in use by pid .* on host other-host"):
+        RemoteLock.acquire(folder, stale_after=60)
+    time.sleep(2.1)  # Last-Modified has whole seconds
+    mine = RemoteLock.acquire(folder, stale_after=1)
+    assert theirs.beat() is False  # taken over: the old holder must stop
+    theirs.release()  # If-Match fails: our lock stays
+    body = json.loads(s3.get_object(Bucket=BUCKET, Key="out/locked/_lock.json")["Body"].read())
+    assert body["token"] == mine.holder.token
+    assert mine.beat() is True
+    mine.release()
+    assert remote_keys(s3, "out/locked/") == []
