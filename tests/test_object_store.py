@@ -76,7 +76,7 @@ def remote_parts(client, prefix: str) -> pa.Table:
 
 def write_job(folder: Path, input_url: str, output="out/rag", sampling=None, **extra) -> None:
     entry = job_entry(model="demo", input=input_url, engine={"device": "cpu", "max_running": 3},
-                      sampling=sampling or {"max_tokens": 4, "seed": 7, "ignore_eos": True},
+                      sampling=sampling or {"max_tokens": 2, "seed": 7, "ignore_eos": True},
                       output={"path": output, "flush_rows": 3}, **extra)
     write_job_file(folder, [entry])
 
@@ -240,3 +240,19 @@ def test_remote_lock_staleness_and_take_over(s3, monkeypatch):
     assert mine.beat() is True
     mine.release()
     assert remote_keys(s3, "out/locked/") == []
+
+
+def test_openai_batch_file_from_s3_to_s3(s3, tmp_path, demo_cache):  # noqa: F811
+    from batchinfer.jobs.formats.openai_batch import OUTPUT_NAME
+
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "demo", "prompt": f"Once upon a time {i}", "max_tokens": 2}})
+             for i in range(3)]
+    s3.put_object(Bucket=BUCKET, Key="batch/requests.jsonl", Body=("\n".join(lines) + "\n").encode())
+    write_job_file(tmp_path, [{"name": "b", "model": "demo", "input": "s3://bi-data/batch/requests.jsonl",
+                               "engine": {"device": "cpu"}, "sampling": {"seed": 7},
+                               "output": {"path": "s3://bi-data/out/b", "format": "openai"}}])
+    result = run_in_this_process(tmp_path)
+    assert result.exit_code == 0, result.output
+    written = s3.get_object(Bucket=BUCKET, Key=f"out/b/{OUTPUT_NAME}")["Body"].read().decode().splitlines()
+    assert [json.loads(line)["custom_id"] for line in written] == ["r0", "r1", "r2"]
