@@ -64,8 +64,8 @@ def put_parquet(client, key: str, table: pa.Table) -> None:
 
 
 def remote_keys(client, prefix: str) -> list[str]:
-    return sorted(entry["Key"][len(prefix):] for entry in
-                  client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", []))
+    names = (entry["Key"][len(prefix):] for entry in client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", []))
+    return sorted(name for name in names if name and not name.endswith("/"))  # not pyarrow's folder markers
 
 
 def remote_parts(client, prefix: str) -> pa.Table:
@@ -256,3 +256,31 @@ def test_openai_batch_file_from_s3_to_s3(s3, tmp_path, demo_cache):  # noqa: F81
     assert result.exit_code == 0, result.output
     written = s3.get_object(Bucket=BUCKET, Key=f"out/b/{OUTPUT_NAME}")["Body"].read().decode().splitlines()
     assert [json.loads(line)["custom_id"] for line in written] == ["r0", "r1", "r2"]
+
+
+def test_mirror_drops_unrecorded_parts_and_never_mirrors_a_vanished_staging_folder(s3, tmp_path):
+    """A part uploaded without its record (a kill between the two) is not synced down and is deleted
+    under the lock; a staging folder deleted under a run is an error, not an emptied bucket folder."""
+    import shutil
+
+    from batchinfer.jobs.outdir.object_store import StoreError, open_store
+    from batchinfer.jobs.outdir.remote_folder import Mirror
+
+    for key, body in {"out/m/_job.json": b"{}", "out/m/part-00000.parquet": b"p0",
+                      "out/m/_parts/part-00000.parquet.json": b"{}", "out/m/part-00001.parquet": b"p1"}.items():
+        s3.put_object(Bucket=BUCKET, Key=key, Body=body)
+    staging = tmp_path / "staging"
+    mirror = Mirror(open_store("s3://bi-data/out/m"), staging)
+    mirror.pull(clean_remote=False)
+    local = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+    assert local == ["_job.json", "_parts/part-00000.parquet.json", "part-00000.parquet"]
+    assert "part-00001.parquet" in remote_keys(s3, "out/m/")  # unlocked: the bucket is left alone
+    mirror.pull(clean_remote=True)
+    assert "part-00001.parquet" not in remote_keys(s3, "out/m/")
+    (staging / "part-00002.parquet").write_bytes(b"p2")
+    mirror.push()
+    assert "part-00002.parquet" in remote_keys(s3, "out/m/")
+    shutil.rmtree(staging)
+    with pytest.raises(StoreError, match="staging folder .* is gone"):
+        mirror.push()
+    assert len(remote_keys(s3, "out/m/")) == 4

@@ -35,6 +35,7 @@ from batchinfer.jobs.outdir.resume import COMPACT_NAME, MANIFEST_NAME
 PUSH_SECONDS = 2.0        # a killed run loses at most this long of locally committed parts (they are redone)
 WORK_DIR_NAME = "_work"   # the planning folder (jobs/global_plan/store.py): local scratch, never mirrored
 COPY_CHUNK_BYTES = 8 << 20
+PUSH_RETRY_SECONDS = (1.0, 4.0, None)  # a commit waits out a short outage of the store, then the run fails
 
 
 def _ignored(relative: str) -> bool:
@@ -141,6 +142,9 @@ class Mirror:
 
     def _push(self) -> None:
         local = self._local()
+        if MANIFEST_NAME in self._synced and MANIFEST_NAME not in local and not self.folder.is_dir():
+            # the staging folder was deleted under the run: mirroring that would empty the bucket's folder
+            raise StoreError(f"{self.store.url}: its staging folder {self.folder} is gone; not mirrored")
         for name in sorted((name for name in self._synced if name not in local), key=_delete_rank):
             try:
                 self.store.filesystem.delete_file(self.store.child(name))
@@ -233,7 +237,14 @@ class RemoteOutputLock:
         if self.lost:
             raise LockLost(f"{self.remote.target.url} was taken over by another run")
         self.local.ensure_held()
-        self.mirror.push()  # every commit so far is remote before the next one is made
+        for delay in PUSH_RETRY_SECONDS:  # every commit so far is remote before the next one is made
+            try:
+                self.mirror.push()
+                return
+            except StoreError:
+                if delay is None:
+                    raise
+                time.sleep(delay)
 
     def release(self) -> None:
         if self._stop.is_set() or os.getpid() != self.local.holder.pid:
