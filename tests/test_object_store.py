@@ -64,7 +64,8 @@ def put_parquet(client, key: str, table: pa.Table) -> None:
 
 
 def remote_keys(client, prefix: str) -> list[str]:
-    names = (entry["Key"][len(prefix):] for entry in client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", []))
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+    names = (entry["Key"][len(prefix):] for entry in listed)
     return sorted(name for name in names if name and not name.endswith("/"))  # not pyarrow's folder markers
 
 
@@ -149,7 +150,7 @@ def test_https_input(tmp_path, demo_cache):  # noqa: F811
 
 
 @pytest.mark.parametrize("case", ["missing_object", "missing_bucket", "no_credentials", "bad_scheme",
-                                  "output_scheme", "output_bucket"])
+                                  "output_scheme", "output_bucket", "broken_csv"])
 def test_bad_urls_are_one_line(case, s3, tmp_path, demo_cache, monkeypatch):  # noqa: F811
     url, output, expected = {
         "missing_object": ("s3://bi-data/nothing.parquet", "out/rag", "jobs.rag.input: no such object: s3://bi-data/nothing"),
@@ -158,10 +159,13 @@ def test_bad_urls_are_one_line(case, s3, tmp_path, demo_cache, monkeypatch):  # 
         "no_credentials": ("s3://bi-data/qa.parquet", "out/rag", "jobs.rag.input: s3://bi-data/qa.parquet: no AWS credentials"),
         "bad_scheme": ("ftp://host/qa.parquet", "out/rag", "jobs.rag.input: ftp://host/qa.parquet: not a supported URL"),
         "output_scheme": ("s3://bi-data/qa.parquet", "gs://b/out", "jobs.rag.output.path: gs://b/out: only s3://"),
+        "broken_csv": ("s3://bi-data/bad.csv", "out/rag",
+                       "jobs.rag.input: s3://bi-data/bad.csv: not a readable CSV file (line 3: expected 3 fields, got 4"),
         "output_bucket": ("s3://bi-data/qa.parquet", "s3://no-such-bucket/out",
                           "jobs.rag.output.path: s3://no-such-bucket/out: bucket no-such-bucket does not exist"),
     }[case]
     put_parquet(s3, "qa.parquet", rag_table(3))
+    s3.put_object(Bucket=BUCKET, Key="bad.csv", Body=b"qid,document,question\na,x,y\nb,x,y,extra\n")
     if case == "no_credentials":
         monkeypatch.delenv("AWS_ACCESS_KEY_ID")
         monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")

@@ -335,7 +335,7 @@ def open_batch_input(pattern: str, tokenizer: CheckpointTokenizer, job_file: Pat
         copies = fetch_inputs(pattern, job_file, where)
         if len(copies) != 1:
             raise JobError(job_file, where, f"{pattern}: an OpenAI batch input is one .jsonl object")
-        pattern = str(copies[0])
+        pattern = str(next(iter(copies)))
     path = Path(pattern)
     if not path.is_file():
         raise JobError(job_file, where,

@@ -36,11 +36,11 @@ COPY_CHUNK_BYTES = 8 << 20
 HTTP_TIMEOUT_SECONDS = 60
 
 
-def fetch_inputs(pattern: str, job_file: Path, where: str) -> list[Path]:
-    """Local copies of the objects `pattern` names, in the sorted order of their keys."""
+def fetch_inputs(pattern: str, job_file: Path, where: str) -> dict[Path, str]:
+    """Local copies of the objects `pattern` names → their URLs, in the sorted order of their keys."""
     try:
         if url_scheme(pattern) in ("http", "https"):
-            return [_fetch_http(pattern)]
+            return {_fetch_http(pattern): pattern}
         return _fetch_objects(pattern)
     except StoreError as exc:
         raise JobError(job_file, where, str(exc)) from None
@@ -82,7 +82,7 @@ def _list(store: Store, recursive: bool) -> list[pafs.FileInfo]:
     return [entry for entry in listed if entry.type == pafs.FileType.File]
 
 
-def _fetch_objects(pattern: str) -> list[Path]:
+def _fetch_objects(pattern: str) -> dict[Path, str]:
     scheme_end = pattern.index("://") + 3
     parts = pattern[scheme_end:].split("/")
     first_glob = next((i for i, part in enumerate(parts) if has_glob(part)), None)
@@ -105,7 +105,9 @@ def _fetch_objects(pattern: str) -> list[Path]:
             if not objects:
                 what = "no .parquet objects under" if found.type == pafs.FileType.Directory else "no such object"
                 raise StoreError(f"{what}: {pattern}")
-    return [_fetch_object(store, entry) for entry in sorted(objects, key=lambda entry: entry.path)]
+    scheme = pattern[:scheme_end]
+    return {_fetch_object(store, entry): scheme + entry.path
+            for entry in sorted(objects, key=lambda entry: entry.path)}
 
 
 def _copy_path(url: str, validators: list, name: str) -> Path:

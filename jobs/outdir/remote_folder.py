@@ -124,7 +124,8 @@ class Mirror:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.pull-", suffix=".tmp", dir=target.parent)
         try:
-            with os.fdopen(fd, "wb") as handle, self.store.filesystem.open_input_stream(self.store.child(name)) as source:
+            with os.fdopen(fd, "wb") as handle, \
+                    self.store.filesystem.open_input_stream(self.store.child(name)) as source:
                 while chunk := source.read(COPY_CHUNK_BYTES):
                     handle.write(chunk)
             os.replace(temporary, target)
