@@ -288,3 +288,26 @@ def test_mirror_drops_unrecorded_parts_and_never_mirrors_a_vanished_staging_fold
     with pytest.raises(StoreError, match="staging folder .* is gone"):
         mirror.push()
     assert len(remote_keys(s3, "out/m/")) == 4
+
+
+def test_an_upload_cut_short_never_leaves_a_part_under_its_name(s3, tmp_path, monkeypatch):
+    """A signal while a part is uploaded (the push before a commit): its final key must not appear,
+    as pyarrow completes a stream closed during unwinding with what it was given."""
+    from batchinfer.jobs.outdir import remote_folder
+    from batchinfer.jobs.outdir.object_store import open_store
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "part-00000.parquet").write_bytes(b"x" * 4096)
+    mirror = remote_folder.Mirror(open_store("s3://bi-data/out/cut"), staging)
+
+    class CutShort(io.BytesIO):
+        def read(self, size=-1):
+            if self.tell():
+                raise KeyboardInterrupt
+            return super().read(1024)
+
+    monkeypatch.setattr(remote_folder, "open", lambda path, mode: CutShort(Path(path).read_bytes()), raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        mirror.push()
+    assert "part-00000.parquet" not in remote_keys(s3, "out/cut/")

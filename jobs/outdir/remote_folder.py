@@ -154,14 +154,24 @@ class Mirror:
             del self._synced[name]
         changed = [name for name, stamp in local.items() if self._synced.get(name) != stamp]
         for name in sorted(changed, key=lambda name: (_upload_rank(name), name)):
-            try:
-                with open(self.folder / name, "rb") as source, \
-                        self.store.filesystem.open_output_stream(self.store.child(name)) as sink:
-                    while chunk := source.read(COPY_CHUNK_BYTES):
-                        sink.write(chunk)
-            except FileNotFoundError:
-                continue  # removed meanwhile (a compaction): the next push deletes it remotely if it was there
-            self._synced[name] = local[name]
+            if self._upload(name):
+                self._synced[name] = local[name]
+
+    def _upload(self, name: str) -> bool:
+        """`name` under its final key whole or not at all; False when it vanished locally meanwhile.
+
+        Written to a dot-key first, then moved (a server-side copy): a stream closed while an exception
+        unwinds completes the upload with what it holds, which must never be a part's final key."""
+        folder, _, base = name.rpartition("/")
+        temporary = self.store.child(f"{folder}/.{base}.upload.tmp" if folder else f".{base}.upload.tmp")
+        try:
+            with open(self.folder / name, "rb") as source, self.store.filesystem.open_output_stream(temporary) as sink:
+                while chunk := source.read(COPY_CHUNK_BYTES):
+                    sink.write(chunk)
+        except FileNotFoundError:
+            return False  # removed meanwhile (a compaction): the next push deletes it remotely if it was there
+        self.store.filesystem.move(temporary, self.store.child(name))
+        return True
 
 
 def _job_error(spec, what: str) -> JobError:
