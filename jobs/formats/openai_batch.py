@@ -46,6 +46,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchinfer.engine.types import SamplingParams
+from batchinfer.jobs.inputs.remote import fetch_inputs
+from batchinfer.jobs.spec.urls import is_url
 from batchinfer.jobs.outdir.atomic_files import write_atomically
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.inputs.files import InputFiles
@@ -379,6 +381,11 @@ def open_batch_input(pattern: str, tokenizer: CheckpointTokenizer, job_file: Pat
     """The request file as the job's input: its rows parsed and held in memory (`InputFiles.table`).
     `limit` counts request lines (so a line keeps all its choices); `PreparedJob.rows` then takes every row.
     `template_kwargs`: the job's `chat_template_kwargs`, for every chat line."""
+    if is_url(pattern):  # an object-store URL: read from its local copy (jobs/inputs/remote.py)
+        copies = fetch_inputs(pattern, job_file, where)
+        if len(copies) != 1:
+            raise JobError(job_file, where, f"{pattern}: an OpenAI batch input is one .jsonl object")
+        pattern = str(next(iter(copies)))
     path = Path(pattern)
     if not path.is_file():
         raise JobError(job_file, where,

@@ -25,6 +25,8 @@ import pyarrow.parquet as pq
 from batchinfer.jobs.outdir.atomic_files import HASH_CHUNK_BYTES, sha256_file
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.inputs.input_glob import glob_files, has_glob, unique_files
+from batchinfer.jobs.inputs.remote import fetch_inputs
+from batchinfer.jobs.spec.urls import is_url
 from batchinfer.jobs.inputs.readers import convert_input, format_of, is_hf_dataset
 
 
@@ -109,12 +111,22 @@ def _matching_files(pattern: str, exclude: Optional[Path] = None) -> list[Path]:
 
 def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path] = None,
                 input_format: str = "auto") -> InputFiles:
-    """Resolve `pattern` (file, folder or glob) and check every file is Parquet with one schema.
+    """Resolve `pattern` (file, folder, glob, or an object-store URL: remote.py) and check every file is
+    Parquet with one schema.
 
     Files under `exclude` (the job's own output folder) are never inputs: a glob such as
     `data/**/*.parquet` would otherwise read the job's earlier parts back in on every rerun.
     Other formats (`input_format`, or by name: readers.py) are converted to Parquet first.
     """
+    if is_url(pattern):
+        copies = fetch_inputs(pattern, job_file, where)
+        try:
+            return _open_paths(list(copies), job_file, where, input_format)
+        except JobError as exc:  # name the objects, not their local copies
+            what = exc.what
+            for copy, url in copies.items():
+                what = what.replace(display_path(copy), url)
+            raise JobError(job_file, where, what) from None
     paths = _matching_files(pattern, exclude)
     if not paths:
         if has_glob(pattern):
@@ -126,6 +138,11 @@ def open_inputs(pattern: str, job_file: Path, where: str, exclude: Optional[Path
         if exclude is not None and _matching_files(pattern):
             what += f" outside the job's output folder {display_path(exclude)}"
         raise JobError(job_file, where, f"{what}: {display_path(pattern)}")
+    return _open_paths(paths, job_file, where, input_format)
+
+
+def _open_paths(paths: list[Path], job_file: Path, where: str, input_format: str) -> InputFiles:
+    """`paths` converted to Parquet where they are another format, checked to share one schema."""
     sources: list[dict] = []
     formats = [format_of(path, input_format) for path in paths]
     if any(fmt != "parquet" for fmt in formats):

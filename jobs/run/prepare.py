@@ -19,6 +19,7 @@ import pyarrow as pa
 from batchinfer.jobs.spec.checkpoint import check_checkpoint, checkpoint_fingerprint, resolve_checkpoint
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.inputs.files import InputFiles, input_fingerprint, open_inputs
+from batchinfer.jobs.outdir.remote_folder import pull_output
 from batchinfer.jobs.outdir.part_writer import RESULT_COLUMNS
 from batchinfer.jobs.inputs.prompts import (is_text, oversized_job_text, parse_template, prompt_char_limit,
                                      template_can_format, template_columns)
@@ -187,6 +188,8 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
         "input": input_fingerprint(inputs),
         "rows": inputs.num_rows if spec.limit is None else min(spec.limit, inputs.num_rows),
     }
+    if spec.output.remote:  # an s3:// folder: its manifest and parts synced down for the resume check
+        pull_output(spec)
     _check_output(spec)
     check_resumable(spec.output.path, fingerprint, overwrite, spec.job_file, spec.where("output"))
     return PreparedJob(spec, checkpoint, vocab_size, tokenizer, inputs, fingerprint, sampling, reasoning,

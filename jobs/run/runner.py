@@ -33,6 +33,7 @@ from batchinfer.jobs.run.global_run import PlannedUnits, UnitsInProcess, plan_st
 from batchinfer.jobs.formats.openai_batch import OUTPUT_NAME as BATCH_OUTPUT_NAME, write_batch_output
 from batchinfer.jobs.outdir.ordered_output import compact_in_input_order, finish_interrupted_compaction
 from batchinfer.jobs.outdir.lock import OutputBusy, OutputLock
+from batchinfer.jobs.outdir.remote_folder import RemoteOutputLock
 from batchinfer.jobs.outdir.part_writer import PartWriter, job_result_fields
 from batchinfer.jobs.outdir.part_store import PARTS_DIR, damaged_path, samples_on_disk, scan_parts
 from batchinfer.jobs.run.prepare import PreparedJob
@@ -72,6 +73,8 @@ def lock_output(job: PreparedJob) -> OutputLock:
     """Take the job's output folder for this run, or raise JobError naming the run that holds it."""
     spec = job.spec
     out_dir = spec.output.path
+    if spec.output.remote:  # s3://: the bucket's lock object, and the staging folder mirrored to it
+        return RemoteOutputLock.acquire(spec)
     try:
         return OutputLock.acquire(out_dir)
     except OutputBusy as busy:

@@ -21,6 +21,7 @@ from batchinfer.jobs.spec import checks as check
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.spec.parallel import PARALLEL_KEYS, ParallelSpec
 from batchinfer.jobs.spec.checks import Checker, did_you_mean
+from batchinfer.jobs.spec.urls import INPUT_SCHEMES, OUTPUT_SCHEMES, is_url, staging_folder, url_scheme
 from batchinfer.jobs.spec.task import TASK_JOB_KEYS, TaskSpec, parse_task, split_task_sampling
 from batchinfer.jobs.spec.yaml_loader import DuplicateKeyError, JobFileSizeError, load_yaml
 
@@ -67,6 +68,7 @@ class OutputSpec:
     format: str = "parquet"
     # with format openai, where failed lines go: openai (an error file, the error in the response body) | vllm
     error_form: str = "openai"
+    remote: Optional[str] = None  # an s3:// folder: `path` is then its local staging mirror (jobs/spec/urls.py)
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,26 @@ def _resolve(path_text: str, base: Path) -> Path:
     return path if path.is_absolute() else (base / path).resolve()
 
 
+def _input_location(checker: Checker, text: str, base: Path, where: str) -> str:
+    """A local input resolved against the job file's folder; an object-store URL as written."""
+    if not is_url(text):
+        return str(_resolve(text, base))
+    if url_scheme(text) not in INPUT_SCHEMES:
+        raise checker.fail(f"{where}.input", f"{text}: not a supported URL (s3://, gs://, http(s)://)")
+    return text
+
+
+def _output_spec(checker: Checker, output: dict, base: Path, where: str) -> OutputSpec:
+    """A local output folder resolved; an s3:// one staged in a local mirror (jobs/outdir/remote_folder.py)."""
+    path = output.pop("path")
+    if not is_url(path):
+        return OutputSpec(path=_resolve(path, base), **output)
+    if url_scheme(path) not in OUTPUT_SCHEMES:
+        raise checker.fail(f"{where}.output.path", f"{path}: only s3:// output folders are supported "
+                                                   "(the output lock needs S3's conditional PUT)")
+    return OutputSpec(path=staging_folder(path), remote=path.rstrip("/"), **output)
+
+
 def _sampling(checker: Checker, raw: Any, where: str) -> tuple[SamplingParams, frozenset[str], bool]:
     """(the job's own sampling values over the built-in defaults, the keys it set, use_generation_config)."""
     values = checker.section(raw, where, SAMPLING_KEYS)
@@ -226,12 +248,12 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
     return JobSpec(
         name=name,
         model=model if model == DEMO_MODEL else str(_resolve(model, base)),
-        input=str(_resolve(input_pattern, base)),
+        input=_input_location(checker, input_pattern, base, where),
         input_format=input_format,
         prompt=PromptSpec(**prompt, chat_template_kwargs=tuple(sorted(template_kwargs.items()))),
         sampling=sampling,
         engine=EngineSettings(**checker.section(raw.get("engine", {}), f"{where}.engine", ENGINE_KEYS)),
-        output=OutputSpec(path=_resolve(output.pop("path"), base), **output),
+        output=_output_spec(checker, output, base, where),
         chat=chat,
         system=scalar("system", check.text(optional=True), None),
         reasoning=reasoning,
