@@ -26,6 +26,8 @@ def test_two_and_four_stages_give_the_one_stage_tokens_with_ideal_reuse(tmp_path
         outputs[stages] = list(zip(keys(table), table["output_token_ids"].to_pylist()))
         stats = _stats(out_dir)
         assert stats["cached_tokens"] == stats["plan"]["global_ideal_cached_tokens"] > 0
+        if stages > 1:
+            assert len(stats["engine_settings"]["pipeline"]["stage_busy_seconds"]) == stages
     assert outputs[2] == outputs[1] and outputs[4] == outputs[1]
 
 
