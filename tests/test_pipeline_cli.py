@@ -7,6 +7,8 @@ import json
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.job_process import demo_cache, keys, read_parts, run_in_this_process, start_run, wait_for, write_demo_job  # noqa: F401
 from tests.test_cli_e2e import invoke
 
@@ -15,6 +17,7 @@ def _stats(out_dir: Path) -> dict:
     return json.loads((out_dir / "_stats.json").read_text())
 
 
+@pytest.mark.slow
 def test_two_and_four_stages_give_the_one_stage_tokens_with_ideal_reuse(tmp_path, demo_cache):
     outputs = {}
     for stages in (1, 2, 4):
@@ -42,6 +45,7 @@ def test_plan_shows_the_stage_split_and_a_bad_count_is_exit_2(tmp_path, demo_cac
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_two_stage_run_killed_mid_job_then_rerun_holds_each_sample_once(tmp_path, demo_cache):
     rows = 13
     out_dir = write_demo_job(tmp_path, rows, parallel={"pipeline_stages": 2})

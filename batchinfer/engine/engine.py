@@ -604,12 +604,7 @@ class Engine:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else rss
         return self.tally.snapshot(states_tracked=cache.states_tracked, states_donated=cache.states_donated,
                                    states_evicted=cache.states_evicted, tracks_skipped=cache.tracks_skipped,
-                                   peak_memory_bytes=peak, peak_rss_bytes=rss, **self._stage_stats())
-
-    def _stage_stats(self) -> dict:
-        if not isinstance(self.model, PipelinedModel):
-            return {}
-        return {"stage_busy_seconds": tuple(round(s, 6) for s in self.model.stage_busy_seconds())}
+                                   peak_memory_bytes=peak, peak_rss_bytes=rss)
 
     def settings(self) -> dict:
         """The settings this engine runs with (resolved), for stats.json."""
@@ -628,6 +623,7 @@ class Engine:
             "eos_token_ids": sorted(self.stop_rules.eos_token_ids),
             **({"pipeline": {"stages": [list(b) for b in self.model.split.bounds],
                              "predicted_balance": round(self.model.split.balance, 4),
-                             "stage_busy_seconds": list(self._stage_stats()["stage_busy_seconds"])}}
+                             # each stage's compute time so far: the pipeline's bubble is wall - busy
+                             "stage_busy_seconds": [round(b, 6) for b in self.model.stage_busy_seconds()]}}
                if isinstance(self.model, PipelinedModel) else {}),
         }

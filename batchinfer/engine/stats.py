@@ -35,7 +35,6 @@ class EngineStats:
     wall_seconds: float = 0.0
     peak_memory_bytes: int = 0            # CUDA: torch's max_memory_allocated; CPU: peak_rss_bytes
     peak_rss_bytes: int = 0               # the process's peak resident set (its whole life, not one job)
-    stage_busy_seconds: tuple = ()        # pipeline stages: each stage's compute time (its bubble = wall - busy)
 
     @property
     def cache_hit_rate(self) -> float:
