@@ -46,12 +46,15 @@ def _stopped_line(signum: int) -> str:
 
 
 def _prepare_all(job_file: Path, job_name: Optional[str], overwrite: bool,
-                 workers: Optional[int] = None) -> list[PreparedJob]:
-    """Every selected job checked; `workers` (run --workers N) replaces each job's parallel.workers."""
+                 workers: Optional[int] = None, stages: Optional[int] = None) -> list[PreparedJob]:
+    """Every selected job checked; `workers` (run --workers N) replaces each job's parallel.workers,
+    `stages` (--pipeline-stages N) its parallel.pipeline_stages."""
     try:
         specs = load_job_file(job_file).select(job_name)
         if workers is not None:
             specs = tuple(replace(spec, parallel=replace(spec.parallel, workers=workers)) for spec in specs)
+        if stages is not None:
+            specs = tuple(replace(spec, parallel=replace(spec.parallel, pipeline_stages=stages)) for spec in specs)
         return [prepare_job(spec, overwrite) for spec in specs]
     except JobError as exc:
         _fail(str(exc), EXIT_BAD_INPUT)
@@ -73,12 +76,15 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Delete earlier outputs of the job(s) instead of resuming.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Engines to run each job on (overrides the job's parallel.workers).")
-def run(job_file: Path, job_name: Optional[str], overwrite: bool, workers: Optional[int]) -> None:
+@click.option("--pipeline-stages", "stages", type=click.IntRange(min=1), default=None,
+              help="GPUs each engine's layers are split over (overrides the job's parallel.pipeline_stages).")
+def run(job_file: Path, job_name: Optional[str], overwrite: bool, workers: Optional[int],
+        stages: Optional[int]) -> None:
     """Run the jobs of JOB_FILE (resuming where an earlier run stopped)."""
     current: Optional[PreparedJob] = None
     with quiet_when_closed(), stop_on_signals():
         try:
-            prepared = _prepare_all(job_file, job_name, overwrite, workers)
+            prepared = _prepare_all(job_file, job_name, overwrite, workers, stages)
             console = Console()
             with ExitStack() as held:
                 locks = _lock_all(prepared, held)
@@ -126,14 +132,16 @@ def _lock_all(prepared: list[PreparedJob], held: ExitStack) -> dict[Path, Output
               help="Also predict the balance of the work units over N workers.")
 @click.option("--per-window", is_flag=True, help="Also plan in the engine's windows of rows, for comparison.")
 @click.option("--unit-rows", type=click.IntRange(min=1), default=None, help="Rows per work unit (default: automatic).")
+@click.option("--pipeline-stages", "stages", type=click.IntRange(min=1), default=None,
+              help="Also show the layer split over N pipeline stages (default: the job's parallel.pipeline_stages).")
 def plan(job_file: Path, job_name: Optional[str], workers: Optional[int], per_window: bool,
-         unit_rows: Optional[int]) -> None:
+         unit_rows: Optional[int], stages: Optional[int]) -> None:
     """Tokenise and plan the jobs of JOB_FILE globally without loading a model."""
     from batchinfer.jobs.global_plan import UnitConfig
     from batchinfer.jobs.run.planning import plan_job_globally, render_global_plan, unit_config_with
 
     # Planning writes nothing into the output folder, so an existing one is no reason to refuse.
-    prepared = _prepare_all(job_file, job_name, overwrite=True)
+    prepared = _prepare_all(job_file, job_name, overwrite=True, stages=stages)
     console = Console()
     config = unit_config_with(UnitConfig(), unit_rows)
     for job in prepared:
@@ -142,6 +150,16 @@ def plan(job_file: Path, job_name: Optional[str], workers: Optional[int], per_wi
         except JobError as exc:
             _fail(str(exc), EXIT_BAD_INPUT)
         render_global_plan(console, report)
+        if job.spec.parallel.pipeline_stages > 1:
+            console.print(f"pipeline stages: {_stage_split(job).describe()}", highlight=False)
+
+
+def _stage_split(job: PreparedJob):
+    """The job's layers over its pipeline stages, as the engine will split them (bf16 weights on CUDA)."""
+    from batchinfer.models.config import load_model_config
+    from batchinfer.models.stage_split import split_layers
+
+    return split_layers(load_model_config(job.checkpoint), job.spec.parallel.pipeline_stages)
 
 
 @main.command()

@@ -53,6 +53,9 @@ class EngineConfig:
     # shapes are compiled, and compiles them mid-run (docs/BENCHMARKS.md, "One forward per step");
     # BATCHINFER_MIXED_STEP=1 / 0 overrides.
     mixed_step: bool = False
+    # Layers split over this many stages (models/pipeline.py): on CUDA stage s on cuda:s (or all on
+    # a pinned cuda:K), on the CPU all in one process; 1: the whole model as one.
+    pipeline_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.state_cache not in get_args(StateCacheMode):
@@ -61,7 +64,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, not {self.dtype!r}")
         if self.ckpt_dtype is not None and self.ckpt_dtype not in _DTYPES:
             raise ValueError(f"ckpt_dtype must be one of {sorted(_DTYPES)}, not {self.ckpt_dtype!r}")
-        for name in ("ring_len", "track_interval", "max_running", "max_batch_tokens", "row_tokens"):
+        for name in ("ring_len", "track_interval", "max_running", "max_batch_tokens", "row_tokens", "pipeline_stages"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -27,6 +27,7 @@ from batchinfer.engine.draws import Draw, read_now
 from batchinfer.engine.host_copy import upload, upload_packed
 from batchinfer.engine.model_runner import DecodeRows, ModelRunner, SequenceChunk
 from batchinfer.engine.overlap import DecodeOverlap
+from batchinfer.engine.pipeline_pools import build_pipeline_pools, plan_pipeline_pools
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts
 from batchinfer.engine.sampler import SamplingTensors, apply_token_bitmask, identity_key, sample, token_logprobs
 from batchinfer.engine.scheduler import Scheduler
@@ -37,6 +38,7 @@ from batchinfer.engine.step_batch import logits_rows, sequence_chunk
 from batchinfer.engine.stats import EngineStats, StatsTally, process_peak_rss_bytes
 from batchinfer.engine.types import ContinuationScore, Request, RequestOutput, TokenLogprob
 from batchinfer.models.forward_batch import ModelCaches
+from batchinfer.models.pipeline import PipelinedModel, StagedCaches
 from batchinfer.cache.budget import build_pools, memory_budget, plan_pools
 from batchinfer.cache.shapes import shapes_from_model_config
 from batchinfer.cache.state_cache import CacheConfig, StateCache
@@ -101,15 +103,24 @@ class Engine:
         # One working slot per running request, plus plan_pools' shared pool of cached states
         # that tracking borrows from (a tracked state goes to the tree at once) and eviction
         # refills: tree states are never pinned by running requests, only during admission.
-        budget = self._budget_bytes()
-        requested = config.resolved_max_running(model.config, (budget, kv_shape.bytes_per_token, state_shape.bytes_per_slot))
-        self.pool_plan = plan_pools(kv_shape, state_shape, budget, max_running=requested)
+        pipelined = isinstance(model, PipelinedModel)
+        if pipelined:  # each stage priced against its own device (engine/pipeline_pools.py)
+            requested = config.resolved_max_running(model.config)
+            self.pool_plan = plan_pipeline_pools(
+                model, kv_shape, state_shape, max_running=requested, cpu_budget=_CPU_DEFAULT_BUDGET_BYTES,
+                fraction=config.memory_fraction, budget_bytes=config.memory_budget_bytes,
+                reserve_bytes=activation_reserve_bytes(model.config, config, self.max_model_len))
+        else:
+            budget = self._budget_bytes()
+            requested = config.resolved_max_running(model.config, (budget, kv_shape.bytes_per_token, state_shape.bytes_per_slot))
+            self.pool_plan = plan_pools(kv_shape, state_shape, budget, max_running=requested)
         if max_running_shortfall(self.pool_plan.max_running, config.max_running, requested, self.device.type):
             log.warning("memory budget fits %d concurrent requests, not max_running=%d (%.0f MiB per state slot)",
                         self.pool_plan.max_running, requested, self.pool_plan.bytes_per_state_slot / 2**20)
-        kv_pool, state_pool = build_pools(self.pool_plan, kv_shape, state_shape, self.device)
+        kv_pool, state_pool = (build_pipeline_pools(model, self.pool_plan, kv_shape, state_shape) if pipelined
+                               else build_pools(self.pool_plan, kv_shape, state_shape, self.device))
         self.cache = StateCache(kv_pool, state_pool, cache_config)
-        caches = ModelCaches.from_pools(kv_pool, state_pool)
+        caches = (StagedCaches if pipelined else ModelCaches).from_pools(kv_pool, state_pool)
         # Before the graphs, which would compile the kernels one by one at their first launch.
         self.precompile_report = self._load_and_compile(caches, kv_pool, state_pool, load_weights)
         self.runner = ModelRunner(model, caches, self.device, replay=config.replayssm,
@@ -140,7 +151,13 @@ class Engine:
 
         loaded: dict[str, float] = {}
         device = config.resolved_device()
-        if str(model) in PRESETS:  # random weights: drawn before the engine (nothing to overlap)
+        if config.pipeline_stages > 1:  # each stage allocated on its device, filled with its tensors only
+            from batchinfer.models.pipeline_build import pipelined_model
+
+            with phase("allocating the model", loaded, "load"):
+                built, fill = pipelined_model(str(model), config.resolved_dtype(), device, config.pipeline_stages,
+                                              seed=seed)
+        elif str(model) in PRESETS:  # random weights: drawn before the engine (nothing to overlap)
             with phase("loading weights", loaded, "load"):
                 built = build_model(model, config.resolved_dtype(), device, seed=seed)
                 if device.type == "cuda":
@@ -186,7 +203,7 @@ class Engine:
         """The trace of every Triton kernel the steps will launch, their compiles submitted to
         worker processes (CUDA only; None otherwise or when turned off); `spare_cpus` are left
         to the caller's work meanwhile."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or isinstance(self.model, PipelinedModel):  # stages compile at first launch
             return None
         from batchinfer.engine.precompile import StepShapes, engine_trace, start_precompile
 
@@ -200,7 +217,7 @@ class Engine:
                                                  self.device), spare_cpus=spare_cpus)
 
     def _decode_graphs(self, caches, kv_pool, state_pool) -> Optional[DecodeGraphs]:
-        if not (self.config.cuda_graphs and self.device.type == "cuda"):
+        if not (self.config.cuda_graphs and self.device.type == "cuda") or isinstance(self.model, PipelinedModel):
             return None
         graphs = DecodeGraphs(self.model, caches, self.device, replay=self.config.replayssm,
                               max_batch=self.pool_plan.max_running, pad_state_slot=state_pool.pad_slot,
@@ -611,4 +628,9 @@ class Engine:
             "kv_slots": plan.kv_slots,
             "state_slots": plan.state_slots,
             "eos_token_ids": sorted(self.stop_rules.eos_token_ids),
+            **({"pipeline": {"stages": [list(b) for b in self.model.split.bounds],
+                             "predicted_balance": round(self.model.split.balance, 4),
+                             # each stage's compute time so far: the pipeline's bubble is wall - busy
+                             "stage_busy_seconds": [round(b, 6) for b in self.model.stage_busy_seconds()]}}
+               if isinstance(self.model, PipelinedModel) else {}),
         }

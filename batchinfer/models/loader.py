@@ -55,10 +55,10 @@ def empty_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     shapes = weight_shapes(path)
     if shapes is not None:  # unreadable files are reported by load_weights, naming them
         check_against_weights(config, shapes, path)
-    return HybridModel(config, dtype, device, _fp8_params(path, config, torch.device(device), fp8))
+    return HybridModel(config, dtype, device, fp8_params_for(path, config, torch.device(device), fp8))
 
 
-def _fp8_params(path: str | Path, config, device: torch.device, fp8: bool | None) -> frozenset[str] | None:
+def fp8_params_for(path: str | Path, config, device: torch.device, fp8: bool | None) -> frozenset[str] | None:
     """The projections to keep FP8 (None: an unquantized model, FP8 tensors dequantized)."""
     raw = json.loads((Path(path) / "config.json").read_text())
     if parse_quantization(raw) is None or not (device.type == "cuda" if fp8 is None else fp8):
@@ -87,7 +87,8 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
 
 @torch.no_grad()
 def load_weights(model: HybridModel, path: str | Path, streamed: bool = False) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path` (in place).
+    """Fill every parameter of `model` from the checkpoint at `path` (in place). `model` may be a
+    pipeline stage (`pipeline.StageModel`): only the tensors of its parameters are read.
 
     By default tensors are read one at a time from the memory-mapped file: on the H200 that is at
     disk speed from a cold page cache and 2.5x faster than `streamed` from a warm one
@@ -100,6 +101,9 @@ def load_weights(model: HybridModel, path: str | Path, streamed: bool = False) -
     wanted = (quantized_model_tensors if quantized_model else checkpoint_tensors)(model.config, layout)
     scaled = {t.name for t in wanted if scale_name(t.name) in files}  # FP8 tensors of the checkpoint
     reject_unexpected(files, {t.name for t in wanted} | {scale_name(n) for n in scaled}, layout.prefix)
+    params = dict(model.named_parameters())
+    # A pipeline stage holds some of the model's parameters: it reads only the tensors that fill them.
+    wanted = [t for t in wanted if any(p.param in params or p.param + ".weight" in params for p in t.targets)]
 
     by_file: dict[Path, list[HfTensor]] = defaultdict(list)
     for tensor in wanted:
@@ -107,7 +111,6 @@ def load_weights(model: HybridModel, path: str | Path, streamed: bool = False) -
             raise CheckpointError(f"tensor {tensor.name!r} is missing from checkpoint {path}")
         by_file[files[tensor.name]].append(tensor)
 
-    params = dict(model.named_parameters())
     filled = dict.fromkeys(params, 0)  # elements written per parameter, to prove full coverage
     streamed = bool(streamed) and not scaled  # FP8 weights are read with their scales, one at a time
     for file, tensors in by_file.items():

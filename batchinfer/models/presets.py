@@ -6,8 +6,9 @@ by seed. `build_model` takes a preset name or a checkpoint directory.
 
 Sizes in bf16: qwen3.5-27b ≈ 54 GB (fits one H200); qwen3.5-35b-a3b ≈ 70 GB (fits; ~3B parameters
 active per token); qwen3-next-80b-a3b ≈ 160 GB and qwen3.5-122b-a10b ≈ 244 GB, which do not fit
-one GPU (no tensor parallelism here) — they are useful for shapes and cache budgeting, and their
-FP8 twins fit (80 GB, 124 GB).
+one GPU — they run as pipeline stages over several (`pipeline_stages`, models/pipeline.py), and
+their FP8 twins fit one (80 GB, 124 GB); qwen3.5-397b-a17b ≈ 794 GB (~400 GB in FP8) runs only
+as pipeline stages.
 """
 from __future__ import annotations
 
@@ -65,6 +66,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         "tie_word_embeddings": False, "max_position_embeddings": 262144,
     },
+    # Qwen/Qwen3.5-397B-A17B's text model: 60 layers (15 x (3 GDN + 1 attention)), every layer MoE with
+    # 512 experts (10 routed + 1 shared, 1024 wide). The numbers are the Hugging Face model card's as
+    # restated by https://apxml.com/models/qwen35-397b-a17b and
+    # https://roboaidigest.com/posts/2026-02-17-qwen3-5-397b-moe (hidden 4096; 32 q / 2 kv heads of 256;
+    # GDN 16 qk / 64 v heads of 128; vocab 248320; rope theta 1e7); config.json itself was not found,
+    # so partial_rotary_factor and the rest follow the 122B's. ~397 B parameters: ~794 GB in bf16.
+    "qwen3.5-397b-a17b": {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320, "hidden_size": 4096, "num_hidden_layers": 60,
+        "full_attention_interval": 4, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 1024,
+        "shared_expert_intermediate_size": 1024, "norm_topk_prob": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "max_position_embeddings": 262144,
+    },
     "qwen3-next-80b-a3b": {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
@@ -88,6 +106,8 @@ PRESETS["qwen3.5-27b-fp8"] = {**PRESETS["qwen3.5-27b"], "quantization_config": F
 PRESETS["qwen3-next-80b-a3b-fp8"] = {**PRESETS["qwen3-next-80b-a3b"], "quantization_config": FP8_QUANTIZATION}
 PRESETS["qwen3.5-35b-a3b-fp8"] = {**PRESETS["qwen3.5-35b-a3b"], "quantization_config": FP8_QUANTIZATION}
 PRESETS["qwen3.5-122b-a10b-fp8"] = {**PRESETS["qwen3.5-122b-a10b"], "quantization_config": FP8_QUANTIZATION}
+# ~400 GB: fits 4 H200s as pipeline stages (pipeline_stages: 4), or 2 stages with its layers cut.
+PRESETS["qwen3.5-397b-a17b-fp8"] = {**PRESETS["qwen3.5-397b-a17b"], "quantization_config": FP8_QUANTIZATION}
 
 
 def preset_config(name: str) -> ModelConfig:

@@ -63,7 +63,10 @@ def worker_layout(spec: JobSpec, gpus: Optional[Sequence[str]] = None) -> Worker
         if index >= len(gpus):
             raise RuntimeError(f"engine.device is {device}, but only {len(gpus)} GPU(s) are visible")
         gpus = [gpus[index]]
-    return WorkerLayout("cuda", tuple(gpus), resolve_workers(spec.parallel.workers, "cuda", len(gpus)))
+    # Each engine spans pipeline_stages GPUs (a pinned cuda:K holds all its stages).
+    per_engine = 1 if device.startswith("cuda:") else spec.parallel.pipeline_stages
+    return WorkerLayout("cuda", tuple(gpus), resolve_workers(spec.parallel.workers, "cuda",
+                                                             max(len(gpus) // per_engine, 1)))
 
 
 def resolved_workers(spec: JobSpec) -> int:
@@ -149,8 +152,9 @@ def make_executor(job: PreparedJob, plan: WorkPlan, policy: RetryPolicy,
         return RayExecutor(recipe, workers=spec.parallel.workers, device=device, address=spec.parallel.ray_address,
                            memory_fraction=spec.engine.memory_fraction, policy=policy, on_progress=on_progress)
     layout = worker_layout(spec)
+    stages = 1 if spec.engine.device.startswith("cuda:") else spec.parallel.pipeline_stages
     placements = local_placements(layout.workers, layout.device, layout.gpus, cores=available_cores(),
-                                  memory_fraction=spec.engine.memory_fraction)
+                                  memory_fraction=spec.engine.memory_fraction, gpus_per_worker=stages)
     return LocalExecutor(recipe, placements, policy, on_progress=on_progress)
 
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
+from batchinfer.jobs.spec.pipeline_fit import check_pipeline
 from batchinfer.jobs.spec.checkpoint import check_checkpoint, checkpoint_fingerprint, resolve_checkpoint
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.inputs.files import InputFiles, input_fingerprint, open_inputs
@@ -156,6 +157,7 @@ def prepare_job(spec: JobSpec, overwrite: bool = False) -> PreparedJob:
     """Every bad-input check, in the order a user would fix them; writes nothing."""
     checkpoint = resolve_checkpoint(spec)
     model_config = check_checkpoint(checkpoint, spec)
+    check_pipeline(spec, model_config, checkpoint)
     vocab_size = model_config.vocab_size
     max_prompt_chars = prompt_char_limit(spec.engine.max_model_len or model_config.max_position_embeddings)
     sampling = resolve_sampling(spec, checkpoint)

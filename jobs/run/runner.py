@@ -64,7 +64,8 @@ def open_engine(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> EngineLike:
 
     # The engine plans `plan_window` requests at a time and pulls the next window only when
     # its queue runs dry: memory stays bounded and there is no pause between windows.
-    config = EngineConfig(**engine_config_kwargs(job.spec.engine), plan_window=window_rows)
+    config = EngineConfig(**engine_config_kwargs(job.spec.engine), plan_window=window_rows,
+                          pipeline_stages=job.spec.parallel.pipeline_stages)
     return build_engine(str(job.checkpoint), config, eos_token_ids=job.tokenizer.eos_token_ids,
                         detokenize=job.tokenizer.decode)
 
@@ -161,7 +162,7 @@ def _resolved_workers(job: PreparedJob) -> int:
         return 1  # auto means one engine per visible GPU; a pinned device is one engine
     from batchinfer.jobs.run.executors.placement import visible_gpus
 
-    return max(len(visible_gpus()), 1)
+    return max(len(visible_gpus()) // job.spec.parallel.pipeline_stages, 1)  # each engine spans its stages' GPUs
 
 
 def _raise_interruption(report: Any) -> None:

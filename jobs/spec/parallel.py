@@ -30,8 +30,16 @@ def executor_name(value: Any) -> str:
     return value
 
 
+def stages_count(value: Any) -> int:
+    """Pipeline stages per engine: an integer >= 1 (its layers split over that many GPUs)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"must be an integer >= 1, got {value!r}")
+    return value
+
+
 PARALLEL_KEYS: dict[str, Callable[[Any], Any]] = {
     "workers": workers_count,
+    "pipeline_stages": stages_count,
     "executor": executor_name,
     "ray_address": check.text(),
 }
@@ -42,3 +50,4 @@ class ParallelSpec:
     workers: Union[str, int] = "auto"   # "auto" or a count
     executor: str = "local"             # local: processes on this host | ray: actors on a Ray cluster
     ray_address: str = "auto"           # given to ray.init(address=...) as it is
+    pipeline_stages: int = 1            # each engine's layers split over this many GPUs (models/pipeline.py)

@@ -52,8 +52,9 @@ def resolve_workers(workers: Union[int, str], device: str, gpu_count: int) -> in
 
 
 def local_placements(workers: int, device: str, gpus: Sequence[str] = (), cores: int = 1,
-                     memory_fraction: float = 0.9) -> list[Placement]:
-    """One placement per worker; `device` is "cuda" or "cpu"."""
+                     memory_fraction: float = 0.9, gpus_per_worker: int = 1) -> list[Placement]:
+    """One placement per worker; `device` is "cuda" or "cpu". `gpus_per_worker` > 1 (pipeline
+    stages): each worker sees its own run of that many GPUs, stage s on its cuda:s."""
     if device == "cpu":
         threads = max(cores // workers, 1)
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
@@ -62,6 +63,14 @@ def local_placements(workers: int, device: str, gpus: Sequence[str] = (), cores:
         raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
     if not gpus:
         raise ValueError("no visible GPU for the CUDA workers")
+    if gpus_per_worker > 1:
+        if workers * gpus_per_worker > len(gpus):
+            raise ValueError(f"{workers} workers x {gpus_per_worker} pipeline stages need "
+                             f"{workers * gpus_per_worker} GPUs, {len(gpus)} visible")
+        # A worker is one engine on its GPUs: its own validation counts itself alone.
+        return [Placement(worker=index, device="cuda", env={"CUDA_VISIBLE_DEVICES": ",".join(
+            gpus[index * gpus_per_worker:(index + 1) * gpus_per_worker])}, overrides={"parallel.workers": 1})
+            for index in range(workers)]
     chosen = [gpus[index % len(gpus)] for index in range(workers)]
     sharers = Counter(chosen)
     return [Placement(worker=index, device="cuda:0", env={"CUDA_VISIBLE_DEVICES": gpu},

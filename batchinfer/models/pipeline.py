@@ -1,0 +1,240 @@
+"""Pipeline stages: one model split by layers over several devices, run as one model.
+
+`PipelinedModel.forward(batch, caches, logits_out)` is `HybridModel.forward`'s interface, so the
+model runner takes either. Each `StageModel` holds only its layers' weights (the embedding on the
+first stage, the final norm and LM head on the last) and reads its own `ModelCaches` (its
+attention layers' KV pools and its GDN layers' states, on its device; a slot index is the same
+row on every stage, so the cache's bookkeeping is shared). A decode step's rows are cut into
+micro-batches (`micro_batches`, default one per stage) that go through the stages in wavefront
+order: on CUDA each stage issues on its own stream and the activations (hidden + the pending
+MLP output) move device to device behind stream events, so stages overlap; on the CPU the same
+code runs in order. A prefill or mixed step is one micro-batch (its chunk tables and per-chunk
+logits rows span the whole batch). Per-stage busy time: CUDA events, perf_counter on the CPU.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchinfer.kernels import ops
+from batchinfer.kernels.public import ChunkTables
+from batchinfer.models.config import ModelConfig
+from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
+from batchinfer.models.layers.params import empty_param
+from batchinfer.models.layers.rotary import RotaryEmbedding
+from batchinfer.models.qwen3_hybrid import DecoderLayer
+from batchinfer.models.stage_split import StageSplit
+
+
+class StageModel(nn.Module):
+    """Layers `[start, end)` of a `HybridModel`, with its parameter names (`layers.<i>.…`,
+    `embed`, `final_norm`, `lm_head`), so the loader fills a stage as it fills the whole model
+    and reads only the tensors this stage holds."""
+
+    def __init__(self, config: ModelConfig, layers: range, dtype: torch.dtype, device: torch.device | str,
+                 fp8_params: frozenset[str] | None = None):
+        super().__init__()
+        self.config, self.dtype, self.device, self.fp8_params = config, dtype, torch.device(device), fp8_params
+        self.first, self.last = layers.start == 0, layers.stop == config.num_layers
+        self.layer_ids = layers
+        hidden = config.hidden_size
+        tied = config.tie_word_embeddings
+        self.embed = empty_param(config.vocab_size, hidden, dtype=dtype, device=device) \
+            if self.first or (self.last and tied) else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, dtype, device, fp8_params) for i in layers})
+        # The stage's caches hold only its layers: cache indices count within the stage.
+        gdn = [i for i in layers if i in config.gdn_layer_ids]
+        attn = [i for i in layers if i in config.attn_layer_ids]
+        for i in layers:
+            layer = self.layers[str(i)]
+            layer.mixer.cache_index = gdn.index(i) if layer.is_gdn else attn.index(i)
+        self.num_gdn_layers, self.num_attn_layers = len(gdn), len(attn)
+        self.final_norm = empty_param(hidden, dtype=dtype, device=device) if self.last else None
+        self.lm_head = empty_param(config.vocab_size, hidden, dtype=dtype, device=device) \
+            if self.last and not tied else None
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, device)
+
+    def run(self, batch: ForwardBatch, caches: ModelCaches, carry: Optional[tuple],
+            logits_out: Optional[torch.Tensor] = None):
+        """carry: None on the first stage, else (x, pending MLP output) from the stage before.
+        → the carry for the next stage, or the logits [N, vocab] fp32 on the last."""
+        prefill, decode = batch.prefill_part, batch.decode_part
+        if caches.has_replay and prefill is not None and self.num_gdn_layers:
+            _fold_pending(prefill.state_slots, caches)
+        if carry is None:
+            x, mlp_out = F.embedding(batch.input_ids, self.embed), None  # [T, hidden]
+        else:
+            x, mlp_out = carry
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        for layer in self.layers.values():
+            x, mlp_out = layer(x, mlp_out, batch, caches, self.rotary, cos, sin)
+        if decode is not None and decode.replay and self.num_gdn_layers:
+            slots = decode.state_slots  # this stage's GDN layers appended one ring entry each
+            caches.cursor[slots] = caches.cursor[slots] % caches.ring_len + 1
+        if not self.last:
+            return x, mlp_out
+        rows = batch.logits_indices
+        _, x = ops.add_rms_norm(x[rows], mlp_out[rows], self.final_norm, self.config.rms_norm_eps)
+        weight = self.embed if self.lm_head is None else self.lm_head
+        if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return F.linear(x, weight).float()
+
+
+def _fold_pending(slots: torch.Tensor, caches: ModelCaches) -> None:
+    """Prefill reads the ReplaySSM checkpoint only: fold a slot's pending ring entries first
+    (as `qwen3_hybrid._fold_pending_ring_entries`, over this stage's GDN layers)."""
+    pending = slots[caches.cursor[slots] != 0]
+    if pending.numel() == 0:
+        return
+    for j in range(len(caches.ssm)):
+        ops.replay_fold(caches.ssm[j], caches.ring_k[j], caches.ring_u[j], caches.ring_g[j], caches.cursor,
+                        pending, pending)
+    caches.cursor[pending] = 0
+
+
+@dataclass(frozen=True)
+class StagedCaches:
+    """One `ModelCaches` per stage, each over that stage's pools on its device."""
+
+    stages: tuple[ModelCaches, ...]
+
+    @classmethod
+    def from_pools(cls, kv_pool, state_pool) -> "StagedCaches":
+        """From staged pools (`cache.staged_pools`): each stage's own pool tensors."""
+        return cls(tuple(ModelCaches.from_pools(kv, st) for kv, st in zip(kv_pool.stages, state_pool.stages)))
+
+
+def batch_on(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
+    """The batch's tensors on `device` (itself when they are there already)."""
+    if batch.input_ids.device == device:
+        return batch
+    moved = {f.name: getattr(batch, f.name).to(device, non_blocking=True) for f in fields(batch)
+             if isinstance(getattr(batch, f.name), torch.Tensor)}
+    if batch.parts is not None:
+        moved["parts"] = tuple(batch_on(p, device) for p in batch.parts)
+    if batch.chunk_tables is not None:
+        moved["chunk_tables"] = ChunkTables(moved["cu_seqlens"], batch.num_tokens)
+    return replace(batch, **moved)
+
+
+def split_decode(batch: ForwardBatch, parts: int) -> list[ForwardBatch]:
+    """A decode batch's rows in `parts` contiguous micro-batches (fewer when it has fewer rows).
+    Reads the context offsets on the host (one small copy per step)."""
+    B = batch.num_seqs
+    parts = min(parts, B)
+    if parts <= 1 or not batch.is_decode or batch.parts is not None:
+        return [batch]
+    indptr = batch.kv_indptr.tolist()
+    edges = [B * k // parts for k in range(parts + 1)]
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        ctx0 = indptr[a]
+        shared = None
+        if batch.shared_with_prev is not None:
+            shared = batch.shared_with_prev[a:b].clone()
+            shared[0] = 0  # its first row has no row before it in this micro-batch
+        steps = batch.cu_seqlens[: b - a + 1]  # 0..n: one token per row
+        out.append(replace(
+            batch, input_ids=batch.input_ids[a:b], positions=batch.positions[a:b], cu_seqlens=steps,
+            state_slots=batch.state_slots[a:b], out_kv_slots=batch.out_kv_slots[a:b],
+            kv_indices=batch.kv_indices[ctx0:indptr[b]], kv_indptr=batch.kv_indptr[a:b + 1] - ctx0,
+            logits_indices=batch.logits_indices[: b - a], shared_with_prev=shared))
+    return out
+
+
+class PipelinedModel(nn.Module):
+    """Stages run as one model: `forward(batch, caches: StagedCaches, logits_out)` → logits on the
+    first stage's device (where the engine samples)."""
+
+    def __init__(self, stages: Sequence[StageModel], split: StageSplit, micro_batches: Optional[int] = None):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.split = split
+        first = stages[0]
+        self.config, self.dtype, self.device, self.fp8_params = first.config, first.dtype, first.device, first.fp8_params
+        self.micro_batches = micro_batches or len(stages)
+        cuda = self.device.type == "cuda"
+        self._streams = [torch.cuda.Stream(device=s.device) for s in stages] if cuda else None
+        self._events: list[list[tuple]] = [[] for _ in stages]  # CUDA: (start, end) per stage run
+        self._busy = [0.0] * len(stages)  # seconds resolved so far
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [s.device for s in self.stages]
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, caches: StagedCaches,
+                logits_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        micro = split_decode(batch, self.micro_batches)
+        run = self._wavefront_cpu if self._streams is None else self._wavefront_cuda
+        logits = run(micro, caches)  # one [N_m, vocab] per micro-batch
+        out = (torch.cat(logits) if len(logits) > 1 else logits[0]).to(self.device)
+        return out if logits_out is None else logits_out.copy_(out)
+
+    def _wavefront_cpu(self, micro: list[ForwardBatch], caches: StagedCaches) -> list[torch.Tensor]:
+        carries: list = [None] * len(micro)
+        for tick in range(len(micro) + self.num_stages - 1):
+            for s, stage in enumerate(self.stages):
+                m = tick - s
+                if 0 <= m < len(micro):
+                    started = time.perf_counter()
+                    carries[m] = stage.run(batch_on(micro[m], stage.device), caches.stages[s], carries[m])
+                    self._busy[s] += time.perf_counter() - started
+        return carries
+
+    def _wavefront_cuda(self, micro: list[ForwardBatch], caches: StagedCaches) -> list[torch.Tensor]:
+        """Stage s runs micro-batch m on its own stream once stage s-1 has handed it over; the
+        hand-over is a device-to-device copy on the producer's stream behind an event."""
+        caller = torch.cuda.current_stream(self.device)
+        for stream in self._streams:
+            stream.wait_stream(caller)  # the batch's upload and the pools' last writes
+        carries: list = [None] * len(micro)
+        ready: list = [None] * len(micro)  # the event after which carry m may be read
+        for tick in range(len(micro) + self.num_stages - 1):
+            for s, stage in enumerate(self.stages):
+                m = tick - s
+                if not 0 <= m < len(micro):
+                    continue
+                stream = self._streams[s]
+                with torch.cuda.stream(stream):
+                    if ready[m] is not None:
+                        stream.wait_event(ready[m])
+                        for t in carries[m] if isinstance(carries[m], tuple) else ():
+                            t.record_stream(stream)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                    result = stage.run(batch_on(micro[m], stage.device), caches.stages[s], carries[m])
+                    end.record(stream)
+                    self._events[s].append((start, end))
+                    target = self.stages[s + 1].device if s + 1 < self.num_stages else self.device
+                    if isinstance(result, tuple):
+                        result = tuple(t.to(target, non_blocking=True) for t in result)
+                    else:
+                        result = result.to(target, non_blocking=True)
+                    ready[m] = torch.cuda.Event()
+                    ready[m].record(stream)
+                carries[m] = result
+        for m, event in enumerate(ready):
+            caller.wait_event(event)
+            carries[m].record_stream(caller)
+        return carries
+
+    def stage_busy_seconds(self) -> list[float]:
+        """Seconds each stage has computed so far (CUDA: synchronises to read its events)."""
+        if self._streams is not None and any(self._events):
+            for stream in self._streams:
+                stream.synchronize()
+            for s, events in enumerate(self._events):
+                self._busy[s] += sum(a.elapsed_time(b) for a, b in events) / 1000.0
+                events.clear()
+        return list(self._busy)
