@@ -18,7 +18,7 @@ its context, as `attention_prefill`'s contract says):
 K/V live in a token-granular paged pool [S_kv, H_kv, d] at shuffled slots (the engine's layout).
 Backends:
 
-    triton[bm,bn,w]   kernels/attention.py `attention_prefill` (reads the pool through the slot table)
+    triton[bm,bn,w]   kernels/attention/attention.py `attention_prefill` (reads the pool through the slot table)
     sdpa-<b>-<gqa>    torch SDPA with one backend forced (cudnn, flash, efficient) on [B, H, S, d]
                       views; GQA by enable_gqa=True ("gqa") or KV heads repeated ("rep"); causal by
                       is_causal (no prefix) or causal_lower_right / a dense bool mask / the cuDNN
@@ -26,9 +26,10 @@ Backends:
     varlen            torch.nn.attention.varlen.varlen_attn on the packed tokens (flash; causal is
                       bottom-right aligned, so the prefix case is native)
     flex              flex_attention (compiled on CUDA) with a block mask of packed causal documents
-    fa[bm,bn,w,s]     kernels/attention_prefill_fa.py (FA2-style, reads the pool): each launch of its
+    fa[bm,bn,w,s]     benchmarks/attention_arms/prefill_fa.py (FA2-style, reads the pool): each launch of its
                       autotune list, and `fa[autotune]` (what the model gets)
-    op[<policy>]      the model's op (kernels/attention_prefill_backends.py) under each backend policy
+    op[<policy>]      the model's op under each backend policy (benchmarks/attention_arms/; the model
+                      itself runs op[sdpa-cudnn+split], kernels/attention/prefill.py)
                       (long runs ≥ 1,024 new tokens to the backend): gather, offsets and copies included
 
 `--e2e`: prefill tokens/s of the qwen3.5-27b preset (64 layers, bf16, random weights, engine API,
@@ -60,6 +61,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
+
+from benchmarks.bench_utils import print_table
 
 
 @dataclass(frozen=True)
@@ -183,12 +186,12 @@ _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "effic
 def prepare_sdpa(case: Case, backend: str, gqa: str, mask: str) -> Prepared:
     """gqa: "gqa" (enable_gqa=True) or "rep" (KV heads repeated); mask: "causal" (is_causal,
     no prefix only), "lower_right" (CausalBias), "dense" (bool [n, ctx]) or "split" (cuDNN only:
-    prefix and own keys as two calls merged by log-sum-exp, kernels/attention/prefill_backends.py)."""
+    prefix and own keys as two calls merged by log-sum-exp, kernels/attention/prefill.py)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
-    from batchinfer.kernels.attention.prefill_backends import cudnn_attend, split_prefix_attention
+    from batchinfer.kernels.attention.prefill import cudnn_attend, split_prefix_attention
 
     shape, heads = case.shape, case.heads
     B, n, ctx, H, H_kv, d = shape.batch, shape.new, shape.ctx, heads.q, heads.kv, heads.dim
@@ -392,7 +395,7 @@ def backend_runs(case: Case, wanted: set[str], quick: bool, args):
     if "flex" in wanted:
         yield "flex", None  # handled in run_flex: tries kernel options until one compiles
     if "fa" in wanted:
-        from batchinfer.kernels.attention.prefill_fa import AUTOTUNE, FaLaunch
+        from benchmarks.attention_arms.prefill_fa import AUTOTUNE, FaLaunch
         launches = [FaLaunch(16, 16, 4, 1)] if quick else AUTOTUNE
         for c in launches:
             yield (f"fa[{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}]",
@@ -405,7 +408,7 @@ def backend_runs(case: Case, wanted: set[str], quick: bool, args):
 
 
 def prepare_fa(case: Case, launch) -> Prepared:
-    from batchinfer.kernels.attention.prefill_fa import attention_prefill_fa
+    from benchmarks.attention_arms.prefill_fa import attention_prefill_fa
     out = _nan_like(case.q)
 
     def run():
@@ -415,18 +418,17 @@ def prepare_fa(case: Case, launch) -> Prepared:
 
 
 def prepare_op(case: Case, policy) -> Prepared:
-    from batchinfer.kernels.attention import prefill_backends as apb
+    from benchmarks.attention_arms.backends import attention_prefill_under
     out = _nan_like(case.q)
 
     def run():
-        with apb.prefill_policy(policy):
-            return apb.attention_prefill(case.q, case.k_cache, case.v_cache, case.kv_indices, case.kv_indptr,
-                                         case.cu_seqlens, case.scale, out=out)
+        return attention_prefill_under(policy, case.q, case.k_cache, case.v_cache, case.kv_indices, case.kv_indptr,
+                                       case.cu_seqlens, case.scale, out=out)
     return run, run
 
 
 def op_policies(args):
-    from batchinfer.kernels.attention.prefill_backends import BACKENDS, PrefillPolicy
+    from benchmarks.attention_arms.policy import BACKENDS, PrefillPolicy
     policies = [PrefillPolicy(b, min_run=args.min_run) for b in BACKENDS]
     policies.append(PrefillPolicy("sdpa-cudnn", min_run=args.min_run, repeat_kv=True))
     policies.append(PrefillPolicy("sdpa-cudnn", min_run=args.min_run, prefix_mask="dense"))
@@ -468,13 +470,7 @@ def _format(row: dict) -> str:
             f"{row['e2e_ms']:9.3f} {row['e2e_tflops']:8.1f} {row['err']:9.2e}{nan}")
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (f"{'shape':<14} {'backend':<34} {'core ms':>9} {'TFLOP/s':>8} {'e2e ms':>9} {'TFLOP/s':>8} "
-              f"{'err':>9}")
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(_format(row))
+HEADER = f"{'shape':<14} {'backend':<34} {'core ms':>9} {'TFLOP/s':>8} {'e2e ms':>9} {'TFLOP/s':>8} {'err':>9}"
 
 
 def main() -> None:
@@ -525,7 +521,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     print()
     print(f"d {heads.dim}, {heads.q}/{heads.kv} heads, {dtype}, causal; TFLOP/s = 4·d·H·(causal pairs) / time")
-    print_table(rows)
+    print_table(HEADER, map(_format, rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)

@@ -18,7 +18,8 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
 from benchmarks.engine_arms import _free, _sync, build_model
-from batchinfer.kernels.attention import prefill_backends as apb
+from benchmarks.attention_arms.policy import PrefillPolicy
+from benchmarks.attention_arms.switch import prefill_policy
 
 STEP_TOKENS = 8192
 GEMM_SUFFIXES = ("in_proj", "out_proj", "qkv_proj", "o_proj", "gate_up", "down", "gate", "shared_gate_up",
@@ -32,7 +33,7 @@ def parse_workload(text: str) -> tuple[int, int]:
     return int(count), int(length)
 
 
-def prefill_rate(model, policy: apb.PrefillPolicy, count: int, length: int, device: str, seed: int,
+def prefill_rate(model, policy: PrefillPolicy, count: int, length: int, device: str, seed: int,
                  engine_kwargs: dict | None = None) -> dict:
     """Prompt tokens per second of `count` random prompts of `length` tokens under `policy`
     (`engine_kwargs`: further EngineConfig fields, e.g. track_interval)."""
@@ -44,7 +45,7 @@ def prefill_rate(model, policy: apb.PrefillPolicy, count: int, length: int, devi
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     warm = [Request("warm", tuple(rng.randrange(vocab) for _ in range(length)), one)]  # every chunk shape once
     timed = [Request(i, tuple(rng.randrange(vocab) for _ in range(length)), one, seed_key=i) for i in range(count)]
-    with apb.prefill_policy(policy):
+    with prefill_policy(policy):
         for _ in engine.generate(warm):
             pass
         before = engine.stats
@@ -63,7 +64,7 @@ def prefill_rate(model, policy: apb.PrefillPolicy, count: int, length: int, devi
             "cached_tokens": cached, "step_ms": 1e3 * STEP_TOKENS / tps}
 
 
-def label(policy: apb.PrefillPolicy) -> str:
+def label(policy: PrefillPolicy) -> str:
     if policy.backend == "triton":
         return "triton (old)"
     extra = ("+rep" if policy.repeat_kv else "") + (f"+{policy.prefix_mask}" if policy.prefix_mask != "lower_right" else "")
@@ -112,14 +113,14 @@ def gemm_floor(model, device: str, tokens: int, reps: int) -> list[dict]:
 def run_e2e(args, device: str) -> None:
     layers = args.layers or (4 if args.quick else None)
     model, raw = build_model("tiny" if device == "cpu" else "qwen3.5-27b", layers, device)
-    new = apb.PrefillPolicy(args.policy, min_run=args.min_run, repeat_kv=args.repeat_kv,
+    new = PrefillPolicy(args.policy, min_run=args.min_run, repeat_kv=args.repeat_kv,
                             prefix_mask=args.prefix_mask)
     workloads = [parse_workload(w) for w in args.workloads.split(",")]
     if args.quick:
         workloads = [(2, 256), (1, 1024)]
     rows = []
     for count, length in workloads:
-        for policy in (apb.PrefillPolicy("triton"), new):
+        for policy in (PrefillPolicy("triton"), new):
             rows.append(prefill_rate(model, policy, count, length, device, seed=len(rows)))
             r = rows[-1]
             print(f"{r['workload']:<10} {r['policy']:<32} {r['prefill_tps']:12,.0f} tok/s  "

@@ -13,12 +13,12 @@ against the fp32 dequantize-then-matmul reference (relative to the reference's m
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from batchinfer.kernels.fp8_gemm import block_quantize, fp8_gemm_reference
 from batchinfer.kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, default_launch, fp8_block_matmul, quantize_act
+from benchmarks.bench_utils import time_ms
 
 HIDDEN = 5120
 # (name, N, K) of the 27B's projections as the model runs them (fused rows).
@@ -33,15 +33,6 @@ SHAPES_27B = [
 SWEEP = [Fp8GemmLaunch(bm, bn, w, s) for bm, bn, w, s in [
     (64, 128, 4, 3), (64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
     (128, 256, 8, 3), (128, 64, 4, 4), (32, 128, 4, 4)]]
-
-
-def time_ms(fn, device: str) -> float:
-    if device == "cuda":
-        import triton.testing
-        return triton.testing.do_bench(fn, warmup=10, rep=50)
-    start = time.perf_counter()
-    fn()
-    return 1e3 * (time.perf_counter() - start)
 
 
 def scaled_mm_blockwise(xq, xs, w_q, w_s):

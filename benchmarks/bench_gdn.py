@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from benchmarks import bench_utils
+
 H_K, H_V, D_K, D_V, CONV_K = 16, 48, 128, 128, 4
 D_CONV = 2 * H_K * D_K + H_V * D_V
 PEAK_BYTES_PER_S = 4.28e12  # H200 device-to-device copy bandwidth
@@ -369,22 +371,24 @@ def bench_conv(num_tokens: int, decode: bool, quick: bool):
     return row, sweep
 
 
+HEADER = (f"{'kernel':<15}{'shape':<11}{'ours ms':>9}{'tuned ms':>9}{'fla ms':>9}{'speedup':>9}  "
+          f"{'rate':<15}{'%peak':>6}  check (rel err)")
+
+
+def row_line(r: Row) -> str:
+    fla = f"{r.fla_ms:9.3f}" if r.fla_ms is not None else f"{'—':>9}"
+    tuned = f"{r.tuned_ms:9.3f}" if r.tuned_ms is not None else f"{'—':>9}"
+    best = min(r.ours_ms, r.tuned_ms or r.ours_ms)  # speedup and rate: our best launch
+    speedup = f"{r.fla_ms / best:8.2f}x" if r.fla_ms is not None else f"{'—':>9}"
+    shared = ""
+    if r.shared_tables_ms is not None:
+        ratio = f", {r.fla_ms / r.shared_tables_ms:.2f}x fla" if r.fla_ms is not None else ""
+        shared = f"  [step's chunk tables: {r.shared_tables_ms:.3f} ms{ratio}]"
+    return f"{r.kernel:<15}{r.shape:<11}{r.ours_ms:9.3f}{tuned}{fla}{speedup}  {r.rate:<15}{r.pct_peak:>6}  {r.check}{shared}"
+
+
 def print_table(rows: list[Row]) -> None:
-    header = (f"{'kernel':<15}{'shape':<11}{'ours ms':>9}{'tuned ms':>9}{'fla ms':>9}{'speedup':>9}  "
-              f"{'rate':<15}{'%peak':>6}  check (rel err)")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        fla = f"{r.fla_ms:9.3f}" if r.fla_ms is not None else f"{'—':>9}"
-        tuned = f"{r.tuned_ms:9.3f}" if r.tuned_ms is not None else f"{'—':>9}"
-        best = min(r.ours_ms, r.tuned_ms or r.ours_ms)  # speedup and rate: our best launch
-        speedup = f"{r.fla_ms / best:8.2f}x" if r.fla_ms is not None else f"{'—':>9}"
-        shared = ""
-        if r.shared_tables_ms is not None:
-            ratio = f", {r.fla_ms / r.shared_tables_ms:.2f}x fla" if r.fla_ms is not None else ""
-            shared = f"  [step's chunk tables: {r.shared_tables_ms:.3f} ms{ratio}]"
-        print(f"{r.kernel:<15}{r.shape:<11}{r.ours_ms:9.3f}{tuned}{fla}{speedup}  {r.rate:<15}{r.pct_peak:>6}  "
-              f"{r.check}{shared}")
+    bench_utils.print_table(HEADER, map(row_line, rows))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from batchinfer.models.layers.mlp import SparseMoE
 from batchinfer.models.presets import PRESETS
 from batchinfer.models.random_init import init_random_, make_generator
 from benchmarks.bench_replay_attn import capture_graph
+from benchmarks.bench_utils import print_table, time_ms
 from benchmarks.engine_arms import COPY_BANDWIDTH, MATMUL_RATE, expected_unique_experts
 
 
@@ -40,20 +41,6 @@ def make_block(preset: str, device: str, dtype: torch.dtype, quick: bool) -> Spa
     for name, param in block.named_parameters():
         init_random_(param.data, name, 1, generator)
     return block
-
-
-def time_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
-    if device != "cuda":
-        import time
-
-        fn()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return 1e3 * (time.perf_counter() - start) / repeats
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10, rep=max(repeats, 20))
 
 
 def graphed(fn: Callable[[], object], device: str) -> Optional[Callable[[], object]]:
@@ -87,6 +74,7 @@ def measure(block: SparseMoE, batch: int, device: str, repeats: int) -> dict:
     H = block.experts_down.shape[1]
     I = block.experts_down.shape[2]
     E, k = block.num_experts, block.top_k
+    timing = {"rep": max(repeats, 20), "cpu_calls": repeats}
     generator = torch.Generator(device=device).manual_seed(batch)
     x = torch.randn(batch, H, device=device, dtype=block.router.dtype, generator=generator)
     experts, weights = block.route(x)
@@ -94,10 +82,10 @@ def measure(block: SparseMoE, batch: int, device: str, repeats: int) -> dict:
     model_path = lambda: block._run_experts(x, experts, weights)  # noqa: E731
     loop = lambda: per_expert_loop(block, x, experts, weights)  # noqa: E731
     torch.testing.assert_close(model_path(), loop(), rtol=2e-2, atol=2e-2)  # same maths, either path
-    row["eager_ms"] = time_ms(model_path, device, repeats)
+    row["eager_ms"] = time_ms(model_path, device, **timing)
     replay = graphed(model_path, device)
-    row["graph_ms"] = time_ms(replay, device, repeats) if replay else float("nan")
-    row["loop_ms"] = time_ms(loop, device, repeats)
+    row["graph_ms"] = time_ms(replay, device, **timing) if replay else float("nan")
+    row["loop_ms"] = time_ms(loop, device, **timing)
     if hasattr(torch, "_grouped_mm") and (device == "cpu" or block.router.dtype == torch.bfloat16):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -109,7 +97,7 @@ def measure(block: SparseMoE, batch: int, device: str, repeats: int) -> dict:
         def gemms():
             torch._grouped_mm(x_sorted, block.experts_gate_up.transpose(1, 2), offs=offsets)
             torch._grouped_mm(mid, block.experts_down.transpose(1, 2), offs=offsets)
-        row["grouped_mm_ms"] = time_ms(gemms, device, repeats)
+        row["grouped_mm_ms"] = time_ms(gemms, device, **timing)
     unique = expected_unique_experts(E, k, batch)
     per_expert = (block.experts_gate_up[0].numel() + block.experts_down[0].numel()) * block.router.element_size()
     row["unique_experts"] = unique
@@ -120,15 +108,14 @@ def measure(block: SparseMoE, batch: int, device: str, repeats: int) -> dict:
     return row
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (f"{'B':>5} {'uniq E':>7} {'graph ms':>9} {'eager ms':>9} {'loop ms':>9} {'grouped_mm ms':>13} "
-              f"{'byte floor':>10} {'flop floor':>10} {'x floor':>8}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['batch']:>5} {r['unique_experts']:7.1f} {r['graph_ms']:9.3f} {r['eager_ms']:9.3f} "
-              f"{r['loop_ms']:9.3f} {r.get('grouped_mm_ms', float('nan')):13.3f} {r['byte_floor_ms']:10.3f} "
-              f"{r['flop_floor_ms']:10.4f} {r['x_floor']:7.1f}x")
+HEADER = (f"{'B':>5} {'uniq E':>7} {'graph ms':>9} {'eager ms':>9} {'loop ms':>9} {'grouped_mm ms':>13} "
+          f"{'byte floor':>10} {'flop floor':>10} {'x floor':>8}")
+
+
+def row_line(r: dict) -> str:
+    return (f"{r['batch']:>5} {r['unique_experts']:7.1f} {r['graph_ms']:9.3f} {r['eager_ms']:9.3f} "
+            f"{r['loop_ms']:9.3f} {r.get('grouped_mm_ms', float('nan')):13.3f} {r['byte_floor_ms']:10.3f} "
+            f"{r['flop_floor_ms']:10.4f} {r['x_floor']:7.1f}x")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -146,7 +133,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = [measure(block, b, device, 3 if args.quick else args.repeats) for b in batches]
     print(f"{args.preset}: one MoE layer's routed experts ({rows[0]['experts']} experts, top-{rows[0]['top_k']}, "
           f"hidden {rows[0]['hidden']}, expert intermediate {rows[0]['moe_intermediate']}, {dtype})")
-    print_table(rows)
+    print_table(HEADER, map(row_line, rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

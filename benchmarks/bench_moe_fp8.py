@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Callable, Optional
 
 import torch
@@ -33,6 +32,7 @@ from batchinfer.models.config import model_config_from_dict  # noqa: E402
 from batchinfer.models.layers.fp8_linear import Fp8Weight  # noqa: E402
 from batchinfer.models.layers.mlp import SparseMoE  # noqa: E402
 from batchinfer.models.presets import PRESETS  # noqa: E402
+from benchmarks.bench_utils import print_table, time_ms  # noqa: E402
 
 COPY_BANDWIDTH = 4.28e12  # B/s, device-to-device copy measured on the H200 (as benchmarks.engine_arms)
 FP8_EXPERTS = frozenset({"experts_gate_up", "experts_down"})
@@ -59,17 +59,11 @@ def make_block(preset: str, device: str, quick: bool) -> SparseMoE:
     return block
 
 
-def time_ms(fn: Callable[[], object], device: str) -> float:
-    if device != "cuda":
-        fn()
-        start = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - start)
-    from triton.testing import do_bench
-
-    from benchmarks.bench_replay_attn import capture_graph
-    replay, _ = capture_graph(fn)  # decode steps are graphs: no launch overhead in either arm
-    return do_bench(replay or fn, warmup=10, rep=100)
+def graph_time_ms(fn: Callable[[], object], device: str) -> float:
+    if device == "cuda":
+        from benchmarks.bench_replay_attn import capture_graph
+        fn = capture_graph(fn)[0] or fn  # decode steps are graphs: no launch overhead in either arm
+    return time_ms(fn, device, rep=100)
 
 
 def floor_bytes(block: SparseMoE, counts: torch.Tensor, tokens: int) -> int:
@@ -97,7 +91,7 @@ def measure(block: SparseMoE, tokens: int, device: str) -> dict:
     original, mlp._grouped_fp8_op = mlp._grouped_fp8_op, (lambda _: kernel)  # the kernel on the CPU too
     try:
         fp8_rows, dequant_rows = fp8_path().float(), dequant_path().float()
-        fp8_ms, dequant_ms = time_ms(fp8_path, device), time_ms(dequant_path, device)
+        fp8_ms, dequant_ms = graph_time_ms(fp8_path, device), graph_time_ms(dequant_path, device)
     finally:
         mlp._grouped_fp8_op = original
     nbytes = floor_bytes(block, counts, tokens)
@@ -108,16 +102,15 @@ def measure(block: SparseMoE, tokens: int, device: str) -> dict:
             "rel_err": ((fp8_rows - dequant_rows).abs().max() / dequant_rows.abs().max()).item()}
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (f"{'T':>5} {'rows':>6} {'E hit':>5} {'floor MB':>8} {'floor ms':>8} | {'fp8 ms':>7} {'GB/s':>6} "
-              f"{'x floor':>7} | {'deq+gmm ms':>10} {'GB/s':>6} {'x floor':>7} | {'speedup':>7} {'rel err':>8}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['tokens']:>5} {r['rows']:>6} {r['experts_hit']:>5} {r['floor_mb']:8.1f} {r['floor_ms']:8.3f} | "
-              f"{r['fp8_ms']:7.3f} {r['fp8_gbs']:6.0f} {r['fp8_ms'] / r['floor_ms']:6.2f}x | "
-              f"{r['dequant_ms']:10.3f} {r['dequant_gbs']:6.0f} {r['dequant_ms'] / r['floor_ms']:6.2f}x | "
-              f"{r['dequant_ms'] / r['fp8_ms']:6.2f}x {r['rel_err']:8.1e}")
+HEADER = (f"{'T':>5} {'rows':>6} {'E hit':>5} {'floor MB':>8} {'floor ms':>8} | {'fp8 ms':>7} {'GB/s':>6} "
+          f"{'x floor':>7} | {'deq+gmm ms':>10} {'GB/s':>6} {'x floor':>7} | {'speedup':>7} {'rel err':>8}")
+
+
+def row_line(r: dict) -> str:
+    return (f"{r['tokens']:>5} {r['rows']:>6} {r['experts_hit']:>5} {r['floor_mb']:8.1f} {r['floor_ms']:8.3f} | "
+            f"{r['fp8_ms']:7.3f} {r['fp8_gbs']:6.0f} {r['fp8_ms'] / r['floor_ms']:6.2f}x | "
+            f"{r['dequant_ms']:10.3f} {r['dequant_gbs']:6.0f} {r['dequant_ms'] / r['floor_ms']:6.2f}x | "
+            f"{r['dequant_ms'] / r['fp8_ms']:6.2f}x {r['rel_err']:8.1e}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -141,7 +134,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{args.preset} FP8 routed experts: {block.num_experts} experts top-{block.top_k}, hidden "
           f"{block.experts_down.shape[1]}, expert intermediate {block.experts_down.shape[2]}; {name}, "
           f"floor at {COPY_BANDWIDTH / 1e12:.2f} TB/s")
-    print_table(rows)
+    print_table(HEADER, map(row_line, rows))
     if args.launches:
         sweep_launches(block, counts, device, args.launches)
     return 0

@@ -11,21 +11,12 @@ with BATCHINFER_FUSED_SAMPLER=1.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from batchinfer.engine.sampler import gumbel_argmax_torch, token_logprobs_torch
 from batchinfer.kernels.sampling import gumbel_argmax, row_logprobs
-
-
-def time_ms(fn, device: str) -> float:
-    if device == "cuda":
-        import triton.testing
-        return triton.testing.do_bench(fn, warmup=5, rep=40)
-    start = time.perf_counter()
-    fn()
-    return 1e3 * (time.perf_counter() - start)
+from benchmarks.bench_utils import time_ms
 
 
 def main() -> None:
@@ -53,7 +44,7 @@ def main() -> None:
                 torch.allclose(ref_lp[:, :1 + k], fused_lp[:, :1 + k], atol=1e-4)
                 and torch.equal(ref_lp[:, 1 + k:].view(torch.int32), fused_lp[:, 1 + k:].view(torch.int32)))]
         for name, ref, fused, same in ops:
-            ref_ms, fused_ms = time_ms(ref, device), time_ms(fused, device)
+            ref_ms, fused_ms = time_ms(ref, device, warmup=5, rep=40), time_ms(fused, device, warmup=5, rep=40)
             print(f"{name:>10} {batch:6d} {vocab:8d} {ref_ms:9.3f} {fused_ms:9.3f} {ref_ms / fused_ms:8.1f}x "
                   f"{scaled.numel() * 4 / fused_ms / 1e6:11.0f} {str(same):>6}")
 

@@ -43,6 +43,7 @@ from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.layers.fp8_linear import Fp8Weight
 from batchinfer.models.presets import PRESETS, random_model, random_preset_fp8
 from batchinfer.models.quantization import parse_quantization
+from benchmarks import bench_utils
 from benchmarks.decode_floor import floor_columns, print_floor, record_decode_rows, shared_meter
 from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.host_overhead import PhaseTimer
@@ -279,22 +280,25 @@ def run_hf(raw_config: dict, prompts: list[list[int]], output_tokens: int, batch
     return result
 
 
+HEADER = (f"{'workload':<9} {'arm':<24} {'hit%':>6} {'ideal%':>7} {'prompt tok/s':>13} {'out tok/s':>10} "
+          f"{'wall s':>8} {'peak GiB':>9} {'running':>8} {'preempt':>8} {'dec ms/step':>11} {'roofline ms':>11} "
+          f"{'once ms':>8} {'flop ms':>8} {'dec batch':>9} {'full-batch med ms':>17} {'(x roofline)':>12} {'SM MHz':>7} {'floor ms':>8} {'(x floor)':>9}")
+
+
+def row_line(r: dict) -> str:
+    return (f"{r['workload']:<9} {r['arm']:<24} {100 * r['hit']:6.1f} {100 * r['ideal_hit']:7.1f} "
+            f"{r['prompt_tps']:13,.0f} {r['output_tps']:10,.0f} {r['wall_s']:8.1f} {r['peak_gib']:9.1f} "
+            f"{r['max_running']:8d} {r['preemptions']:8d} {r.get('decode_ms', float('nan')):11.2f} "
+            f"{r.get('roofline_ms', float('nan')):11.2f} {r.get('roofline_once_ms', float('nan')):8.2f} "
+            f"{r.get('flop_floor_ms', float('nan')):8.2f} "
+            f"{r.get('decode_batch', float('nan')):9.1f} "
+            f"{r.get('full_batch_median_ms', float('nan')):17.2f} {r.get('full_batch_x_roofline', float('nan')):11.2f}x "
+            f"{r.get('sm_mhz', float('nan')):7.0f} {r.get('floor_ms', float('nan')):8.2f} "
+            f"{r.get('step_x_floor', float('nan')):8.2f}x")
+
+
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'workload':<9} {'arm':<24} {'hit%':>6} {'ideal%':>7} {'prompt tok/s':>13} {'out tok/s':>10} "
-              f"{'wall s':>8} {'peak GiB':>9} {'running':>8} {'preempt':>8} {'dec ms/step':>11} {'roofline ms':>11} "
-              f"{'once ms':>8} {'flop ms':>8} {'dec batch':>9} {'full-batch med ms':>17} {'(x roofline)':>12} {'SM MHz':>7} {'floor ms':>8} {'(x floor)':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['workload']:<9} {r['arm']:<24} {100 * r['hit']:6.1f} {100 * r['ideal_hit']:7.1f} "
-              f"{r['prompt_tps']:13,.0f} {r['output_tps']:10,.0f} {r['wall_s']:8.1f} {r['peak_gib']:9.1f} "
-              f"{r['max_running']:8d} {r['preemptions']:8d} {r.get('decode_ms', float('nan')):11.2f} "
-              f"{r.get('roofline_ms', float('nan')):11.2f} {r.get('roofline_once_ms', float('nan')):8.2f} "
-              f"{r.get('flop_floor_ms', float('nan')):8.2f} "
-              f"{r.get('decode_batch', float('nan')):9.1f} "
-              f"{r.get('full_batch_median_ms', float('nan')):17.2f} {r.get('full_batch_x_roofline', float('nan')):11.2f}x "
-              f"{r.get('sm_mhz', float('nan')):7.0f} {r.get('floor_ms', float('nan')):8.2f} "
-              f"{r.get('step_x_floor', float('nan')):8.2f}x")
+    bench_utils.print_table(HEADER, map(row_line, rows))
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ for part in "$@"; do
     engine)  step engine_arms 330 python3 -m benchmarks.engine_arms --quick ;;
     decode_profile) step decode_profile 200 python3 -m benchmarks.decode_profile ;;
     engine_full) step engine_full 560 python3 -m benchmarks.engine_arms --hf --json "$out/engine_full.json" ;;
-    new_kernel_tests) step new_kernel_tests 80 python3 -m pytest -q --tb=short tests/test_fp8_gemm.py tests/test_attention_prefill_backends.py ;;
+    new_kernel_tests) step new_kernel_tests 80 python3 -m pytest -q --tb=short tests/test_fp8_gemm.py tests/test_attention_prefill.py tests/test_attention_prefill_backends.py ;;
     long)    step long_context 230 python3 -m benchmarks.long_context --json "$out/long_context.json" ;;
     attn8k)  step attn8k 60 python3 -m benchmarks.attention_backends --shapes 4x8192,1x32768 --backends sdpa --reps 5 ;;
     fp8)     step fp8_parity 150 python3 -m benchmarks.fp8_parity --parts parity,speed ;;
@@ -53,10 +53,10 @@ for part in "$@"; do
               step bench_sampling 60 python3 -m benchmarks.bench_sampling ;;
     cold)    step cold_start 170 python3 -m benchmarks.cold_start --folder /tmp/cold --cold-libraries --no-load --json "$out/cold_start.json" ;;
     attn_tests) step attn_tests 120 python3 -m pytest -q -x --tb=short tests/test_kernels_attention.py tests/test_engine_precompile_gpu.py ;;
-    attn_prefix) step attn_prefix_tests 120 python3 -m pytest -q --tb=short tests/test_attention_prefill_backends.py
+    attn_prefix) step attn_prefix_tests 120 python3 -m pytest -q --tb=short tests/test_attention_prefill.py tests/test_attention_prefill_backends.py
              step attn_prefix 150 python3 -m benchmarks.attention_backends --shapes prefix1x8k+8k,prefix1x24k+8k --backends sdpa,op --reps 5 ;;
     long_split) step long_split 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --policies sdpa-cudnn:lower_right,sdpa-cudnn:split --track-intervals 8192 --gen '' --json "$out/long_split.json" ;;
-    split_test) step split_test 90 python3 -m pytest -q -rA --tb=short tests/test_attention_prefill_backends.py -k "gpu and split" ;;
+    split_test) step split_test 90 python3 -m pytest -q -rA --tb=short tests/test_attention_prefill.py tests/test_attention_prefill_backends.py -k "gpu and (split or op_matches)" ;;
     grammar64_ab) step grammar64_ab 330 python3 -m benchmarks.grammar_overhead --layers 64 --reps 3 --arms none,json,json@16,json_unbounded,logprobs5@torch,logprobs5@fused ;;
     gen_floor) step gen_floor 120 python3 -m benchmarks.decode_floor --batch 48 --context 8704
              step gen8k 240 python3 -m benchmarks.long_context --prefill '' --policies sdpa-cudnn:split --track-intervals 8192 --gen 48x8192x1024 --json "$out/gen8k.json" ;;

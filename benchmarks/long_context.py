@@ -23,16 +23,17 @@ from types import SimpleNamespace
 from benchmarks.attention_e2e import STEP_TOKENS, gemm_floor, label, parse_workload, prefill_rate
 from benchmarks.engine_arms import Workload, _free, build_model, run_arm
 from batchinfer.engine.config import EngineConfig
-from batchinfer.kernels.attention import prefill_backends as apb
+from benchmarks.attention_arms.policy import PrefillPolicy
+from benchmarks.attention_arms.switch import prefill_policy
 
 
 AUTO = -1  # `@auto` in --gen: max_running left to the engine
 
 
-def parse_policy(text: str, min_run: int) -> apb.PrefillPolicy:
+def parse_policy(text: str, min_run: int) -> PrefillPolicy:
     """"backend" or "backend:prefix_mask" (e.g. sdpa-cudnn:split)."""
     backend, _, mask = text.partition(":")
-    return apb.PrefillPolicy(backend, min_run=min_run, prefix_mask=mask or "lower_right")
+    return PrefillPolicy(backend, min_run=min_run, prefix_mask=mask or "lower_right")
 
 
 def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
@@ -53,14 +54,14 @@ def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
     return count, length, output, int(running) if running else None, overrides
 
 
-def generation_row(model, policy: apb.PrefillPolicy, count: int, length: int, output: int, device: str,
+def generation_row(model, policy: PrefillPolicy, count: int, length: int, output: int, device: str,
                    preset: str, track_interval: int, max_running: int | None = None,
                    overrides: dict | None = None) -> dict:
     prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
     running = None if max_running == AUTO else max_running or count
     args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=running,
                            max_batch_tokens=STEP_TOKENS, budget_bytes=None, preset=preset, floor=device == "cuda")
-    with apb.prefill_policy(policy):
+    with prefill_policy(policy):
         row = run_arm(model, "replay+extra_buffer", prompts, output, args,
                       {"track_interval": track_interval, **(overrides or {})})
     settings = "".join(f" {k}={int(v)}" for k, v in (overrides or {}).items())

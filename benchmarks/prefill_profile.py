@@ -23,7 +23,8 @@ import torch
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
-from batchinfer.kernels.attention import prefill_backends as apb
+from benchmarks.attention_arms.policy import PrefillPolicy
+from benchmarks.attention_arms.switch import prefill_policy
 from benchmarks.engine_arms import _free, _sync, build_model
 
 STEP_TOKENS = 8192
@@ -45,7 +46,7 @@ def family(name: str) -> str:
     return "other"
 
 
-def profile_policy(model, policy: apb.PrefillPolicy, prompts: int, length: int, device: str) -> dict:
+def profile_policy(model, policy: PrefillPolicy, prompts: int, length: int, device: str) -> dict:
     vocab = model.config.vocab_size
     rng = random.Random(1)
     engine = Engine(model, EngineConfig(device=device, max_batch_tokens=STEP_TOKENS, cuda_graphs=False,
@@ -54,7 +55,7 @@ def profile_policy(model, policy: apb.PrefillPolicy, prompts: int, length: int, 
     warm = [Request("warm", tuple(rng.randrange(vocab) for _ in range(length)), one)]
     timed = [Request(i, tuple(rng.randrange(vocab) for _ in range(length)), one) for i in range(prompts)]
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-    with apb.prefill_policy(policy):
+    with prefill_policy(policy):
         for _ in engine.generate(warm):
             pass
         _sync(device)
@@ -92,7 +93,7 @@ def main(argv=None) -> None:
     if args.quick:
         args.preset, args.layers, args.prompts, args.length = "tiny", 4, 2, 512
     model, raw = build_model(args.preset, args.layers, device)
-    rows = [profile_policy(model, apb.PrefillPolicy(name, min_run=1024), args.prompts, args.length, device)
+    rows = [profile_policy(model, PrefillPolicy(name, min_run=1024), args.prompts, args.length, device)
             for name in args.policies.split(",")]
     for r in rows:
         print(f"\n[{r['policy']}] top kernels, ms per {STEP_TOKENS}-token step:")

@@ -44,6 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
+from benchmarks.bench_utils import print_table as print_rows
 from benchmarks.engine_arms import Workload  # the same shuffled shared-prefix workloads
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -191,26 +192,28 @@ def idle_tail_share(run: RunResult) -> float:
     return max((w["idle_tail_seconds"] for w in workers), default=0.0) / max(run.stats["wall_seconds"], 1e-9)
 
 
+def scale_line(run: RunResult, base: RunResult) -> str:
+    """One table line: `run` against `base`, its workload's run with the fewest workers."""
+    stats = run.stats
+    per_gpu = stats["output_tokens_per_second"] / run.gpus
+    relative = per_gpu / (base.stats["output_tokens_per_second"] / base.gpus)
+    ideal = stats.get("plan", {}).get("global_ideal_cached_tokens", 0)
+    gpu_peak = "/".join(f"{mib / 1024:.1f}" for _, mib in sorted(run.gpu_peak_mib.items())) or "-"
+    workers = stats.get("executor", {}).get("per_worker", [])
+    engine_peak = max((w.get("peak_memory_bytes", 0) for w in workers), default=stats.get("peak_memory_bytes", 0))
+    load = f"{max(w['load_seconds'] for w in workers):.1f}" if workers else "-"  # N = 1 loads in the job's wall
+    return (f"{run.workload:<9} {run.workers:>2} {run.gpus:>4} {stats['wall_seconds']:>8.1f} "
+            f"{stats['prompt_tokens_per_second']:>13,.0f} {stats['output_tokens_per_second']:>13,.0f} "
+            f"{relative:>14.3f} {stats['cached_tokens']:>11,} / {ideal:<9,} {load:>6} {idle_tail_share(run):>9.1%} "
+            f"{gpu_peak:>14} {engine_peak / 2**30:>15.2f}")
+
+
 def print_table(results: list[RunResult]) -> None:
     first = {r.workload: r for r in results if r.workers == min(x.workers for x in results if x.workload == r.workload)}
     header = (f"{'workload':<9} {'N':>2} {'GPUs':>4} {'wall s':>8} {'prompt tok/s':>13} {'output tok/s':>13} "
               f"{'per GPU vs N=1':>14} {'cached / ideal':>23} {'load s':>6} {'idle tail':>9} {'GPU peak GiB':>14} "
               f"{'engine peak GiB':>15}")
-    print(header)
-    print("-" * len(header))
-    for run in results:
-        stats, base = run.stats, first[run.workload]
-        per_gpu = stats["output_tokens_per_second"] / run.gpus
-        relative = per_gpu / (base.stats["output_tokens_per_second"] / base.gpus)
-        ideal = stats.get("plan", {}).get("global_ideal_cached_tokens", 0)
-        gpu_peak = "/".join(f"{mib / 1024:.1f}" for _, mib in sorted(run.gpu_peak_mib.items())) or "-"
-        workers = stats.get("executor", {}).get("per_worker", [])
-        engine_peak = max((w.get("peak_memory_bytes", 0) for w in workers), default=stats.get("peak_memory_bytes", 0))
-        load = f"{max(w['load_seconds'] for w in workers):.1f}" if workers else "-"  # N = 1 loads in the job's wall
-        print(f"{run.workload:<9} {run.workers:>2} {run.gpus:>4} {stats['wall_seconds']:>8.1f} "
-              f"{stats['prompt_tokens_per_second']:>13,.0f} {stats['output_tokens_per_second']:>13,.0f} "
-              f"{relative:>14.3f} {stats['cached_tokens']:>11,} / {ideal:<9,} {load:>6} {idle_tail_share(run):>9.1%} "
-              f"{gpu_peak:>14} {engine_peak / 2**30:>15.2f}")
+    print_rows(header, [scale_line(run, first[run.workload]) for run in results])
     print()
     for run in results:
         for w in run.stats.get("executor", {}).get("per_worker", []):

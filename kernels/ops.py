@@ -30,7 +30,7 @@ OPS: dict[str, tuple[str, str]] = {
     "replay_decode": ("batchinfer.kernels.replay_ssm", "batchinfer.kernels.ref.replay"),
     "replay_fold": ("batchinfer.kernels.replay_ssm", "batchinfer.kernels.ref.replay"),
     "store_kv": ("batchinfer.kernels.attention", "batchinfer.kernels.ref.attention"),
-    "attention_prefill": ("batchinfer.kernels.attention.prefill_backends", "batchinfer.kernels.ref.attention"),
+    "attention_prefill": ("batchinfer.kernels.attention.prefill", "batchinfer.kernels.ref.attention"),
     "attention_decode": ("batchinfer.kernels.attention", "batchinfer.kernels.ref.attention"),
     "moe_fp8": ("batchinfer.kernels.moe_fp8", "batchinfer.kernels.ref.moe_fp8"),
 }

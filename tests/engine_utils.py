@@ -24,15 +24,23 @@ def make_engine(model, **settings) -> Engine:
     return Engine(model, EngineConfig(**{**base, **settings}))
 
 
-def run(engine: Engine, requests) -> dict:
-    """(request_id, sample_index) → RequestOutput; checks the cache owns nothing it should not."""
+def collect(engine: Engine, stream) -> dict:
+    """(request_id, sample_index) → RequestOutput of `stream` (the engine's generator); checks that
+    none streams twice and that the cache audits clean with nothing left running."""
     outputs = {}
-    for out in engine.generate(requests):
+    for out in stream:
         key = (out.request_id, out.sample_index)
         assert key not in outputs, f"{key} streamed twice"
         outputs[key] = out
     engine.cache.audit()
-    assert not engine.cache.running and engine.cache.kv_pool.num_used == engine.cache.tree.num_kv_tokens
+    assert not engine.cache.running
+    return outputs
+
+
+def run(engine: Engine, requests) -> dict:
+    """`collect` over engine.generate(requests); also checks the pool holds only the tree's tokens."""
+    outputs = collect(engine, engine.generate(requests))
+    assert engine.cache.kv_pool.num_used == engine.cache.tree.num_kv_tokens
     return outputs
 
 

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchinfer.demo import demo_checkpoint
+from tests.cli_utils import invoke_cli
 from tests.jobs_fixtures import job_entry, rag_table, write_job_file, write_parquet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -48,16 +49,7 @@ def start_run(folder: Path, demo_cache: Path, *args: str, stdout=subprocess.DEVN
 
 def run_in_this_process(folder: Path, *args: str):
     """`batchinfer run jobs.yaml ...` through click's runner, in `folder` (no interpreter start-up)."""
-    from click.testing import CliRunner
-
-    from batchinfer.cli import main
-
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        return CliRunner().invoke(main, ["run", "jobs.yaml", *args])
-    finally:
-        os.chdir(cwd)
+    return invoke_cli(folder, "run", "jobs.yaml", *args)
 
 
 def wait_for(condition: Callable[[], bool], process: subprocess.Popen, seconds: float = 120) -> None:

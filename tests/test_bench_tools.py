@@ -108,3 +108,12 @@ def test_generation_spec_parses_batch_and_engine_overrides_and_names_a_wrong_fie
     assert type(overrides["cuda_graphs"]) is bool
     with pytest.raises(AttributeError, match="no_such_field"):
         parse_generation("1x8x8/no_such_field=1")
+
+
+def test_print_table_rules_the_header_and_time_ms_counts_its_cpu_calls(capsys):
+    from benchmarks.bench_utils import print_table, time_ms
+
+    print_table("a   b", ["1   2", "3   4"])
+    assert capsys.readouterr().out == "a   b\n-----\n1   2\n3   4\n"
+    calls = []
+    assert time_ms(lambda: calls.append(1), "cpu", cpu_calls=3) >= 0 and len(calls) == 4  # one untimed first

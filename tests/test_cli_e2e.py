@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from batchinfer.cli import main
 from batchinfer.jobs.outdir.part_writer import RESULT_COLUMNS
+from tests.cli_utils import invoke_cli
 from tests.job_process import demo_cache, read_parts, start_run, wait_for, write_demo_job  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, rag_table, write_job_file, write_parquet
 
@@ -18,15 +16,6 @@ from tests.jobs_fixtures import job_entry, rag_table, write_job_file, write_parq
 @pytest.fixture(autouse=True)
 def uses_the_demo_cache(demo_cache) -> Path:  # noqa: F811 - every test here runs the demo model
     return demo_cache
-
-
-def invoke(folder: Path, *args: str):
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        return CliRunner().invoke(main, list(args))
-    finally:
-        os.chdir(cwd)
 
 
 def test_run_and_plan_a_chat_job_with_samples_and_a_bad_row(tmp_path):
@@ -38,11 +27,11 @@ def test_run_and_plan_a_chat_job_with_samples_and_a_bad_row(tmp_path):
         sampling={"max_tokens": 5, "n": 2, "temperature": 0.8, "top_k": 50, "seed": 3},
         engine={"max_running": 8, "max_model_len": 512})])
 
-    plan = invoke(tmp_path, "plan", "jobs.yaml")
+    plan = invoke_cli(tmp_path, "plan", "jobs.yaml")
     assert plan.exit_code == 0, plan.output
     assert not (tmp_path / "out").exists()  # planning writes nothing
 
-    result = invoke(tmp_path, "run", "jobs.yaml")
+    result = invoke_cli(tmp_path, "run", "jobs.yaml")
     assert result.exit_code == 0, (result.output, result.exception)
     out = read_parts(tmp_path / "out" / "rag")
     assert out.column_names == table.column_names + list(RESULT_COLUMNS)
@@ -90,7 +79,7 @@ def test_ctrl_c_keeps_finished_parts_exits_130_and_a_rerun_completes(tmp_path, d
     done_before = read_parts(out_dir).num_rows
     assert 0 < done_before < rows
 
-    result = invoke(tmp_path, "run", "jobs.yaml")
+    result = invoke_cli(tmp_path, "run", "jobs.yaml")
     assert result.exit_code == 0, (result.output, result.exception)
     out = read_parts(out_dir)
     assert out["row_index"].to_pylist() == list(range(rows))
@@ -105,7 +94,7 @@ def test_resume_after_kill_9_holds_every_row_and_sample_exactly_once(tmp_path, d
     done_before = read_parts(out_dir).num_rows
     assert 0 < done_before < rows
 
-    result = invoke(tmp_path, "run", "jobs.yaml")
+    result = invoke_cli(tmp_path, "run", "jobs.yaml")
     assert result.exit_code == 0, (result.output, result.exception)
     out = read_parts(out_dir)
     assert out["row_index"].to_pylist() == list(range(rows)) and set(out["sample_index"].to_pylist()) == {0}

@@ -9,9 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-from click.testing import CliRunner
 
-from batchinfer.cli import main
+from tests.cli_utils import invoke_cli
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 
 
@@ -27,12 +26,7 @@ def snapshot(folder: Path) -> set[str]:
 def run_cli(folder: Path, *args: str):
     """Run in `folder` (so displayed paths are relative) and check the one-line error contract."""
     before = snapshot(folder)
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        result = CliRunner().invoke(main, list(args))
-    finally:
-        os.chdir(cwd)
+    result = invoke_cli(folder, *args)
     assert result.exit_code == 2, (result.output, result.stderr, result.exception)
     assert result.stdout == ""
     lines = result.stderr.splitlines()
@@ -150,12 +144,7 @@ def test_unknown_job_name_and_plan_share_the_checks(tmp_path, checkpoint):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA to make the model load fail")
 def test_a_model_that_cannot_load_is_a_runtime_failure_with_exit_1(tmp_path, checkpoint):
     setup_job(tmp_path, checkpoint, engine={"device": "cuda"})
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        result = CliRunner().invoke(main, ["run", "jobs.yaml"])
-    finally:
-        os.chdir(cwd)
+    result = invoke_cli(tmp_path, "run", "jobs.yaml")
     assert result.exit_code == 1, (result.output, result.exception)
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: job rag: cannot load the model: "), result.stderr

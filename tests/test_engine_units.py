@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from batchinfer.engine.types import Request, SamplingParams
-from tests.engine_utils import TINY_VOCAB, make_engine, tiny_model, tokens_of
+from tests.engine_utils import TINY_VOCAB, collect, make_engine, tiny_model, tokens_of
 
 GREEDY = SamplingParams(max_tokens=2, ignore_eos=True)
 # 16 running sequences, so 16 working slots plus plan_pools' minimum of 8 cached states: far
@@ -56,14 +56,7 @@ def unit_of(prompts, order, params) -> list[Request]:
 
 
 def run_units(engine, units) -> dict:
-    outputs = {}
-    for out in engine.generate_units(units):
-        key = (out.request_id, out.sample_index)
-        assert key not in outputs, f"{key} streamed twice"
-        outputs[key] = out
-    engine.cache.audit()
-    assert not engine.cache.running
-    return outputs
+    return collect(engine, engine.generate_units(units))
 
 
 @pytest.mark.slow

@@ -15,12 +15,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
 from rich.console import Console
 
 import batchinfer.jobs.global_plan.sorted_rows as sorted_rows_module
 import batchinfer.jobs.global_plan.spill as spill_module
-from batchinfer.cli import main
 from batchinfer.engine.planner import make_plan
 from batchinfer.jobs.global_plan import (PlanNotFound, PlanningProgress, SortBudget, UnitConfig, build_work_plan,
                               open_matching_plan, open_work_plan, remove_work_dir, work_dir_for)
@@ -28,6 +26,7 @@ from batchinfer.jobs.run.planning import plan_job, plan_job_globally
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.inputs.prompts import build_prompts
 from batchinfer.jobs.spec.job_file import load_job_file
+from tests.cli_utils import invoke_cli
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, write_job_file, write_parquet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -252,21 +251,12 @@ def tree_hashes(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def invoke(folder: Path, *args: str):
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        return CliRunner().invoke(main, list(args))
-    finally:
-        os.chdir(cwd)
-
-
 def test_batchinfer_plan_reports_the_global_plan_writes_nothing_and_reuses_a_committed_work_folder(
         tmp_path, checkpoint):
     rows = rag_rows(30, 5)
     random.Random(5).shuffle(rows)
     make_job(tmp_path, checkpoint, rows)
-    result = invoke(tmp_path, "plan", "jobs.yaml", "--workers", "3", "--per-window", "--unit-rows", "16")
+    result = invoke_cli(tmp_path, "plan", "jobs.yaml", "--workers", "3", "--per-window", "--unit-rows", "16")
     assert result.exit_code == 0, result.output
     assert not (tmp_path / "out").exists()  # planning writes nothing into the output folder
     job = prepared(tmp_path / "jobs.yaml")
@@ -281,11 +271,11 @@ def test_batchinfer_plan_reports_the_global_plan_writes_nothing_and_reuses_a_com
     work = work_dir_for(job.spec.output.path)
     build(job, work)
     before = tree_hashes(tmp_path / "out")
-    again = invoke(tmp_path, "plan", "jobs.yaml", "--unit-rows", "16")
+    again = invoke_cli(tmp_path, "plan", "jobs.yaml", "--unit-rows", "16")
     assert again.exit_code == 0, again.output
     assert "reused _work/" in again.output and f"{report.summary.ideal_cached_tokens:,}" in again.output
     assert tree_hashes(tmp_path / "out") == before
-    assert invoke(tmp_path, "plan", "jobs.yaml", "--workers", "0").exit_code == 2
+    assert invoke_cli(tmp_path, "plan", "jobs.yaml", "--workers", "0").exit_code == 2
 
 
 def test_planning_progress_plain_lines_and_terminal_bar(tmp_path, checkpoint):

@@ -103,21 +103,16 @@ def test_kind_matches_parquet(kind, tmp_path, parquet_rows):
         assert changed.exit_code == 2 and "input changed" in changed.output, changed.output
 
 
-def test_broken_csv_is_one_line_naming_the_line(tmp_path, demo_cache):  # noqa: F811
+@pytest.mark.parametrize("name, text, expected", [
+    ("rows.csv", "qid,document,question\na,x,y\nb,x,y,extra\nc,x,y\n", ("rows.csv", "line 3")),
+    ("rows.ndjson", '{"qid": "a", "document": "x", "question": "y"}\n{"qid": \n',
+     ("rows.ndjson: not a readable JSON Lines file", "row 1")),
+], ids=["csv_names_the_line", "jsonl_names_the_row"])
+def test_a_broken_file_is_one_line_naming_where(tmp_path, demo_cache, name, text, expected):  # noqa: F811
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "rows.csv").write_text("qid,document,question\na,x,y\nb,x,y,extra\nc,x,y\n")
-    result = run_job(tmp_path, "rows.csv")
+    (tmp_path / "data" / name).write_text(text)
+    result = run_job(tmp_path, name)
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "rows.csv" in lines[0] and "line 3" in lines[0], result.output
-    assert not (tmp_path / "out").exists()
-
-
-def test_broken_jsonl_rows_name_the_row(tmp_path, demo_cache):  # noqa: F811
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "rows.ndjson").write_text('{"qid": "a", "document": "x", "question": "y"}\n{"qid": \n')
-    result = run_job(tmp_path, "rows.ndjson")
-    assert result.exit_code == 2
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "rows.ndjson: not a readable JSON Lines file" in lines[0] and "row 1" in lines[0], result.output
+    assert len(lines) == 1 and all(part in lines[0] for part in expected), result.output
     assert not (tmp_path / "out").exists()

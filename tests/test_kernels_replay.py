@@ -292,20 +292,15 @@ def run_precision_case(kernels, shape: Shapes, ckpt_dtype, steps: int, device: s
 PRECISION_BOUNDS = [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)]
 
 
+@pytest.mark.parametrize("impl,heads,device", [
+    (ref_replay, dict(heads_k=1, heads_v=2, d_k=16, d_v=16), "cpu"),
+    pytest.param(triton_replay, dict(heads_k=16, heads_v=48, d_k=128, d_v=128), "cuda", marks=requires_cuda),
+], ids=["reference", "triton_real_shapes"])
 @pytest.mark.parametrize("ring", [8, 16, 32])
 @pytest.mark.parametrize("ckpt_dtype,bound", PRECISION_BOUNDS)
-def test_precision_256_steps_reference(ring, ckpt_dtype, bound):
-    shape = Shapes(ring=ring, heads_k=1, heads_v=2, d_k=16, d_v=16)
-    out_err, state_err = run_precision_case(ref_replay, shape, ckpt_dtype, steps=256, device="cpu")
-    assert out_err <= bound and state_err <= bound, (out_err, state_err)
-
-
-@requires_cuda
-@pytest.mark.parametrize("ring", [8, 16, 32])
-@pytest.mark.parametrize("ckpt_dtype,bound", PRECISION_BOUNDS)
-def test_precision_256_steps_triton_real_shapes(ring, ckpt_dtype, bound):
-    shape = Shapes(ring=ring, heads_k=16, heads_v=48, d_k=128, d_v=128)
-    out_err, state_err = run_precision_case(triton_replay, shape, ckpt_dtype, steps=256, device="cuda")
+def test_precision_256_steps(impl, heads, device, ring, ckpt_dtype, bound):
+    shape = Shapes(ring=ring, **heads)
+    out_err, state_err = run_precision_case(impl, shape, ckpt_dtype, steps=256, device=device)
     assert out_err <= bound and state_err <= bound, (out_err, state_err)
 
 

@@ -10,15 +10,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from rich.console import Console
 
-from batchinfer.cli import main
 from batchinfer.jobs.errors import JobRuntimeError
 from batchinfer.jobs.outdir.lock import LOCK_NAME, STALE_AFTER_SECONDS, LockLost, OutputBusy, OutputLock, this_process
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.run.runner import run_job
 from batchinfer.jobs.spec.job_file import load_job_file
+from tests.cli_utils import invoke_cli
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 
@@ -187,12 +186,7 @@ def test_a_busy_folder_is_one_line_exit_2_and_nothing_written(tmp_path, checkpoi
     (tmp_path / "out" / "rag" / "part-00000.parquet").write_bytes(b"someone's")
     with OutputLock.acquire(tmp_path / "out" / "rag", heartbeat_seconds=None):
         before = snapshot(tmp_path)
-        cwd = os.getcwd()
-        os.chdir(tmp_path)
-        try:
-            result = CliRunner().invoke(main, ["run", "jobs.yaml", *args])
-        finally:
-            os.chdir(cwd)
+        result = invoke_cli(tmp_path, "run", "jobs.yaml", *args)
         assert result.exit_code == 2, (result.output, result.exception)
         lines = result.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith(

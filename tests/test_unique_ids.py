@@ -3,17 +3,15 @@ and a value two rows share): the id keys each row's samples, so two rows with on
 told apart in the results, and would sample alike."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
-from click.testing import CliRunner
 
-from batchinfer.cli import main
 import batchinfer.jobs.global_plan.unique_ids as unique_ids
 from batchinfer.jobs.global_plan.unique_ids import IdHashes, duplicate_id
+from tests.cli_utils import invoke_cli
 from tests.job_process import demo_cache  # noqa: F401
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 
@@ -25,15 +23,6 @@ def checkpoint(tmp_path_factory) -> Path:
     return make_tokenizer_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
-def invoke(folder: Path, *args: str):
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        return CliRunner().invoke(main, list(args))
-    finally:
-        os.chdir(cwd)
-
-
 @pytest.mark.parametrize("command", ["run", "plan"])
 def test_a_duplicated_id_is_one_line_exit_2_naming_the_column_and_the_value(tmp_path, demo_cache, command):
     table = rag_table(ROWS)
@@ -41,7 +30,7 @@ def test_a_duplicated_id_is_one_line_exit_2_naming_the_column_and_the_value(tmp_
     ids[9] = ids[4]  # rows 4 and 9 share q0004
     write_parquet(table.set_column(0, "qid", pa.array(ids)), tmp_path / "data" / "rag.parquet", row_group_size=5)
     write_job_file(tmp_path, [job_entry(model="demo", id_column="qid", engine={"device": "cpu"})])
-    result = invoke(tmp_path, command, "jobs.yaml")
+    result = invoke_cli(tmp_path, command, "jobs.yaml")
     assert result.exit_code == 2, (result.output, result.exception)
     assert result.stderr.splitlines() == [
         "error: jobs.yaml: jobs.rag.id_column: column 'qid' has the value 'q0004' in rows 4 and 9: ids must be "
@@ -56,7 +45,7 @@ def test_unique_ids_pass_and_a_limit_leaves_a_duplicate_past_it_out(tmp_path, ch
     ids[11] = ids[0]
     write_parquet(table.set_column(0, "qid", pa.array(ids)), tmp_path / "data" / "rag.parquet")
     write_job_file(tmp_path, [job_entry(model=str(checkpoint), id_column="qid", limit=11)])
-    result = invoke(tmp_path, "plan", "jobs.yaml")
+    result = invoke_cli(tmp_path, "plan", "jobs.yaml")
     assert result.exit_code == 0, (result.output, result.exception)
 
 

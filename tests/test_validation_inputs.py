@@ -1,19 +1,17 @@
 """An input glob that also matches the job's own output folder: its parts are never inputs."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
 from rich.console import Console
 
-from batchinfer.cli import main
 from batchinfer.jobs.errors import JobError
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.run.runner import run_job
 from batchinfer.jobs.spec.job_file import load_job_file
+from tests.cli_utils import invoke_cli, table_cells
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 
@@ -41,15 +39,9 @@ def test_a_glob_over_the_output_folder_reads_only_the_input_on_every_rerun(tmp_p
     run(job_file)  # resumes: nothing to do (the parts made a second, different schema before)
     run(job_file, overwrite=True)
     assert pq.read_table(out).num_rows == ROWS
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        result = CliRunner().invoke(main, ["plan", "jobs.yaml"])
-    finally:
-        os.chdir(cwd)
+    result = invoke_cli(tmp_path, "plan", "jobs.yaml")
     assert result.exit_code == 0, result.output
-    cells = [[cell.strip() for cell in line.strip("│").split("│")] for line in result.stdout.splitlines()]
-    assert ["rows", str(ROWS)] in cells
+    assert ["rows", str(ROWS)] in table_cells(result.stdout)
 
 
 def test_a_glob_that_matches_only_output_parts_names_the_output_folder(tmp_path, checkpoint):

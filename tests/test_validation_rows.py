@@ -5,19 +5,17 @@ the CLI (it loads no model): both must finish, with the bad rows as row errors.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
 from rich.console import Console
 
-from batchinfer.cli import main
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.run.runner import run_job
 from batchinfer.jobs.spec.job_file import load_job_file
+from tests.cli_utils import invoke_cli, table_cells
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 
@@ -51,15 +49,9 @@ def run(job_file: Path) -> pa.Table:
 
 
 def plan_lines(folder: Path) -> dict[str, str]:
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        result = CliRunner().invoke(main, ["plan", "jobs.yaml"])
-    finally:
-        os.chdir(cwd)
+    result = invoke_cli(folder, "plan", "jobs.yaml")
     assert result.exit_code == 0, (result.output, result.exception)
-    rows = [[cell.strip() for cell in line.strip("│").split("│")] for line in result.stdout.splitlines()]
-    return {cells[0]: cells[1] for cells in rows if len(cells) == 2}
+    return {cells[0]: cells[1] for cells in table_cells(result.stdout) if len(cells) == 2}
 
 
 def test_text_that_is_not_utf8_is_that_rows_error_and_the_job_completes(tmp_path, checkpoint):

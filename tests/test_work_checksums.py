@@ -3,15 +3,13 @@ file make the rerun rebuild that file (a one-line note), keep every finished par
 each (row, sample) once; `batchinfer plan` plans afresh instead of crashing."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
 
-from batchinfer.cli import main
 from batchinfer.jobs.global_plan.store import work_dir_for
+from tests.cli_utils import invoke_cli
 from tests.test_units_resume import (all_pairs, checkpoint, comparable, kill_at, make_job, out_of, pairs,  # noqa: F401
                                      parts_of, read_output, reference, run)
 
@@ -39,12 +37,7 @@ def test_damaged_work_files_are_rebuilt_and_the_rerun_keeps_every_finished_part(
     before = {p.name: p.read_bytes() for p in parts_of(tmp_path)}
     (target,) = work_dir_for(out_of(tmp_path)).glob(pattern)
     damage(target)
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        planned = CliRunner().invoke(main, ["plan", "jobs.yaml"])
-    finally:
-        os.chdir(cwd)
+    planned = invoke_cli(tmp_path, "plan", "jobs.yaml")
     assert planned.exit_code == 0, (planned.output, planned.exception)
     warnings = []
     stats = run(job_file, warnings=warnings)

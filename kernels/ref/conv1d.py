@@ -51,14 +51,11 @@ def causal_conv1d_prefill(
     return out
 
 
-def causal_conv1d_decode(
-    x: torch.Tensor,  # [B, D]
-    weight: torch.Tensor,  # [D, K]
-    bias: torch.Tensor | None,  # [D]
-    conv_state: torch.Tensor,  # [S, D, K-1], updated in place
-    slots: torch.Tensor,  # [B]
-) -> torch.Tensor:
-    """One new token per sequence: output for it, and the state shifted by one input."""
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                         slots: torch.Tensor) -> torch.Tensor:
+    """One new token per sequence: output for it, and the state shifted by one input.
+
+    x [B, D]; weight [D, K], bias [D] as in the prefill; conv_state [S, D, K-1], updated in place; slots [B]."""
     window = torch.cat([conv_state[slots].float(), x.float()[:, :, None]], dim=-1)  # [B, D, K]
     out = _conv_window(window, weight, bias)[:, :, 0]  # [B, D]
     conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)

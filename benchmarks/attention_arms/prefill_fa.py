@@ -1,7 +1,8 @@
 """FlashAttention-2-style causal varlen prefill over the token-granular KV pool (same contract as
 `attention_prefill`, docs/MODULES.md; reference: kernels/ref/attention.py).
 
-Against kernels/attention.py's prefill kernel: the softmax runs in base 2 with the scale and
+A comparison arm (`triton-fa`) of benchmarks/attention_backends.py; the model does not run it.
+Against kernels/attention/attention.py's prefill kernel: the softmax runs in base 2 with the scale and
 log2(e) folded into one multiply; each query block's key range splits into the tiles every row
 sees in full (no masks at all) and the diagonal tiles (bounds + causal mask), and stops at the
 block's last query; heads are the fastest grid axis, so the GQA heads of one KV head run side by
