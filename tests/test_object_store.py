@@ -311,3 +311,27 @@ def test_an_upload_cut_short_never_leaves_a_part_under_its_name(s3, tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         mirror.push()
     assert "part-00000.parquet" not in remote_keys(s3, "out/cut/")
+
+
+def test_s3_output_without_boto3_is_one_line(s3, tmp_path, demo_cache):  # noqa: F811
+    """boto3 is the optional `s3` extra: without it an s3:// output is refused at validation (the
+    import made to fail in a real process), naming output.path and the extra; nothing written."""
+    import subprocess
+    import sys
+
+    from batchinfer.jobs.spec.urls import staging_folder
+    from tests.job_process import REPO_ROOT
+
+    put_parquet(s3, "qa.parquet", rag_table(3))
+    write_job(tmp_path, "s3://bi-data/qa.parquet", output="s3://bi-data/out/nob")
+    script = ("import sys; sys.modules['boto3'] = None; sys.argv = ['batchinfer', 'run', 'jobs.yaml']; "
+              "from batchinfer.cli import main; main()")
+    env = {**os.environ, "BATCHINFER_CACHE_DIR": str(demo_cache),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stdout, done.stderr)
+    assert lines[0].startswith("error: ") and "jobs.rag.output.path: s3://bi-data/out/nob" in lines[0], lines[0]
+    assert "pip install 'batchinfer[s3]'" in lines[0], lines[0]
+    assert remote_keys(s3, "out/nob/") == [] and not staging_folder("s3://bi-data/out/nob").exists()

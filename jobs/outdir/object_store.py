@@ -54,7 +54,7 @@ def open_store(url: str) -> Store:
     try:
         filesystem, path = pafs.FileSystem.from_uri(uri)
     except (pa.ArrowException, OSError, ValueError) as exc:
-        raise StoreError(f"{url}: {_first_line(exc)}") from None
+        raise StoreError(f"{url}: {first_line(exc)}") from None
     path = path.rstrip("/")
     bucket = path.split("/", 1)[0]
     if not bucket:
@@ -68,9 +68,9 @@ def info(store: Store, relative: str) -> pafs.FileInfo:
     try:
         return store.filesystem.get_file_info(store.child(relative))
     except (pa.ArrowException, OSError) as exc:
-        raise StoreError(f"{store.url}: {_first_line(exc)}") from None
+        raise StoreError(f"{store.url}: {first_line(exc)}") from None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
