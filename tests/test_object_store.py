@@ -47,6 +47,8 @@ def s3(s3_endpoint, monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never probe an instance role from a test
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     for bucket in client.list_buckets().get("Buckets", []):
         objects = client.list_objects_v2(Bucket=bucket["Name"]).get("Contents", [])
@@ -335,3 +337,27 @@ def test_s3_output_without_boto3_is_one_line(s3, tmp_path, demo_cache):  # noqa:
     assert lines[0].startswith("error: ") and "jobs.rag.output.path: s3://bi-data/out/nob" in lines[0], lines[0]
     assert "pip install 'batchinfer[s3]'" in lines[0], lines[0]
     assert remote_keys(s3, "out/nob/") == [] and not staging_folder("s3://bi-data/out/nob").exists()
+
+
+def test_output_lock_takes_credentials_from_a_config_profile(s3, tmp_path, monkeypatch):
+    """No keys in the environment or a credentials file: a profile of the config file whose keys come
+    from a credential_process (as SSO, web identity and instance roles, beyond a hand-signer's reach)
+    opens the output folder and takes its lock."""
+    import sys
+
+    from batchinfer.jobs.outdir.object_store import open_store
+    from batchinfer.jobs.outdir.remote_lock import RemoteLock
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    process = tmp_path / "keys.py"
+    process.write_text('import json; print(json.dumps({"Version": 1, "AccessKeyId": "testing", '
+                       '"SecretAccessKey": "testing"}))\n')
+    config = tmp_path / "config"
+    config.write_text(f"[default]\ncredential_process = {sys.executable} {process}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    open_store("s3://bi-data/out/profiled")
+    lock = RemoteLock.acquire("s3://bi-data/out/profiled")
+    assert remote_keys(s3, "out/profiled/") == ["_lock.json"]
+    lock.release()
+    assert remote_keys(s3, "out/profiled/") == []
