@@ -361,3 +361,34 @@ def test_output_lock_takes_credentials_from_a_config_profile(s3, tmp_path, monke
     assert remote_keys(s3, "out/profiled/") == ["_lock.json"]
     lock.release()
     assert remote_keys(s3, "out/profiled/") == []
+
+
+def test_show_reads_an_s3_output_folder_without_writing(s3, tmp_path, demo_cache):  # noqa: F811
+    """`batchinfer show s3://...`: the job's stats, samples from the part records, and a live lock
+    holder, read from the bucket alone (nothing written there or staged); not an output: one line."""
+    from click.testing import CliRunner
+
+    from batchinfer.cli import main
+    from batchinfer.jobs.outdir.remote_lock import RemoteLock
+    from batchinfer.jobs.spec.urls import staging_folder
+
+    put_parquet(s3, "qa.parquet", rag_table(3))
+    write_job(tmp_path, "s3://bi-data/qa.parquet", output="s3://bi-data/out/shown")
+    assert run_in_this_process(tmp_path).exit_code == 0
+    import shutil
+    shutil.rmtree(staging_folder("s3://bi-data/out/shown"))
+    lock = RemoteLock.acquire("s3://bi-data/out/shown")  # a run holding it now
+    try:
+        before = remote_keys(s3, "out/shown/")
+        shown = CliRunner().invoke(main, ["show", "s3://bi-data/out/shown"])
+        assert shown.exit_code == 0, shown.output
+        text = " ".join(shown.output.split())
+        assert "job rag: done" in text and "on disk: 3 samples in 1 parts of 3 input rows" in text, text
+        assert f"running: held by pid {os.getpid()}" in text, text
+        assert remote_keys(s3, "out/shown/") == before
+        assert not staging_folder("s3://bi-data/out/shown").exists()
+    finally:
+        lock.release()
+    refused = CliRunner().invoke(main, ["show", "s3://bi-data/nothing-here"])
+    assert refused.exit_code == 2 and refused.output.count("\n") == 1, refused.output
+    assert "error: s3://bi-data/nothing-here: not a batchinfer output folder" in refused.output, refused.output
