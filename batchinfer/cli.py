@@ -179,14 +179,17 @@ def warmup(job_file: Path, job_name: Optional[str]) -> None:
 
 
 @main.command()
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def show(out_dir: Path) -> None:
-    """Print the summary of the job whose output folder is OUT_DIR: finished, stopped or still
-    running (its last _stats.json, the samples its parts hold, the run holding it)."""
-    from batchinfer.jobs.outdir.show import folder_report, render_report
+@click.argument("out_dir")
+def show(out_dir: str) -> None:
+    """Print the summary of the job whose output folder is OUT_DIR (a folder or s3:// URL): finished,
+    stopped or still running (its last _stats.json, the samples its parts hold, the run holding it)."""
+    from batchinfer.jobs.outdir.object_store import StoreError
+    from batchinfer.jobs.outdir.show import folder_report, remote_folder_report, render_report
+    from batchinfer.jobs.spec.urls import is_url
 
+    where = out_dir.rstrip("/") if is_url(out_dir) else Path(out_dir)  # a Path would fold s3:// into s3:/
     try:
-        report = folder_report(out_dir)
-    except JobError as exc:
+        report = remote_folder_report(where) if isinstance(where, str) else folder_report(where)
+    except (JobError, StoreError) as exc:
         _fail(str(exc), EXIT_BAD_INPUT)
-    render_report(Console(), out_dir, report)
+    render_report(Console(), where, report)

@@ -47,6 +47,8 @@ def s3(s3_endpoint, monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never probe an instance role from a test
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     for bucket in client.list_buckets().get("Buckets", []):
         objects = client.list_objects_v2(Bucket=bucket["Name"]).get("Contents", [])
@@ -311,3 +313,82 @@ def test_an_upload_cut_short_never_leaves_a_part_under_its_name(s3, tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         mirror.push()
     assert "part-00000.parquet" not in remote_keys(s3, "out/cut/")
+
+
+def test_s3_output_without_boto3_is_one_line(s3, tmp_path, demo_cache):  # noqa: F811
+    """boto3 is the optional `s3` extra: without it an s3:// output is refused at validation (the
+    import made to fail in a real process), naming output.path and the extra; nothing written."""
+    import subprocess
+    import sys
+
+    from batchinfer.jobs.spec.urls import staging_folder
+    from tests.job_process import REPO_ROOT
+
+    put_parquet(s3, "qa.parquet", rag_table(3))
+    write_job(tmp_path, "s3://bi-data/qa.parquet", output="s3://bi-data/out/nob")
+    script = ("import sys; sys.modules['boto3'] = None; sys.argv = ['batchinfer', 'run', 'jobs.yaml']; "
+              "from batchinfer.cli import main; main()")
+    env = {**os.environ, "BATCHINFER_CACHE_DIR": str(demo_cache),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stdout, done.stderr)
+    assert lines[0].startswith("error: ") and "jobs.rag.output.path: s3://bi-data/out/nob" in lines[0], lines[0]
+    assert "pip install 'batchinfer[s3]'" in lines[0], lines[0]
+    assert remote_keys(s3, "out/nob/") == [] and not staging_folder("s3://bi-data/out/nob").exists()
+
+
+def test_output_lock_takes_credentials_from_a_config_profile(s3, tmp_path, monkeypatch):
+    """No keys in the environment or a credentials file: a profile of the config file whose keys come
+    from a credential_process (as SSO, web identity and instance roles, beyond a hand-signer's reach)
+    opens the output folder and takes its lock."""
+    import sys
+
+    from batchinfer.jobs.outdir.object_store import open_store
+    from batchinfer.jobs.outdir.remote_lock import RemoteLock
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    process = tmp_path / "keys.py"
+    process.write_text('import json; print(json.dumps({"Version": 1, "AccessKeyId": "testing", '
+                       '"SecretAccessKey": "testing"}))\n')
+    config = tmp_path / "config"
+    config.write_text(f"[default]\ncredential_process = {sys.executable} {process}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    open_store("s3://bi-data/out/profiled")
+    lock = RemoteLock.acquire("s3://bi-data/out/profiled")
+    assert remote_keys(s3, "out/profiled/") == ["_lock.json"]
+    lock.release()
+    assert remote_keys(s3, "out/profiled/") == []
+
+
+def test_show_reads_an_s3_output_folder_without_writing(s3, tmp_path, demo_cache):  # noqa: F811
+    """`batchinfer show s3://...`: the job's stats, samples from the part records, and a live lock
+    holder, read from the bucket alone (nothing written there or staged); not an output: one line."""
+    from click.testing import CliRunner
+
+    from batchinfer.cli import main
+    from batchinfer.jobs.outdir.remote_lock import RemoteLock
+    from batchinfer.jobs.spec.urls import staging_folder
+
+    put_parquet(s3, "qa.parquet", rag_table(3))
+    write_job(tmp_path, "s3://bi-data/qa.parquet", output="s3://bi-data/out/shown")
+    assert run_in_this_process(tmp_path).exit_code == 0
+    import shutil
+    shutil.rmtree(staging_folder("s3://bi-data/out/shown"))
+    lock = RemoteLock.acquire("s3://bi-data/out/shown")  # a run holding it now
+    try:
+        before = remote_keys(s3, "out/shown/")
+        shown = CliRunner().invoke(main, ["show", "s3://bi-data/out/shown"])
+        assert shown.exit_code == 0, shown.output
+        text = " ".join(shown.output.split())
+        assert "job rag: done" in text and "on disk: 3 samples in 1 parts of 3 input rows" in text, text
+        assert f"running: held by pid {os.getpid()}" in text, text
+        assert remote_keys(s3, "out/shown/") == before
+        assert not staging_folder("s3://bi-data/out/shown").exists()
+    finally:
+        lock.release()
+    refused = CliRunner().invoke(main, ["show", "s3://bi-data/nothing-here"])
+    assert refused.exit_code == 2 and refused.output.count("\n") == 1, refused.output
+    assert "error: s3://bi-data/nothing-here: not a batchinfer output folder" in refused.output, refused.output

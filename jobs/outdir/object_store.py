@@ -16,8 +16,8 @@ import pyarrow.fs as pafs
 
 from batchinfer.jobs.spec.urls import url_scheme
 
-# where the AWS SDK finds credentials besides the instance metadata service (which we never probe:
-# off EC2 it costs seconds of timeouts before a confusing error)
+# where the AWS SDK finds credentials besides the instance metadata service (probed only through boto3,
+# last: pyarrow's probe off EC2 costs seconds of timeouts before a confusing error)
 CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
                         "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
@@ -40,7 +40,24 @@ def has_aws_credentials() -> bool:
     if any(os.environ.get(name) for name in CREDENTIAL_VARIABLES):
         return True
     shared = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join("~", ".aws", "credentials")
-    return Path(shared).expanduser().is_file() or os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() == "false"
+    if Path(shared).expanduser().is_file() or os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() == "false":
+        return True
+    return _botocore_finds_credentials()
+
+
+def _botocore_finds_credentials() -> bool:
+    """With the `s3` extra, AWS's whole chain: config-file profiles (SSO, credential_process, assumed
+    roles) and an instance role; its metadata probe (about a second off EC2, skipped under
+    AWS_EC2_METADATA_DISABLED=true) runs only when nothing cheaper above found credentials."""
+    try:
+        import boto3
+        from botocore.exceptions import BotoCoreError
+    except ImportError:
+        return False
+    try:
+        return boto3.session.Session().get_credentials() is not None
+    except BotoCoreError:
+        return False
 
 
 def open_store(url: str) -> Store:
@@ -49,12 +66,13 @@ def open_store(url: str) -> Store:
     scheme = url_scheme(url)
     if scheme == "s3" and not has_aws_credentials():
         raise StoreError(f"{url}: no AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
-                         "AWS_PROFILE; AWS_EC2_METADATA_DISABLED=false to use an instance role)")
+                         "AWS_PROFILE, or a profile in ~/.aws/config; an instance role needs boto3 "
+                         "or AWS_EC2_METADATA_DISABLED=false)")
     uri = "gs" + url[len(scheme):] if scheme == "gcs" else url
     try:
         filesystem, path = pafs.FileSystem.from_uri(uri)
     except (pa.ArrowException, OSError, ValueError) as exc:
-        raise StoreError(f"{url}: {_first_line(exc)}") from None
+        raise StoreError(f"{url}: {first_line(exc)}") from None
     path = path.rstrip("/")
     bucket = path.split("/", 1)[0]
     if not bucket:
@@ -68,9 +86,9 @@ def info(store: Store, relative: str) -> pafs.FileInfo:
     try:
         return store.filesystem.get_file_info(store.child(relative))
     except (pa.ArrowException, OSError) as exc:
-        raise StoreError(f"{store.url}: {_first_line(exc)}") from None
+        raise StoreError(f"{store.url}: {first_line(exc)}") from None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__

@@ -21,7 +21,7 @@ from batchinfer.jobs.spec import checks as check
 from batchinfer.jobs.errors import JobError, display_path
 from batchinfer.jobs.spec.parallel import PARALLEL_KEYS, ParallelSpec
 from batchinfer.jobs.spec.checks import Checker, did_you_mean
-from batchinfer.jobs.spec.urls import INPUT_SCHEMES, OUTPUT_SCHEMES, is_url, staging_folder, url_scheme
+from batchinfer.jobs.spec.urls import INPUT_SCHEMES, is_url, output_url_problem, staging_folder, url_scheme
 from batchinfer.jobs.spec.task import TASK_JOB_KEYS, TaskSpec, parse_task, split_task_sampling
 from batchinfer.jobs.spec.yaml_loader import DuplicateKeyError, JobFileSizeError, load_yaml
 
@@ -170,9 +170,9 @@ def _output_spec(checker: Checker, output: dict, base: Path, where: str) -> Outp
     path = output.pop("path")
     if not is_url(path):
         return OutputSpec(path=_resolve(path, base), **output)
-    if url_scheme(path) not in OUTPUT_SCHEMES:
-        raise checker.fail(f"{where}.output.path", f"{path}: only s3:// output folders are supported "
-                                                   "(the output lock needs S3's conditional PUT)")
+    problem = output_url_problem(path)
+    if problem:
+        raise checker.fail(f"{where}.output.path", problem)
     return OutputSpec(path=staging_folder(path), remote=path.rstrip("/"), **output)
 
 

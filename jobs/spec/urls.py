@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Optional
 
 INPUT_SCHEMES = ("s3", "gs", "gcs", "http", "https")
 OUTPUT_SCHEMES = ("s3",)  # a conditional PUT for the lock: see jobs/outdir/remote_lock.py
@@ -21,6 +22,18 @@ def url_scheme(text: str) -> str:
 
 def is_url(text: str) -> bool:
     return bool(url_scheme(str(text)))
+
+
+def output_url_problem(url: str) -> Optional[str]:
+    """Why `url` cannot be an output folder here (None: it can): a scheme other than s3://, or an s3://
+    one without boto3, the optional `s3` extra the lock's conditional writes go through."""
+    if url_scheme(url) not in OUTPUT_SCHEMES:
+        return f"{url}: only s3:// output folders are supported (the output lock needs S3's conditional PUT)"
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        return f"{url}: an s3:// output needs boto3 for its lock: pip install 'batchinfer[s3]'"
+    return None
 
 
 def cache_root() -> Path:
