@@ -48,7 +48,7 @@ def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
     for item in settings:
         key, _, value = item.partition("=")
         default = getattr(EngineConfig(), key)  # AttributeError names a wrong field
-        overrides[key] = type(default)(int(value))
+        overrides[key] = int(value) if default is None else type(default)(int(value))  # None: an optional int
     if running == "auto":  # the engine's own default for the model (EngineConfig.max_running None)
         return count, length, output, AUTO, overrides
     return count, length, output, int(running) if running else None, overrides
