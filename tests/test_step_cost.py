@@ -31,6 +31,23 @@ def test_prompt_tokens_fill_the_decode_step_up_to_its_ridge():
     assert costly_chunks.prefill_budget(96, 8096) == 8096  # a large fixed cost per step: the fewest steps
 
 
+# Measured on the H200 (16-layer 27B, bf16, `python -m benchmarks.step_cost --layers 16 --reps 5`):
+# (prompt tokens, decode rows, ms). Per prompt token beside 96 rows, the steps cost 48 µs at 256,
+# 24 at 512, then 19 from 1,024 up: small chunks pay a launch-bound floor the large ones hide.
+H200_16_LAYERS = [(0, 16, 5.531), (0, 32, 6.267), (0, 64, 8.065), (0, 96, 9.618), (0, 128, 11.446), (0, 256, 19.054),
+                  (256, 0, 12.692), (512, 0, 13.359), (1024, 0, 21.279), (2048, 0, 40.217), (4096, 0, 76.945),
+                  (8192, 0, 161.221)]
+H200_MIXED_96 = {256: 21.929, 512: 22.114, 1024: 29.118, 2048: 47.814, 4096: 94.167, 8192: 162.222}
+
+
+def test_the_fit_of_measured_steps_picks_no_chunk_the_measurements_call_costly():
+    cost = fit(H200_16_LAYERS)
+    assert cost.prefill_overhead_ms == pytest.approx(12.692 - 0.02058 * 256, rel=0.05)
+    chosen = cost.prefill_budget(96, 8192)
+    measured = {p: (ms - 9.618) / p for p, ms in H200_MIXED_96.items()}
+    assert measured[chosen] <= 1.05 * min(measured.values()), (chosen, measured)
+
+
 def test_fit_recovers_the_constants_from_measured_steps():
     truth = StepCost(weight_ms=11.0, row_ms=0.25, token_ms=0.07, prefill_overhead_ms=3.0)
     samples = [(0, d, truth.step_ms(0, d)) for d in (32, 64, 128, 256)] + \
