@@ -17,7 +17,7 @@ from batchinfer.jobs.global_plan import UnitConfig, build_work_plan, work_dir_fo
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.run.runner import run_job
 from batchinfer.jobs.spec.job_file import load_job_file
-from batchinfer.jobs.inputs.unit_inputs import UnitInputs, build_unit_inputs, inputs_dir_for
+from batchinfer.jobs.global_plan.unit_inputs import UnitInputs, build_unit_inputs, inputs_dir_for
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import pyarrow as pa
 
 from batchinfer.jobs.outdir.atomic_files import TEMP_SUFFIX, write_atomically  # noqa: F401  (re-exported)
-from batchinfer.jobs.run.interruption import commit_section
+from batchinfer.jobs.outdir.interruption import commit_section
 from batchinfer.jobs.outdir.part_store import PART_PATTERN, commit_part, part_name  # noqa: F401  (re-exported)
 from batchinfer.jobs.outdir.valid_text import invalid_utf8_message, repair_table
 

@@ -34,9 +34,9 @@ from rich.table import Table
 from batchinfer.jobs.run.executors import (ExecutionReport, LocalExecutor, ProgressSnapshot, RayExecutor, RetryPolicy, UnitSpec,
                             available_cores, local_placements, resolve_workers, visible_gpus)
 from batchinfer.jobs.global_plan import WorkPlan, work_dir_for
-from batchinfer.jobs.run.interruption import Stopped
-from batchinfer.jobs.run.prepare import PreparedJob
-from batchinfer.jobs.run.progress_time import format_seconds
+from batchinfer.jobs.outdir.interruption import Stopped
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
+from batchinfer.jobs.outdir.progress_time import format_seconds
 from batchinfer.jobs.spec.job_file import JobSpec
 from batchinfer.jobs.run.unit_worker import WORK_DIR_KEY, job_recipe
 
@@ -176,7 +176,7 @@ def run_units_in_workers(job: PreparedJob, plan: WorkPlan, out_dir: Path, consol
 
 def raise_interruption(report: ExecutionReport) -> None:
     """Stop as the in-process run stops for the signal that interrupted the workers
-    (`jobs.interruption`): through the handler the caller installed (the CLI's raises Stopped,
+    (`jobs.outdir.interruption`): through the handler the caller installed (the CLI's raises Stopped,
     exit 128 + the signal's number), else as Stopped, or KeyboardInterrupt for SIGINT."""
     sig = report.interrupted_by
     if sig is not None and callable(signal.getsignal(sig)):

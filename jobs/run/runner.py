@@ -28,14 +28,14 @@ from batchinfer.engine.types import Request, RequestOutput
 from batchinfer.jobs.errors import JobError, JobRuntimeError, display_path, no_space_error
 from batchinfer.jobs.tasks.eval_metrics import eval_stats, with_correct_column
 from batchinfer.jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
-from batchinfer.jobs.run.interruption import signal_name, stop_signal_of
+from batchinfer.jobs.outdir.interruption import signal_name, stop_signal_of
 from batchinfer.jobs.run.global_run import PlannedUnits, UnitsInProcess, plan_stats, plan_units, prepare_units, summed_counters
 from batchinfer.jobs.formats.openai_batch import OUTPUT_NAME as BATCH_OUTPUT_NAME, write_batch_output
 from batchinfer.jobs.outdir.ordered_output import compact_in_input_order, finish_interrupted_compaction
 from batchinfer.jobs.outdir.lock import OutputBusy, OutputLock
 from batchinfer.jobs.outdir.part_writer import PartWriter, job_result_fields
 from batchinfer.jobs.outdir.part_store import PARTS_DIR, damaged_path, samples_on_disk, scan_parts
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.engine.startup import listening, phase
 from batchinfer.jobs.run.progress import ProgressReporter
 from batchinfer.jobs.outdir.resume import STATS_NAME, ResumeState, check_resumable, prepare_output_dir, read_resume_state
@@ -127,7 +127,7 @@ def _report_parts(resume: ResumeState, warn: Callable[[str], None]) -> None:
 
 
 def _interruption(exc: BaseException) -> str:
-    """`interrupted_by`: the stop signal's name (jobs.interruption), else what stopped the run (SystemExit)."""
+    """`interrupted_by`: the stop signal's name (jobs.outdir.interruption), else what stopped the run (SystemExit)."""
     signum = stop_signal_of(exc)
     if signum is not None:
         return signal_name(signum)

@@ -26,13 +26,13 @@ from batchinfer.jobs.run.engine_io import error_result, output_result, row_reque
 from batchinfer.jobs.run.executors.contract import ProgressDelta, UnitResult
 from batchinfer.jobs.tasks.eval_metrics import with_correct_column
 from batchinfer.jobs.global_plan import WorkPlan
-from batchinfer.jobs.run.interruption import commit_section
+from batchinfer.jobs.outdir.interruption import commit_section
 from batchinfer.jobs.formats.openai_batch import row_sampling
 from batchinfer.jobs.outdir.part_writer import ROW_INDEX_COLUMN, SampleResult, append_results, job_result_fields
 from batchinfer.jobs.outdir.part_store import commit_part, unit_part_name
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.inputs.prompts import row_ids
-from batchinfer.jobs.inputs.unit_inputs import UnitInputs
+from batchinfer.jobs.global_plan.unit_inputs import UnitInputs
 from batchinfer.jobs.outdir.unit_parts import DoneIndex, chunk_rows, unit_part_committed
 from batchinfer.jobs.tasks.grammar_rows import RowGrammars
 from batchinfer.jobs.tasks.scoring import ScoreRows, row_score_requests

@@ -22,7 +22,8 @@ from batchinfer.jobs.run.executors.contract import ProgressSink, UnitResult, Wor
 from batchinfer.jobs.run.executors.worker_loop import StopRequested, parent_alive
 from batchinfer.jobs.global_plan import open_work_plan, work_dir_for
 from batchinfer.jobs.outdir.part_writer import SampleResult
-from batchinfer.jobs.run.prepare import PreparedJob, prepare_job
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
+from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.spec.job_file import JobSpec, load_job_file
 from batchinfer.jobs.run.unit_runner import SinkProgress, UnitRunner
 

@@ -15,7 +15,7 @@ from batchinfer.jobs.run.engine_io import error_result, output_result, row_reque
 from batchinfer.jobs.inputs.files import RowWindow, iter_windows
 from batchinfer.jobs.formats.openai_batch import row_sampling
 from batchinfer.jobs.outdir.part_writer import PartWriter, SampleResult
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.run.progress import ProgressReporter
 from batchinfer.jobs.inputs.prompts import build_prompts, row_ids
 from batchinfer.jobs.tasks.grammar_rows import RowGrammars

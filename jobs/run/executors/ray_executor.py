@@ -24,7 +24,6 @@ and the job's work folder (a shared path, or an object-store URI written through
 """
 from __future__ import annotations
 
-import importlib.util
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -38,25 +37,11 @@ from batchinfer.jobs.run.executors.worker_loop import serve
 from batchinfer.jobs.run.executors.placement import MEMORY_FRACTION_KEY
 from batchinfer.jobs.run.executors.tally import ProgressSnapshot
 from batchinfer.jobs.run.executors.unit_queue import UnitSpec
+from batchinfer.jobs.spec.executors import executor_problem
 
-RAY_MISSING = "executor: ray needs Ray, which is not installed (pip install 'batchinfer[ray]')"
-EXECUTORS = ("local", "ray")
 CLOSE_SECONDS = 30.0
 EVENTS_WAIT_SECONDS = 0.5   # an `events` call returns at the first message, or empty after this long
 _EVENTS_GROUP = "events"
-
-
-def ray_available() -> bool:
-    return importlib.util.find_spec("ray") is not None
-
-
-def executor_problem(executor: str) -> Optional[str]:
-    """What is wrong with choosing this executor here, in one line; None when it can run."""
-    if executor not in EXECUTORS:
-        return f"unknown executor {executor!r} (choose local or ray)"
-    if executor == "ray" and not ray_available():
-        return RAY_MISSING
-    return None
 
 
 class _UnitActor:

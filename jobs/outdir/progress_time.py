@@ -1,0 +1,57 @@
+"""Time in progress displays: when an eta is worth showing, how a duration reads, and a heartbeat
+that prints a plain progress line on time when no terminal shows a live bar.
+
+The eta extrapolates this run's sample rate, and the first samples say little about it: a global
+plan's first unit prefills its whole prefix group before any sample ends, then its samples end in a
+burst, so the first sample came after 123 s of a 233 s job and gave "eta 23697s". No eta is shown
+until generation has run ETA_AFTER_SECONDS and finished ETA_AFTER_FRACTION of this run's samples.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+ETA_AFTER_SECONDS = 5.0
+ETA_AFTER_FRACTION = 0.05   # of the samples this run has to do
+
+
+def eta_seconds(done_this_run: int, to_do_this_run: int, elapsed: float) -> Optional[float]:
+    """Seconds left at this run's sample rate; None until enough has run to estimate (module docstring)."""
+    if done_this_run <= 0 or elapsed < ETA_AFTER_SECONDS or done_this_run < ETA_AFTER_FRACTION * to_do_this_run:
+        return None
+    return max(to_do_this_run - done_this_run, 0) * elapsed / done_this_run
+
+
+def format_seconds(seconds: Optional[float]) -> str:
+    """`45s`, `12m05s`, `7h17m`; `?` for None."""
+    if seconds is None:
+        return "?"
+    total = max(int(round(seconds)), 0)
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m{total % 60:02d}s"
+    return f"{total // 3600}h{total % 3600 // 60:02d}m"
+
+
+class Heartbeat:
+    """Calls `beat()` about every `interval` seconds on a daemon thread until `stop()`. The callback
+    decides whether a line is due (the progress object may have printed one meanwhile)."""
+
+    def __init__(self, interval: float, beat: Callable[[], None]) -> None:
+        self.interval, self._beat = interval, beat
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="progress-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            self._beat()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
