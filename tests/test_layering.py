@@ -184,3 +184,13 @@ def test_the_jobs_checker_reports_an_upward_edge():
     graph = {"batchinfer.jobs.spec.job_file": {"batchinfer.jobs.run.runner", "batchinfer.jobs.errors"},
              "batchinfer.jobs.run.runner": {"batchinfer.jobs.spec.job_file"}}
     assert upward_jobs_edges(graph) == {"batchinfer.jobs.spec.job_file -> batchinfer.jobs.run.runner"}
+
+
+PRODUCT_FOLDERS = ("batchinfer", "jobs", "cache", "kernels")
+
+
+def test_the_product_holds_no_test_hooks():
+    # Fault injection enters through the worker recipe a test supplies (tests/worker_faults.py).
+    hooks = [f"{path.relative_to(ROOT)}" for folder in PRODUCT_FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))
+             if "BATCHINFER_TEST_" in path.read_text(encoding="utf-8")]
+    assert hooks == []

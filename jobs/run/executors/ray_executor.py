@@ -20,7 +20,7 @@ results, progress at the rate bound of `RateLimitedSink`) with one outstanding `
 actor; a lost actor shows as that call failing. Ray is imported only when a run starts: importing
 this module, or the package, never imports it, and `executor_problem` reports its absence in one line.
 Every node needs batchinfer installed (or a `runtime_env` that ships it) and must see the output folder
-and the job's work folder (a shared path, or an object-store URI written through `storage.PartStore`).
+and the job's work folder (a shared path).
 """
 from __future__ import annotations
 
