@@ -67,9 +67,14 @@ def worker_layout(spec: JobSpec, gpus: Optional[Sequence[str]] = None) -> Worker
     return WorkerLayout("cuda", tuple(gpus), resolve_workers(spec.parallel.workers, "cuda", len(gpus)))
 
 
-def resolved_workers(spec: JobSpec) -> int:
-    """How many engines a local run of the job uses (1: the in-process path)."""
-    return worker_layout(spec).workers
+def runs_in_workers(spec: JobSpec) -> bool:
+    """Whether the job's units go to workers (Ray, or more than one local engine) or run in this process."""
+    if spec.parallel.executor == "ray":
+        return True
+    try:
+        return worker_layout(spec).workers > 1
+    except RuntimeError:  # no GPU for a cuda device: one engine here says so when it loads, unless N were asked for
+        return spec.parallel.workers != "auto" and int(spec.parallel.workers) > 1
 
 
 class WorkersProgress:
