@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from batchinfer.jobs.errors import JobError
-from batchinfer.jobs.run.prepare import PreparedJob, prepare_job
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
+from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.run.runner import EngineLike, open_engine, run_job
 from batchinfer.jobs.spec.job_file import JobFile, load_job_file, parse_job_document
 

@@ -3,7 +3,7 @@
 Exit codes: 0 done; 2 bad input (one line `error: <file>: <key/column>: <what>`, nothing
 written), an output folder in use by another run among them; 1 a runtime failure, a full disk
 among them (finished parts stay on disk, a rerun resumes); 130 Ctrl-C (SIGINT), 143 SIGTERM and
-129 SIGHUP (128 + the signal's number; `jobs.interruption`), each after writing every finished
+129 SIGHUP (128 + the signal's number; `jobs.outdir.interruption`), each after writing every finished
 sample and `_stats.json` (status interrupted). A closed stdout (`| head`) or hung-up terminal
 only silences the progress (`jobs.quiet_streams`). Every job in the file is checked, and its
 output folder locked, before the first one runs, so a mistake in the last job does not leave the
@@ -23,9 +23,10 @@ from rich.console import Console
 
 from batchinfer import __version__
 from batchinfer.jobs.errors import JobError, JobRuntimeError, no_space_line
-from batchinfer.jobs.run.interruption import Stopped, signal_name, stop_on_signals, stop_signal_of
+from batchinfer.jobs.outdir.interruption import Stopped, signal_name, stop_on_signals, stop_signal_of
 from batchinfer.jobs.outdir.lock import OutputLock
-from batchinfer.jobs.run.prepare import PreparedJob, prepare_job
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
+from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.run.quiet_streams import quiet_when_closed
 from batchinfer.jobs.run.runner import lock_output, run_job
 from batchinfer.jobs.spec.job_file import load_job_file

@@ -6,7 +6,7 @@
 A shuffled rag job much larger than one 4,096-row window: `--docs` documents of `--doc-tokens`
 random token ids, each followed by `--questions` questions of `--question-tokens`, shuffled, so
 that a window holds about two rows per document. The same rows run as two jobs that differ only
-in `engine.plan` (`window`: the engine plans 4,096 rows at a time in input order; `global`: the
+in `run_job(plan=...)` (`window`: the engine plans 4,096 rows at a time in input order; `global`: the
 whole job sorted and cut into work units). Each arm gets a fresh engine on one loaded model (no
 cache carried across arms), after a warm-up job that compiles the kernels. Printed: cached tokens
 against the global ideal (Σ over the globally sorted prompts of min(lcp, len − 1), computed here
@@ -70,11 +70,11 @@ def global_ideal(prompts: list[list[int]]) -> int:
     return total
 
 
-def write_job(folder: Path, name: str, data: Path, checkpoint: Path, plan: str, args) -> Path:
+def write_job(folder: Path, name: str, data: Path, checkpoint: Path, args) -> Path:
     job = {"jobs": [{
         "name": name, "model": str(checkpoint), "input": str(data), "prompt": {"token_ids_column": "ids"},
         "sampling": {"max_tokens": args.output_tokens, "ignore_eos": True, "temperature": 0.0},
-        "engine": {"device": args.device, "plan": plan, "max_running": args.max_running},
+        "engine": {"device": args.device, "max_running": args.max_running},
         "output": {"path": str(folder / f"out-{name}")},
     }]}
     path = folder / f"{name}.yaml"
@@ -82,11 +82,11 @@ def write_job(folder: Path, name: str, data: Path, checkpoint: Path, plan: str, 
     return path
 
 
-def run_arm(job_file: Path, model, console: Console) -> tuple[dict, float, Path]:
+def run_arm(job_file: Path, model, console: Console, plan: str = "global") -> tuple[dict, float, Path]:
     from batchinfer.engine import Engine, EngineConfig
     from batchinfer.jobs.run.prepare import prepare_job
-    from batchinfer.jobs.run.runner import engine_config_kwargs, run_job
-    from batchinfer.jobs.spec.job_file import load_job_file
+    from batchinfer.jobs.run.runner import run_job
+    from batchinfer.jobs.spec.job_file import engine_config_kwargs, load_job_file
 
     (spec,) = load_job_file(job_file).jobs
     job = prepare_job(spec, overwrite=True)
@@ -98,7 +98,7 @@ def run_arm(job_file: Path, model, console: Console) -> tuple[dict, float, Path]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    stats = run_job(job, console, overwrite=True, engine_factory=fresh_engine)
+    stats = run_job(job, console, overwrite=True, engine_factory=fresh_engine, plan=plan)
     wall = time.perf_counter() - start
     # The engine's pools (90% of the free memory) must go before the next arm sizes its own.
     gc.collect()
@@ -150,10 +150,10 @@ def main() -> None:
 
     from batchinfer.models.loader import load_model
     model = load_model(str(checkpoint), dtype, args.device)
-    run_arm(write_job(work, "warm", work / "warm.parquet", checkpoint, "global", args), model, console)
+    run_arm(write_job(work, "warm", work / "warm.parquet", checkpoint, args), model, console)
     results = {}
     for arm in ("window", "global"):
-        stats, wall, out = run_arm(write_job(work, arm, work / "rows.parquet", checkpoint, arm, args), model, console)
+        stats, wall, out = run_arm(write_job(work, arm, work / "rows.parquet", checkpoint, args), model, console, arm)
         engine_seconds = stats["prefill_seconds"] + stats["decode_seconds"]
         results[arm] = dict(
             wall_s=wall, engine_s=engine_seconds, prompt_tokens=stats["prompt_tokens"],

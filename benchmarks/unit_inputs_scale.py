@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from batchinfer.jobs.global_plan import build_work_plan, work_dir_for
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.spec.job_file import load_job_file
-from batchinfer.jobs.inputs.unit_inputs import build_unit_inputs, inputs_dir_for
+from batchinfer.jobs.global_plan.unit_inputs import build_unit_inputs, inputs_dir_for
 
 def rss():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

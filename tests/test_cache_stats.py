@@ -78,9 +78,9 @@ def test_a_window_planned_job_shows_its_plan_without_calling_it_an_ideal(tmp_pat
     write_parquet(shuffled_qa_corpus().slice(0, 40), tmp_path / "data" / "qa.parquet")
     job_file = write_job_file(tmp_path, [job_entry(
         model=str(checkpoint), input="data/qa.parquet", prompt={"template": "{document}\nQuestion: {question}\nAnswer:"},
-        engine={"plan": "window"}, output={"path": "out/rag"})])
+        output={"path": "out/rag"})])
     console = Console(file=StringIO(), width=200)
     run_job(prepare_job(load_job_file(job_file).jobs[0]), console,
-            engine_factory=lambda _job, _rows: UnitPlanningEngine(), window_rows=8)
+            engine_factory=lambda _job, _rows: UnitPlanningEngine(), window_rows=8, plan="window")
     text = console.file.getvalue()
     assert "ideal" not in text and "planned cached tokens (windows alone)" in text

@@ -182,6 +182,14 @@ def test_max_model_len_out_of_range_exits_2_naming_the_key(tmp_path, checkpoint,
     assert run_cli(tmp_path, "run", "jobs.yaml") == f"error: jobs.yaml: jobs.rag.engine.max_model_len: {what}"
 
 
+@pytest.mark.parametrize("engine", [{"plan": "window"}, {"state_cache": "no_buffer"}, {"plan": "global"}])
+def test_a_benchmark_arm_in_a_job_file_exits_2_naming_the_key(tmp_path, checkpoint, engine):
+    setup_job(tmp_path, checkpoint, engine=engine)
+    (key,) = engine
+    assert run_cli(tmp_path, "run", "jobs.yaml") == \
+        f"error: jobs.yaml: jobs.rag.engine.{key}: is a benchmark's comparison arm, not a job key; remove it"
+
+
 def test_a_template_column_of_a_type_polars_cannot_format_exits_2(tmp_path, checkpoint):
     table = rag_table(7)
     write_parquet(table.append_column("wait", pa.array([datetime.timedelta(seconds=s) for s in range(7)])),

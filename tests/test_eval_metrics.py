@@ -84,10 +84,10 @@ def test_an_eval_job_writes_correct_per_row_and_accuracy_in_the_stats(tmp_path, 
     table = pa.table({"question": [f"Capital #{r}?" for r in range(ROWS)], "answer": answers})
     write_parquet(table, tmp_path / "data" / "rag.parquet", row_group_size=4)
     job_file = write_job_file(tmp_path, [job_entry(model=str(checkpoint), prompt={"template": "{question}"},
-                                                   engine={"plan": plan}, eval={"answer_column": "answer"})])
+                                                   eval={"answer_column": "answer"})])
     job = prepare_job(load_job_file(job_file).jobs[0])
     engine = AnsweringEngine(answers=tuple(said), tokenizer=job.tokenizer)
-    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: engine, window_rows=5)
+    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: engine, window_rows=5, plan=plan)
     out = pq.read_table(tmp_path / "out" / "rag").sort_by("row_index")
     expected = [None if answers[r] is None else said[r] == " paris!" for r in range(ROWS)]
     assert out["correct"].to_pylist() == expected

@@ -119,8 +119,8 @@ def test_placements_split_cores_and_a_shared_gpus_memory():
 def test_importing_the_package_does_not_import_ray_and_a_missing_ray_is_one_line(monkeypatch):
     code = "import sys, batchinfer.jobs.run.executors; assert 'ray' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    import batchinfer.jobs.run.executors.ray_executor as ray_executor
-    monkeypatch.setattr(ray_executor.importlib.util, "find_spec", lambda name: None)
+    import batchinfer.jobs.spec.executors as executor_names
+    monkeypatch.setattr(executor_names.importlib.util, "find_spec", lambda name: None)
     assert executor_problem("ray") == "executor: ray needs Ray, which is not installed (pip install 'batchinfer[ray]')"
     assert executor_problem("local") is None
     assert "unknown executor" in executor_problem("slurm")

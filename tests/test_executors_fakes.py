@@ -18,7 +18,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchinfer.jobs.run.executors.contract import ProgressDelta, ProgressSink, UnitResult, WorkerRecipe
-from batchinfer.jobs.run.executors.storage import PartStore
 
 FACTORY = "tests.test_executors_fakes:build_fake_worker"
 
@@ -64,7 +63,7 @@ class FakeUnitWorker:
     def __init__(self, recipe: WorkerRecipe) -> None:
         self.config = json.loads(Path(recipe.job_file).read_text())
         self.overrides = dict(recipe.overrides)
-        self.store = PartStore.open(self.config["out"])
+        self.out = Path(self.config["out"])
         self.worker_index = -1
         self.progress: Optional[ProgressSink] = None
 
@@ -141,7 +140,7 @@ class FakeUnitWorker:
             name = f"unit-{unit_id:05d}-{chunk:03d}.parquet"
             parts.append(name)
             count = min(chunk_rows, rows - first)
-            if self.store.exists(name):
+            if (self.out / name).exists():
                 skipped += count
                 continue
             if chunk == 1 and (unit_id in self.config.get("always_kill", [])
@@ -153,7 +152,9 @@ class FakeUnitWorker:
             table = pa.table({"unit_id": pa.array([unit_id] * count, pa.int64()),
                               "row": pa.array(range(first, first + count), pa.int64()),
                               "text": [f"u{unit_id}r{row}" for row in range(first, first + count)]})
-            self.store.commit_table(name, table)
+            self.out.mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, self.out / f".{name}.tmp")
+            os.replace(self.out / f".{name}.tmp", self.out / name)  # whole or absent, as the real worker's parts
             written += count
             self.progress.report(unit_id, ProgressDelta(samples=count, prompt_tokens=10 * count,
                                                         cached_tokens=4 * count, output_tokens=3 * count))

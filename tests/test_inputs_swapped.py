@@ -74,7 +74,7 @@ def run_to_end(folder: Path, demo_cache: Path) -> str:
 
 @pytest.mark.parametrize("module, name, plan", [
     ("batchinfer.jobs.global_plan.store", "spill_prompts", "global"),   # _work/ made, nothing read yet
-    ("batchinfer.jobs.inputs.unit_inputs", "_spill_rows", "global"),          # sorted rows and units committed
+    ("batchinfer.jobs.global_plan.unit_inputs", "_spill_rows", "global"),          # sorted rows and units committed
     ("batchinfer.jobs.run.window_run", "iter_windows", "window"),          # the window arm's only read
 ], ids=["planning-pass", "unit-input-buckets", "window-plan"])
 def test_an_input_swapped_mid_run_is_exit_2_and_the_rerun_after_restoring_uses_it_alone(

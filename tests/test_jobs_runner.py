@@ -36,10 +36,10 @@ def make_job(folder: Path, checkpoint: Path, table: pa.Table = None, **overrides
 
 
 def run(job_file: Path, engine: FakeEngine, overwrite: bool = False, window_rows: int = 5,
-        console: Console = None) -> dict:
+        console: Console = None, plan: str = "global") -> dict:
     job = prepare_job(load_job_file(job_file).jobs[0], overwrite=overwrite)
     return run_job(job, console or Console(quiet=True), overwrite=overwrite,
-                   engine_factory=lambda _job, _window_rows: engine, window_rows=window_rows)
+                   engine_factory=lambda _job, _window_rows: engine, window_rows=window_rows, plan=plan)
 
 
 def read_output(folder: Path) -> pa.Table:
@@ -202,13 +202,12 @@ def test_stop_strings_cut_the_text_at_the_first_stop():
 
 
 def test_plan_sums_the_planner_over_the_windows_the_engine_gets(tmp_path, checkpoint):
-    job_file = make_job(tmp_path, checkpoint, table=rag_table(ROWS, null_rows=(1, 6)), sampling={"n": 2},
-                        engine={"plan": "window"})
+    job_file = make_job(tmp_path, checkpoint, table=rag_table(ROWS, null_rows=(1, 6)), sampling={"n": 2})
     job = prepare_job(load_job_file(job_file).jobs[0])
     plan = plan_job(job, window_rows=4)
     assert not (tmp_path / "out").exists()  # planning writes nothing
     engine = FakeEngine()
-    run(job_file, engine, window_rows=4)
+    run(job_file, engine, window_rows=4, plan="window")
     prompts = [list(r.prompt_token_ids) for call in engine.calls for r in call]
     windows = [plan_prompts(prompts[i:i + 4], 2) for i in range(0, len(prompts), 4)]
     assert (plan.rows, plan.error_rows, plan.samples) == (ROWS, 2, (ROWS - 2) * 2)

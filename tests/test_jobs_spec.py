@@ -55,15 +55,15 @@ jobs:
     input: b.parquet
     prompt: {token_ids_column: ids}
     output: {path: /elsewhere, flush_rows: 7}
-    engine: {state_cache: no_buffer, max_model_len: 512}
+    engine: {replayssm: false, max_model_len: 512}
 """
     a, b = parse(text).jobs
     assert a.model == b.model == DEMO_MODEL
     assert a.input == "/abs/a.parquet"
     assert (a.sampling.max_tokens, a.sampling.temperature, a.sampling.stop) == (16, 0.0, ("END",))
     assert (b.sampling.max_tokens, b.sampling.temperature) == (16, 0.5)
-    assert a.engine.max_running == 8 and a.engine.state_cache == "extra_buffer"
-    assert (b.engine.max_running, b.engine.state_cache, b.engine.max_model_len) == (8, "no_buffer", 512)
+    assert a.engine.max_running == 8 and a.engine.replayssm is True
+    assert (b.engine.max_running, b.engine.replayssm, b.engine.max_model_len) == (8, False, 512)
     assert b.output.path == Path("/elsewhere") and b.output.flush_rows == 7
 
 
@@ -76,7 +76,7 @@ jobs:
     ("    sampling: {n: 2.5}", "jobs.rag.sampling.n", "must be an integer"),
     ("    sampling: {ignore_eos: 'yes'}", "jobs.rag.sampling.ignore_eos", "must be true or false"),
     ("    sampling: {stop: [1, 2]}", "jobs.rag.sampling.stop", "list of non-empty strings"),
-    ("    engine: {state_cache: big_buffer}", "jobs.rag.engine.state_cache", "extra_buffer"),
+    ("    engine: {state_cache: big_buffer}", "jobs.rag.engine.state_cache", "comparison arm"),
     ("    engine: {device: tpu}", "jobs.rag.engine.device", "cuda:N"),
     ("    engine: {memory_fraction: 1.5}", "jobs.rag.engine.memory_fraction", "must be in"),
     ("    limit: 0", "jobs.rag.limit", "must be >= 1"),
@@ -151,10 +151,10 @@ def test_engine_section_is_engine_config_with_its_defaults():
     from dataclasses import fields
 
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.jobs.spec.job_file import ENGINE_KEYS, JOB_ONLY_ENGINE_KEYS, engine_config_kwargs
+    from batchinfer.jobs.spec.job_file import ENGINE_KEYS, engine_config_kwargs
 
     config_fields = {f.name for f in fields(EngineConfig)}
-    assert set(ENGINE_KEYS) - set(JOB_ONLY_ENGINE_KEYS) <= config_fields
+    assert set(ENGINE_KEYS) <= config_fields
     defaults = EngineConfig()
     assert all(getattr(defaults, key) == value for key, value in engine_config_kwargs(EngineSettings()).items())
     assert EngineConfig(**engine_config_kwargs(EngineSettings(max_running=3))).max_running == 3

@@ -108,9 +108,10 @@ def test_a_logprobs_job_writes_one_struct_per_output_token(tmp_path, tokenizer_c
 
     write_parquet(rag_table(6), tmp_path / "data" / "rag.parquet")
     entry = job_entry(model=str(tokenizer_checkpoint), sampling={"max_tokens": 4, "seed": 7, "logprobs": 2,
-                                                                 "temperature": 0.8}, engine={"plan": plan})
+                                                                 "temperature": 0.8})
     job = prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
-    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: demo_engine_fp32(), window_rows=4)
+    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: demo_engine_fp32(), window_rows=4,
+                    plan=plan)
     assert stats["status"] == "done"
     out = pq.read_table(tmp_path / "out" / "rag").to_pylist()
     assert len(out) == 6

@@ -48,16 +48,16 @@ LINES = [
 ]
 
 
-def write_batch(folder: Path, checkpoint: Path, lines=LINES, plan="global", **output) -> Path:
+def write_batch(folder: Path, checkpoint: Path, lines=LINES, **output) -> Path:
     (folder / "requests.jsonl").write_text("\n".join(lines) + "\n")
     return write_job_file(folder, [{"name": "b", "model": str(checkpoint), "input": "requests.jsonl",
-                                    "sampling": {"max_tokens": 6, "seed": 7}, "engine": {"plan": plan},
+                                    "sampling": {"max_tokens": 6, "seed": 7},
                                     "output": {"path": "out/b", "flush_rows": 2, "format": "openai", **output}}])
 
 
-def run(job_file: Path, engine: FakeEngine) -> dict:
+def run(job_file: Path, engine: FakeEngine, plan: str = "global") -> dict:
     job = prepare_job(load_job_file(job_file).jobs[0])
-    return run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: engine, window_rows=3)
+    return run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: engine, window_rows=3, plan=plan)
 
 
 def read_lines(folder: Path, name: str = OUTPUT_NAME) -> list[dict]:
@@ -84,7 +84,7 @@ def without_created(lines):
 @pytest.mark.parametrize("plan", ["global", "window"])
 def test_a_batch_file_round_trips_with_an_output_line_per_request_line(tmp_path, checkpoint, plan):
     engine = FakeEngine()
-    stats = run(write_batch(tmp_path, checkpoint, plan=plan), engine)
+    stats = run(write_batch(tmp_path, checkpoint), engine, plan)
     assert stats["status"] == "done"
     lines, errors = read_lines(tmp_path), read_errors(tmp_path)
     assert [line["custom_id"] for line in lines] == ["c1", "t1", "c2", "t2"]  # the lines that ran
@@ -199,7 +199,7 @@ def test_a_batch_file_with_no_requests_is_refused(tmp_path, checkpoint):
 
 def test_limit_counts_request_lines_so_a_line_keeps_all_its_choices(tmp_path, checkpoint):
     job_file = write_batch(tmp_path, checkpoint)
-    text = job_file.read_text().replace("  engine:", "  limit: 2\n  engine:")
+    text = job_file.read_text().replace("  output:", "  limit: 2\n  output:")
     job_file.write_text(text)
     job = prepare_job(load_job_file(job_file).jobs[0])
     assert job.rows == 3  # c1, and t1's two choices

@@ -26,11 +26,12 @@ def checkpoint(tmp_path_factory) -> Path:
     return make_tokenizer_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
-def run(job_file: Path, engine: FakeEngine = None, console: Console = None, overwrite: bool = False) -> dict:
+def run(job_file: Path, engine: FakeEngine = None, console: Console = None, overwrite: bool = False,
+        plan: str = "global") -> dict:
     job = prepare_job(load_job_file(job_file).jobs[0], overwrite=overwrite)
     engine = engine or FakeEngine()
     return run_job(job, console or Console(quiet=True), overwrite=overwrite, engine_factory=lambda *_: engine,
-                   window_rows=5)
+                   window_rows=5, plan=plan)
 
 
 def text_console() -> Console:
@@ -73,11 +74,10 @@ def test_after_a_full_disk_the_stats_count_only_what_is_on_disk(tmp_path, checkp
     rows = 13
     table = rag_table(rows, null_rows=(1,))
     write_parquet(table, tmp_path / "data" / "rag.parquet")
-    job_file = write_job_file(tmp_path, [job_entry(model=str(checkpoint), sampling={"max_tokens": 4, "n": 2},
-                                                   engine={"plan": "window"})])  # parts of flush_rows each
+    job_file = write_job_file(tmp_path, [job_entry(model=str(checkpoint), sampling={"max_tokens": 4, "n": 2})])
     monkeypatch.setattr(part_store, "_write_table", DiskFull(part_store._write_table, parts=2))
     with pytest.raises(JobRuntimeError, match="No space left on device"):
-        run(job_file)
+        run(job_file, plan="window")  # parts of flush_rows each
     out_dir = tmp_path / "out" / "rag"
     on_disk = pq.read_table(out_dir)
     stats = json.loads((out_dir / "_stats.json").read_text())
@@ -86,7 +86,7 @@ def test_after_a_full_disk_the_stats_count_only_what_is_on_disk(tmp_path, checkp
     assert stats["errors"] == sum(reason == "error" for reason in on_disk["finish_reason"].to_pylist())
     assert not [p for p in out_dir.rglob("*") if p.name.endswith(".tmp")]
     monkeypatch.undo()
-    stats = run(job_file)
+    stats = run(job_file, plan="window")
     assert stats["samples_resumed"] == 8 and stats["samples_written"] == rows * 2 - 8
 
 

@@ -32,7 +32,6 @@ def checkpoint(tmp_path_factory) -> Path:
 def make_job(folder: Path, checkpoint: Path, **overrides) -> Path:
     """Numbered parts (part-NNNNN) come from the window plan; unit parts: tests/test_units_resume.py."""
     write_parquet(rag_table(ROWS), folder / "data" / "rag.parquet")
-    overrides.setdefault("engine", {"plan": "window"})
     return write_job_file(folder, [job_entry(model=str(checkpoint), sampling={"max_tokens": 5, "n": 2}, **overrides)])
 
 
@@ -40,7 +39,7 @@ def run(job_file: Path, engine: FakeEngine = None, overwrite: bool = False, warn
     job = prepare_job(load_job_file(job_file).jobs[0], overwrite=overwrite)
     engine = engine or FakeEngine()
     return run_job(job, Console(quiet=True), overwrite=overwrite, engine_factory=lambda *_: engine, window_rows=5,
-                   warn=(warnings if warnings is not None else []).append)
+                   plan="window", warn=(warnings if warnings is not None else []).append)
 
 
 def out_dir(folder: Path) -> Path:

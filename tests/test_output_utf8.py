@@ -48,9 +48,9 @@ def hostile_table() -> pa.Table:
 
 def run_hostile_job(folder: Path, checkpoint: Path, plan: str) -> Path:
     write_parquet(hostile_table(), folder / "data" / "rag.parquet", row_group_size=4)
-    job_file = write_job_file(folder, [job_entry(model=str(checkpoint), engine={"plan": plan})])
+    job_file = write_job_file(folder, [job_entry(model=str(checkpoint))])
     job = prepare_job(load_job_file(job_file).jobs[0])
-    run_job(job, Console(quiet=True), engine_factory=lambda _job, _rows: FakeEngine(), window_rows=4)
+    run_job(job, Console(quiet=True), engine_factory=lambda _job, _rows: FakeEngine(), window_rows=4, plan=plan)
     return folder / "out" / "rag"
 
 

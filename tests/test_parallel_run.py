@@ -22,9 +22,9 @@ from batchinfer.jobs.global_plan import UnitConfig
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.run.runner import run_job
 from batchinfer.jobs.spec.job_file import load_job_file
-from batchinfer.jobs.run.unit_worker import KILL_AFTER_ENV, STOP_PARENT_AFTER_ENV
 from tests.job_process import demo_cache, run_in_this_process, start_run, wait_for  # noqa: F401 (fixture)
 from tests.jobs_fixtures import job_entry, write_job_file, write_parquet
+from tests.worker_faults import fault_executor
 
 pytestmark = pytest.mark.slow  # worker processes, kills and signals
 
@@ -73,10 +73,10 @@ def write_job(folder: Path, sampling: dict, flush_rows: int = 2, **parallel) -> 
         output={"path": "out/rag", "flush_rows": flush_rows}, **({"parallel": parallel} if parallel else {}))])
 
 
-def run(folder: Path, sampling: dict, **parallel) -> tuple[dict, pa.Table]:
+def run(folder: Path, sampling: dict, executor=None, **parallel) -> tuple[dict, pa.Table]:
     job_file = write_job(folder, sampling, **parallel)
     job = prepare_job(load_job_file(job_file).jobs[0])
-    stats = run_job(job, Console(quiet=True), unit_config=UNITS)
+    stats = run_job(job, Console(quiet=True), unit_config=UNITS, executor=executor)
     return stats, pq.read_table(folder / "out" / "rag")
 
 
@@ -105,12 +105,11 @@ def test_two_cpu_workers_write_what_one_engine_writes_and_reach_the_global_ideal
     assert on_disk["executor"]["per_worker"] == executor["per_worker"]  # one _stats.json, per-worker section
 
 
-def test_a_worker_killed_mid_job_is_replaced_and_every_sample_is_written_once(tmp_path, one_engine, monkeypatch):
+def test_a_worker_killed_mid_job_is_replaced_and_every_sample_is_written_once(tmp_path, one_engine):
     _, one = one_engine(GREEDY)
     # The first worker to finish its 3rd sample SIGKILLs itself: flush_rows 2 has committed its first
     # part of that unit by then, the rest of the unit is lost with it and runs again elsewhere.
-    monkeypatch.setenv(KILL_AFTER_ENV, f"3:{tmp_path / 'killed'}")
-    stats, two = run(tmp_path / "two", GREEDY, workers=2)
+    stats, two = run(tmp_path / "two", GREEDY, fault_executor("kill_self", 3, tmp_path / "killed"), workers=2)
     assert (tmp_path / "killed").exists()
     executor = stats["executor"]
     failures = [f for w in executor["per_worker"] for f in w["failures"]]
@@ -153,11 +152,10 @@ def test_sigterm_of_the_parent_stops_the_workers_exits_143_and_a_rerun_completes
     assert set(done) == {(row, 0) for row in range(DOCS * QUESTIONS)} and kept <= set(done)
 
 
-def test_a_stopped_run_commits_what_its_workers_finished_in_open_chunks(tmp_path, monkeypatch):
+def test_a_stopped_run_commits_what_its_workers_finished_in_open_chunks(tmp_path):
     # One chunk per unit (flush_rows 1000): without the workers' last commit, a run stopped before
     # any unit completes would keep nothing. The first worker to finish 3 samples SIGTERMs this process.
     job_file = write_job(tmp_path, {"max_tokens": 40, "ignore_eos": True}, flush_rows=1000, workers=2)
-    monkeypatch.setenv(STOP_PARENT_AFTER_ENV, f"3:{tmp_path / 'stopped'}")
 
     class Stopped(BaseException):
         pass
@@ -168,7 +166,8 @@ def test_a_stopped_run_commits_what_its_workers_finished_in_open_chunks(tmp_path
     previous = signal.signal(signal.SIGTERM, stopped)  # as the CLI's handler: the run re-delivers SIGTERM to it
     try:
         with pytest.raises(Stopped):
-            run_job(prepare_job(load_job_file(job_file).jobs[0]), Console(quiet=True), unit_config=UNITS)
+            run_job(prepare_job(load_job_file(job_file).jobs[0]), Console(quiet=True), unit_config=UNITS,
+                    executor=fault_executor("stop_parent", 3, tmp_path / "stopped"))
     finally:
         signal.signal(signal.SIGTERM, previous)
     out_dir = tmp_path / "out" / "rag"
@@ -176,7 +175,6 @@ def test_a_stopped_run_commits_what_its_workers_finished_in_open_chunks(tmp_path
     assert stats["status"] == "interrupted" and stats["executor"]["units_finished"] == 0
     kept = set(generations(pq.read_table(out_dir))) if any(out_dir.glob("part-*.parquet")) else set()
     assert len(kept) >= 3 and stats["samples_written"] == len(kept)
-    monkeypatch.delenv(STOP_PARENT_AFTER_ENV)
     result = run_in_this_process(tmp_path)
     assert result.exit_code == 0, (result.output, result.exception)
     assert set(generations(pq.read_table(out_dir))) == {(row, 0) for row in range(DOCS * QUESTIONS)}

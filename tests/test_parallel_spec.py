@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import batchinfer.jobs.run.executors.ray_executor as ray_executor
+import batchinfer.jobs.spec.executors as executor_names
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 from tests.test_cli_errors import run_cli
 
@@ -27,7 +27,7 @@ def ray_job(tmp_path) -> Path:
 
 @pytest.mark.parametrize("command", ["run", "plan"])
 def test_ray_executor_without_ray_is_one_line_before_anything_runs(ray_job, monkeypatch, command):
-    monkeypatch.setattr(ray_executor.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(executor_names.importlib.util, "find_spec", lambda name: None)
     assert run_cli(ray_job, command, "jobs.yaml") == RAY_MISSING_LINE
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from batchinfer.jobs.global_plan.progress import PlanningProgress
 from batchinfer.jobs.run.progress import ProgressReporter, computed_tokens_to_do
-from batchinfer.jobs.run.progress_time import PlainLines
+from batchinfer.jobs.outdir.progress_time import PlainLines
 
 
 class Clock:

@@ -14,7 +14,7 @@ from rich.console import Console
 from batchinfer.jobs.run.executors.tally import ProgressSnapshot
 from batchinfer.jobs.global_plan.progress import PlanningProgress
 from batchinfer.jobs.run.progress import ProgressReporter
-from batchinfer.jobs.run.progress_time import format_seconds
+from batchinfer.jobs.outdir.progress_time import format_seconds
 
 
 class Clock:

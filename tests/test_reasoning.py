@@ -86,10 +86,10 @@ def scripted_engine(monkeypatch, thinking_checkpoint):
     return FakeEngine
 
 
-def _run(folder: Path, checkpoint: Path, engine_class, **entry) -> list[dict]:
+def _run(folder: Path, checkpoint: Path, engine_class, plan: str = "global", **entry) -> list[dict]:
     job = _prepared(folder, checkpoint, sampling={"max_tokens": 64}, **entry)
     engine = engine_class()
-    run_job(job, Console(quiet=True), engine_factory=lambda _job, _rows: engine)
+    run_job(job, Console(quiet=True), engine_factory=lambda _job, _rows: engine, plan=plan)
     parts = sorted((folder / "out" / "rag").glob("part-*.parquet"))
     table = pa.concat_tables(pq.read_table(p) for p in parts).sort_by("row_index")
     return table.select(["generated_text", "reasoning_text", "reasoning_truncated", "finish_reason"]).to_pylist()
@@ -98,7 +98,7 @@ def _run(folder: Path, checkpoint: Path, engine_class, **entry) -> list[dict]:
 @pytest.mark.parametrize("plan", ["global", "window"])
 def test_a_thinking_chat_job_writes_reasoning_and_answer_in_their_columns(tmp_path, thinking_checkpoint,
                                                                           scripted_engine, plan):
-    rows = _run(tmp_path, thinking_checkpoint, scripted_engine, chat=True, engine={"plan": plan})
+    rows = _run(tmp_path, thinking_checkpoint, scripted_engine, chat=True, plan=plan)
     assert rows == [
         {"generated_text": "Paris.", "reasoning_text": "The capital of France is Paris.",
          "reasoning_truncated": False, "finish_reason": "stop"},

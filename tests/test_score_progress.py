@@ -29,10 +29,10 @@ def test_a_score_jobs_progress_shows_the_hit_rate_of_its_stats(tmp_path, plan):
                       "choices": CHOICES})
     write_parquet(table, tmp_path / "data" / "rag.parquet")
     entry = job_entry(model=str(checkpoint), prompt={"template": "{question} Answer:"}, task="score",
-                      score={"continuations_column": "choices"}, engine={"plan": plan})
+                      score={"continuations_column": "choices"})
     job = prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
     console = Console(file=StringIO(), width=200)  # not a terminal: plain progress lines
-    stats = run_job(job, console, engine_factory=lambda _j, _w: demo_engine_fp32(), window_rows=4)
+    stats = run_job(job, console, engine_factory=lambda _j, _w: demo_engine_fp32(), window_rows=4, plan=plan)
     assert stats["status"] == "done" and stats["cache_hit_rate"] > 0.5
     lines = [line for line in console.file.getvalue().splitlines() if f"{rows}/{rows} samples" in line]
     assert lines, console.file.getvalue()

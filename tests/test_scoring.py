@@ -140,10 +140,11 @@ def test_a_score_job_writes_continuation_columns_and_choice_accuracy(tmp_path, t
                       "answer": [0, 1, 0, 0, 3, 2]})
     write_parquet(table, tmp_path / "data" / "rag.parquet")
     entry = job_entry(model=str(tokenizer_checkpoint), prompt={"template": "{question} Answer:"},
-                      task="score", score={"continuations_column": "choices"}, engine={"plan": plan},
+                      task="score", score={"continuations_column": "choices"},
                       eval={"answer_column": "answer", "metric": "choice_accuracy"})
     job = prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
-    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: demo_engine_fp32(), window_rows=4)
+    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: demo_engine_fp32(), window_rows=4,
+                    plan=plan)
     assert stats["status"] == "done"
     out = pq.read_table(tmp_path / "out" / "rag").sort_by("row_index").to_pylist()
     assert out[3]["finish_reason"] == "error" and "no continuations" in out[3]["error"]
@@ -242,17 +243,17 @@ def test_a_crashed_score_job_resumes_with_every_row_once(tmp_path, tokenizer_che
     write_parquet(pa.table({"question": [f"Q{r}?" for r in range(rows)], "choices": [["x", "yy", "z"]] * rows}),
                   tmp_path / "data" / "rag.parquet")
     entry = job_entry(model=str(tokenizer_checkpoint), prompt={"template": "{question}"}, task="score",
-                      score={"continuations_column": "choices"}, engine={"plan": plan},
+                      score={"continuations_column": "choices"},
                       output={"path": "out/rag", "flush_rows": 2})
     job_file = write_job_file(tmp_path, [entry])
     job = prepare_job(load_job_file(job_file).jobs[0])
     with pytest.raises(Exception):
         run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _FailingAfter(demo_engine_fp32(), 14),
-                window_rows=4)
+                window_rows=4, plan=plan)
     assert list((tmp_path / "out" / "rag").glob("part-*.parquet"))  # finished rows were committed before the crash
     job = prepare_job(load_job_file(job_file).jobs[0])
     assert run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: demo_engine_fp32(),
-                   window_rows=4)["status"] == "done"
+                   window_rows=4, plan=plan)["status"] == "done"
     out = pq.read_table(tmp_path / "out" / "rag").to_pylist()
     assert sorted(row["row_index"] for row in out) == list(range(rows))
     assert all(len(row["continuation_logprobs"]) == 3 for row in out)

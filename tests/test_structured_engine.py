@@ -121,7 +121,7 @@ def _job_engine(job, model):
                                       track_interval=16), eos_token_ids=job.tokenizer.eos_token_ids)
 
 
-def _run_job(tmp_path, entry, model):
+def _run_job(tmp_path, entry, model, plan="global"):
     from rich.console import Console
 
     from batchinfer.jobs.run.prepare import prepare_job
@@ -130,7 +130,8 @@ def _run_job(tmp_path, entry, model):
     from tests.jobs_fixtures import write_job_file
 
     job = prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
-    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _job_engine(job, model), window_rows=3)
+    stats = run_job(job, Console(quiet=True), engine_factory=lambda _j, _w: _job_engine(job, model), window_rows=3,
+                    plan=plan)
     assert stats["status"] == "done"
     return job
 
@@ -149,10 +150,10 @@ def test_a_json_schema_job_and_per_row_schemas_write_valid_json(tmp_path, tokeni
                   tmp_path / "data" / "rag.parquet")
     model_dir = str(make_tokenizer_checkpoint(tmp_path / "ckpt"))
     for name, sampling in (("job", {"json_schema": SCHEMA}), ("rows", {"json_schema_column": "schema"})):
-        entry = job_entry(name=name, model=model_dir, prompt={"template": "{q}"}, engine={"plan": plan},
+        entry = job_entry(name=name, model=model_dir, prompt={"template": "{q}"},
                           sampling={"max_tokens": 160, "temperature": 1.0, "seed": 3, **sampling},
                           output={"path": f"out/{name}", "flush_rows": 2})
-        _run_job(tmp_path, entry, model)
+        _run_job(tmp_path, entry, model, plan)
         out = pq.read_table(tmp_path / "out" / name).sort_by("row_index").to_pylist()
         for r, row in enumerate(out):
             schema = SCHEMA if name == "job" or r == 0 else small if schemas[r] else None

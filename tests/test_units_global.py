@@ -75,7 +75,7 @@ def run(folder: Path, table: pa.Table, demo_model, plan: str = "global", prefix_
     write_parquet(table, folder / "data" / "rag.parquet")
     job_file = write_job_file(folder, [job_entry(
         model="demo", prompt={"template": TEMPLATE}, sampling={"max_tokens": 3, "ignore_eos": True},
-        engine={"device": "cpu", "dtype": "float32", "max_running": 4, "track_interval": 16, "plan": plan,
+        engine={"device": "cpu", "dtype": "float32", "max_running": 4, "track_interval": 16,
                 "prefix_cache": prefix_cache})])
     job = prepare_job(load_job_file(job_file).jobs[0])
 
@@ -84,7 +84,8 @@ def run(folder: Path, table: pa.Table, demo_model, plan: str = "global", prefix_
                               plan_window=window_rows)
         return Engine(demo_model[1], config, eos_token_ids=job.tokenizer.eos_token_ids, detokenize=job.tokenizer.decode)
 
-    stats = run_job(job, Console(quiet=True), engine_factory=small_pool, window_rows=WINDOW_ROWS, unit_config=UNITS)
+    stats = run_job(job, Console(quiet=True), engine_factory=small_pool, window_rows=WINDOW_ROWS, unit_config=UNITS,
+                    plan=plan)
     return stats, pq.read_table(folder / "out" / "rag")
 
 

@@ -17,7 +17,7 @@ from batchinfer.jobs.global_plan import UnitConfig, build_work_plan, work_dir_fo
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.run.runner import run_job
 from batchinfer.jobs.spec.job_file import load_job_file
-from batchinfer.jobs.inputs.unit_inputs import UnitInputs, build_unit_inputs, inputs_dir_for
+from batchinfer.jobs.global_plan.unit_inputs import UnitInputs, build_unit_inputs, inputs_dir_for
 from tests.fake_engine import FakeEngine
 from tests.jobs_fixtures import job_entry, make_tokenizer_checkpoint, rag_table, write_job_file, write_parquet
 
@@ -93,14 +93,14 @@ def test_input_order_over_more_parts_than_the_fan_in(tmp_path, checkpoint, monke
     """window: the first run writes numbered parts in completion order (unsorted inside)."""
     monkeypatch.setattr(ordered_output, "FAN_IN", 3)
     monkeypatch.setattr(ordered_output, "BATCH_ROWS", 3)
-    run_job(prepare_job(load_job_file(make_job(tmp_path, checkpoint, engine={"plan": first_plan})).jobs[0]),
-            Console(quiet=True), engine_factory=lambda *_: FakeEngine(), unit_config=UnitConfig(max_rows=4, units_goal=1))
+    run_job(prepare_job(load_job_file(make_job(tmp_path, checkpoint)).jobs[0]), Console(quiet=True),
+            engine_factory=lambda *_: FakeEngine(), unit_config=UnitConfig(max_rows=4, units_goal=1), plan=first_plan)
     out = tmp_path / "out" / "rag"
     before = pq.read_table(out).sort_by([("row_index", "ascending"), ("sample_index", "ascending")])
     assert len(list(out.glob("part-*.parquet"))) > 9  # more than two merge passes of 3
-    job = prepare_job(load_job_file(make_job(tmp_path, checkpoint, engine={"plan": first_plan},
+    job = prepare_job(load_job_file(make_job(tmp_path, checkpoint,
                                              output={"path": "out/rag", "flush_rows": 4, "order": "input"})).jobs[0])
-    run_job(job, Console(quiet=True), engine_factory=lambda *_: FakeEngine())
+    run_job(job, Console(quiet=True), engine_factory=lambda *_: FakeEngine(), plan=first_plan)
     parts = sorted(out.glob("part-*.parquet"))
     ordered = pa.concat_tables(pq.read_table(p) for p in parts)
     assert list(zip(ordered["row_index"].to_pylist(), ordered["sample_index"].to_pylist())) == \

@@ -254,7 +254,7 @@ def kill_at(job_file: Path, module: str, name: str, after: int) -> None:
 @pytest.mark.parametrize("module, name", [
     ("batchinfer.jobs.global_plan.store", "write_sorted_rows"),   # runs spilled, the global merge starting
     ("batchinfer.jobs.global_plan.store", "_write_units"),        # sorted rows written, units cut
-    ("batchinfer.jobs.inputs.unit_inputs", "_write_bucket"),             # plan committed, inputs being bucketed
+    ("batchinfer.jobs.global_plan.unit_inputs", "_write_bucket"),             # plan committed, inputs being bucketed
 ], ids=["sort", "units", "inputs"])
 def test_kill_9_during_planning_then_a_rerun_is_right(tmp_path, checkpoint, reference, module, name):
     job_file = make_job(tmp_path, checkpoint)

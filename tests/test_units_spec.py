@@ -25,28 +25,29 @@ def parse(extra: str = ""):
 
 def test_defaults_completion_order_work_deleted_global_plan_auto_workers():
     job = parse()
-    assert (job.output.order, job.output.keep_work, job.engine.plan) == ("completion", False, "global")
+    assert (job.output.order, job.output.keep_work) == ("completion", False)
     assert job.parallel == ParallelSpec("auto", "local", "auto")
 
 
 def test_keys_are_read():
-    job = parse("    output: {path: o, order: input, keep_work: true}\n    engine: {plan: window}\n"
+    job = parse("    output: {path: o, order: input, keep_work: true}\n"
                 "    parallel: {workers: 2, executor: ray, ray_address: 'ray://h:10001'}\n")
     assert (job.output.order, job.output.keep_work, job.output.path) == ("input", True, Path("/project/jobs/o"))
-    assert job.engine.plan == "window"
     assert job.parallel == ParallelSpec(2, "ray", "ray://h:10001")
 
 
-def test_plan_is_a_job_setting_not_an_engine_config_one():
-    settings = parse("    engine: {plan: window}\n").engine
-    assert engine_settings_dict(settings)["plan"] == "window"
+def test_the_stats_report_the_plan_and_state_cache_arms_beside_the_job_keys():
+    settings = parse("    engine: {max_running: 3}\n").engine
+    assert engine_settings_dict(settings)["plan"] == "global" and engine_settings_dict(settings, "window")["plan"] == "window"
     assert "plan" not in engine_config_kwargs(settings)
+    assert engine_config_kwargs(settings)["state_cache"] == "extra_buffer"
 
 
 @pytest.mark.parametrize("extra, where, what", [
     ("    output: {path: o, order: sorted}\n", "jobs.rag.output.order", "completion, input"),
     ("    output: {path: o, keep_work: 1}\n", "jobs.rag.output.keep_work", "true or false"),
-    ("    engine: {plan: local}\n", "jobs.rag.engine.plan", "global, window"),
+    ("    engine: {plan: window}\n", "jobs.rag.engine.plan", "comparison arm, not a job key"),
+    ("    engine: {state_cache: no_buffer}\n", "jobs.rag.engine.state_cache", "comparison arm, not a job key"),
     ("    parallel: {workers: 0}\n", "jobs.rag.parallel.workers", "auto or an integer >= 1"),
     ("    parallel: {workers: true}\n", "jobs.rag.parallel.workers", "auto or an integer >= 1"),
     ("    parallel: {executor: slurm}\n", "jobs.rag.parallel.executor", "local, ray"),

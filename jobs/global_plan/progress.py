@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
-from batchinfer.jobs.run.progress_time import PlainLines, format_seconds
+from batchinfer.jobs.outdir.progress_time import PlainLines, format_seconds
 
 
 class PlanningProgress(PlainLines):

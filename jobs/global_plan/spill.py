@@ -16,7 +16,7 @@ from batchinfer.jobs.global_plan.external_sort import RunWriter
 from batchinfer.jobs.global_plan.keys import encode_key
 from batchinfer.jobs.global_plan.unique_ids import IdHashes
 from batchinfer.jobs.inputs.files import RowWindow, iter_windows
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.inputs.prompts import PromptBatch, build_prompts
 
 SPILL_WINDOW_ROWS = 4096  # rows tokenised per batch-encode call

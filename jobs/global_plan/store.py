@@ -39,7 +39,7 @@ from batchinfer.jobs.global_plan.units import GlobalPlanSummary, UnitConfig, Wor
 from batchinfer.jobs.outdir.atomic_files import checksum_problem, file_checksum
 from batchinfer.jobs.errors import display_path
 from batchinfer.jobs.outdir.part_writer import TEMP_SUFFIX, write_atomically
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.outdir.resume import fingerprint_digest
 
 WORK_DIR_NAME = "_work"

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from batchinfer.jobs.errors import JobError
 from batchinfer.jobs.inputs.files import iter_windows
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.spec.job_file import openai_batch_input
 
 PARTITIONS = 256

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import pyarrow as pa
 
 from batchinfer.jobs.outdir.atomic_files import TEMP_SUFFIX, write_atomically  # noqa: F401  (re-exported)
-from batchinfer.jobs.run.interruption import commit_section
+from batchinfer.jobs.outdir.interruption import commit_section
 from batchinfer.jobs.outdir.part_store import PART_PATTERN, commit_part, part_name  # noqa: F401  (re-exported)
 from batchinfer.jobs.outdir.valid_text import invalid_utf8_message, repair_table
 
@@ -144,17 +144,17 @@ class PartWriter:
         self._last_flush = time.monotonic()
         if not self._pending:
             return None
-        table = self.finish_table(self._build_table(self._pending, self.fields))
         name = part_name(self.next_part)
-        with commit_section():  # on disk and counted, or neither (a stop signal waits for the end)
-            self.before_commit()
-            commit_part(self.out_dir, name, table)
-            self.rows_written += len(self._pending)
-            self.error_rows_written += sum(result.finish_reason == "error" for _, _, result in self._pending)
-            self._pending = []
-            self.next_part += 1
-            self.parts_written += 1
+        table = self.finish_table(self._build_table(self._pending, self.fields))
+        commit_results(self.out_dir, name, table, self.before_commit, self._count)
         return self.out_dir / name
+
+    def _count(self) -> None:
+        self.rows_written += len(self._pending)
+        self.error_rows_written += sum(result.finish_reason == "error" for _, _, result in self._pending)
+        self._pending = []
+        self.next_part += 1
+        self.parts_written += 1
 
     @staticmethod
     def _build_table(pending: list[tuple[pa.Table, int, SampleResult]], fields: tuple[pa.Field, ...]) -> pa.Table:
@@ -169,3 +169,14 @@ class PartWriter:
             inputs = window_table.take(pa.array(offsets, type=pa.int64()))
             pieces.append(append_results(inputs, results, fields))
         return pa.concat_tables(pieces)
+
+
+def commit_results(out_dir: Path, name: str, table: pa.Table, before_commit: Callable[[], None],
+                   count: Callable[[], None]) -> None:
+    """The one place a part of samples is committed (PartWriter's numbered parts, the unit runner's unit
+    parts): written, fsynced, recorded, renamed and counted (`count`) in one commit section, so it is
+    on disk and counted, or neither (a stop signal waits for the end). `before_commit`: e.g. the lock."""
+    with commit_section():
+        before_commit()
+        commit_part(out_dir, name, table)
+        count()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +25,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchinfer.jobs.outdir.atomic_files import fsync_dir, write_atomically
-from batchinfer.jobs.global_plan import WorkPlan
 from batchinfer.jobs.outdir.part_store import UNIT_PART_PATTERN, PartRecord, part_name, record_path, unit_part_name
 
 RESUME_NAME = "resume.parquet"
@@ -103,7 +102,15 @@ def _retire(out_dir: Path, name: str, number: int) -> None:
     record_path(out_dir, name).unlink()
 
 
-def retire_foreign_unit_parts(out_dir: Path, plan: WorkPlan, parts: Iterable[Path],
+class PlannedUnitRows(Protocol):
+    """What retiring needs of a `global_plan.WorkPlan` (the plan sits above the output folder)."""
+
+    units: Sequence[Any]
+
+    def read_unit(self, unit_id: int) -> Sequence[Any]: ...
+
+
+def retire_foreign_unit_parts(out_dir: Path, plan: PlannedUnitRows, parts: Iterable[Path],
                               done: Mapping[int, frozenset[int]], n: int, flush_rows: int,
                               next_number: int) -> int:
     """Rename each unit part this plan would write again (its chunk has pairs not done) to a numbered

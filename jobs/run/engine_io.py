@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 from batchinfer.engine.types import Request, RequestOutput, SamplingParams
 from batchinfer.jobs.outdir.part_writer import SampleResult
-from batchinfer.jobs.tasks.reasoning import ReasoningSplit, split_reasoning
+from batchinfer.jobs.inputs.prepared_job import ReasoningSplit
+from batchinfer.jobs.tasks.reasoning import split_reasoning
 from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
 from batchinfer.jobs.tasks.scoring import ScoreRows
 

@@ -19,9 +19,9 @@ import numpy as np
 from rich.console import Console
 
 from batchinfer.jobs.global_plan import PlanningProgress, SortBudget, UnitConfig, WorkPlan, build_work_plan
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.outdir.resume import ResumeState
-from batchinfer.jobs.inputs.unit_inputs import ROW_UNITS_NAME, UnitInputs, build_unit_inputs, inputs_dir_for
+from batchinfer.jobs.global_plan.unit_inputs import ROW_UNITS_NAME, UnitInputs, build_unit_inputs, inputs_dir_for
 from batchinfer.jobs.outdir.unit_parts import DoneIndex, retire_foreign_unit_parts, write_done_index
 from batchinfer.jobs.run.unit_runner import UnitEngine, UnitRunner
 

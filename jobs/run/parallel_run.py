@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -31,12 +31,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from batchinfer.jobs.run.executors.contract import WorkerRecipe
 from batchinfer.jobs.run.executors import (ExecutionReport, LocalExecutor, ProgressSnapshot, RayExecutor, RetryPolicy, UnitSpec,
                             available_cores, local_placements, resolve_workers, visible_gpus)
 from batchinfer.jobs.global_plan import WorkPlan, work_dir_for
-from batchinfer.jobs.run.interruption import Stopped
-from batchinfer.jobs.run.prepare import PreparedJob
-from batchinfer.jobs.run.progress_time import format_seconds
+from batchinfer.jobs.outdir.interruption import Stopped
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
+from batchinfer.jobs.outdir.progress_time import format_seconds
 from batchinfer.jobs.spec.job_file import JobSpec
 from batchinfer.jobs.run.unit_worker import WORK_DIR_KEY, job_recipe
 
@@ -69,9 +70,14 @@ def worker_layout(spec: JobSpec, gpus: Optional[Sequence[str]] = None) -> Worker
                                                              max(len(gpus) // per_engine, 1)))
 
 
-def resolved_workers(spec: JobSpec) -> int:
-    """How many engines a local run of the job uses (1: the in-process path)."""
-    return worker_layout(spec).workers
+def runs_in_workers(spec: JobSpec) -> bool:
+    """Whether the job's units go to workers (Ray, or more than one local engine) or run in this process."""
+    if spec.parallel.executor == "ray":
+        return True
+    try:
+        return worker_layout(spec).workers > 1
+    except RuntimeError:  # no GPU for a cuda device: one engine here says so when it loads, unless N were asked for
+        return spec.parallel.workers != "auto" and int(spec.parallel.workers) > 1
 
 
 class WorkersProgress:
@@ -142,11 +148,13 @@ Executor = Union[LocalExecutor, RayExecutor]
 
 
 def make_executor(job: PreparedJob, plan: WorkPlan, policy: RetryPolicy,
-                  on_progress: Callable[[ProgressSnapshot], None]) -> Executor:
-    """The job's executor: worker processes here, or actors on the Ray cluster at `parallel.ray_address`."""
+                  on_progress: Callable[[ProgressSnapshot], None], recipe: Optional[WorkerRecipe] = None) -> Executor:
+    """The job's executor: worker processes here, or actors on the Ray cluster at `parallel.ray_address`.
+    `recipe`: how workers build themselves (default `job_recipe`; a test supplies its own to inject faults)."""
     spec = job.spec
-    overrides = {} if Path(plan.work_dir) == work_dir_for(spec.output.path) else {WORK_DIR_KEY: str(plan.work_dir)}
-    recipe = job_recipe(spec, overrides)
+    recipe = recipe if recipe is not None else job_recipe(spec)
+    if Path(plan.work_dir) != work_dir_for(spec.output.path):
+        recipe = replace(recipe, overrides={**recipe.overrides, WORK_DIR_KEY: str(plan.work_dir)})
     if spec.parallel.executor == "ray":
         device = "cpu" if spec.engine.device == "cpu" else "cuda" if spec.engine.device.startswith("cuda") else "auto"
         return RayExecutor(recipe, workers=spec.parallel.workers, device=device, address=spec.parallel.ray_address,
@@ -159,8 +167,8 @@ def make_executor(job: PreparedJob, plan: WorkPlan, policy: RetryPolicy,
 
 
 def run_units_in_workers(job: PreparedJob, plan: WorkPlan, out_dir: Path, console: Console,
-                         unit_ids: Optional[Sequence[int]] = None, policy: RetryPolicy = RetryPolicy()
-                         ) -> ExecutionReport:
+                         unit_ids: Optional[Sequence[int]] = None, policy: RetryPolicy = RetryPolicy(),
+                         recipe: Optional[WorkerRecipe] = None) -> ExecutionReport:
     """Run the units (`unit_ids`, default every unit of the plan) on the job's workers; → the report.
 
     The report's status is done, failed (its `failure` names the unit or the workers' reasons:
@@ -171,7 +179,7 @@ def run_units_in_workers(job: PreparedJob, plan: WorkPlan, out_dir: Path, consol
     units = [UnitSpec(unit_id, cost=plan.unit(unit_id).cost, samples=plan.unit(unit_id).samples)
              for unit_id in ids]
     progress = WorkersProgress(console, job.spec.name)
-    executor = make_executor(job, plan, policy, progress)
+    executor = make_executor(job, plan, policy, progress, recipe)
     with progress:
         report = executor.run(units)
     render_workers(console, report.stats)
@@ -180,7 +188,7 @@ def run_units_in_workers(job: PreparedJob, plan: WorkPlan, out_dir: Path, consol
 
 def raise_interruption(report: ExecutionReport) -> None:
     """Stop as the in-process run stops for the signal that interrupted the workers
-    (`jobs.interruption`): through the handler the caller installed (the CLI's raises Stopped,
+    (`jobs.outdir.interruption`): through the handler the caller installed (the CLI's raises Stopped,
     exit 128 + the signal's number), else as Stopped, or KeyboardInterrupt for SIGINT."""
     sig = report.interrupted_by
     if sig is not None and callable(signal.getsignal(sig)):

@@ -27,7 +27,7 @@ from batchinfer.jobs.global_plan import (GlobalPlanSummary, PlanningProgress, So
 from batchinfer.jobs.global_plan.units import unit_size_quantiles
 from batchinfer.jobs.inputs.files import iter_windows
 from batchinfer.jobs.inputs.prompts import build_prompts
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.run.runner import WINDOW_ROWS
 
 

@@ -10,47 +10,30 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import pyarrow as pa
 
 from batchinfer.jobs.spec.pipeline_fit import check_pipeline
 from batchinfer.jobs.spec.checkpoint import check_checkpoint, checkpoint_fingerprint, resolve_checkpoint
 from batchinfer.jobs.errors import JobError, display_path
-from batchinfer.jobs.inputs.files import InputFiles, input_fingerprint, open_inputs
+from batchinfer.jobs.inputs.files import input_fingerprint, open_inputs
 from batchinfer.jobs.outdir.remote_folder import pull_output
 from batchinfer.jobs.outdir.part_writer import RESULT_COLUMNS
 from batchinfer.jobs.inputs.prompts import (is_text, oversized_job_text, parse_template, prompt_char_limit,
                                      template_can_format, template_columns)
-from batchinfer.jobs.tasks.reasoning import ReasoningSplit, reasoning_split
+from batchinfer.jobs.tasks.reasoning import reasoning_split
 from batchinfer.jobs.outdir.part_store import PARTS_DIR
 from batchinfer.jobs.outdir.resume import MANIFEST_NAME, STATS_NAME, check_resumable
-from batchinfer.jobs.spec.sampling_defaults import ResolvedSampling, resolve_sampling
+from batchinfer.jobs.spec.sampling_defaults import resolve_sampling
 from batchinfer.jobs.spec.job_file import NESTED_OUTPUTS, JobSpec, did_you_mean, openai_batch_input, output_relation
 from batchinfer.jobs.formats.openai_batch import open_batch_input
 from batchinfer.jobs.tasks.checks import check_task
 from batchinfer.jobs.spec.task import TaskSpec
 from batchinfer.jobs.inputs.tokenizer import CheckpointTokenizer
-
-
-@dataclass(frozen=True)
-class PreparedJob:
-    spec: JobSpec
-    checkpoint: Path
-    vocab_size: int
-    tokenizer: CheckpointTokenizer
-    inputs: InputFiles
-    fingerprint: dict[str, Any]
-    sampling: Optional[ResolvedSampling] = None  # spec.sampling is its params; this adds where each came from
-    reasoning: ReasoningSplit = ReasoningSplit()
-    max_prompt_chars: Optional[int] = None  # longer prompt text is refused untokenised (prompts.prompt_char_limit)
-
-    @property
-    def rows(self) -> int:
-        limit = self.spec.limit
-        return self.inputs.num_rows if limit is None else min(limit, self.inputs.num_rows)
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 
 
 def _check_columns(spec: JobSpec, schema: pa.Schema) -> None:

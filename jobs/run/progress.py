@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.status import Status
 
 from batchinfer.jobs.outdir.part_writer import SampleResult
-from batchinfer.jobs.run.progress_time import ETA_AFTER_SECONDS, PlainLines, eta_seconds, format_seconds  # noqa: F401
+from batchinfer.jobs.outdir.progress_time import ETA_AFTER_SECONDS, PlainLines, eta_seconds, format_seconds  # noqa: F401
 
 
 def computed_tokens_to_do(summary: Any, total_samples: int, resumed_samples: int) -> int:

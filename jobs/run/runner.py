@@ -2,11 +2,11 @@
 
 `run_job` takes the output folder's lock, finishes or undoes what a killed run left there
 (an interrupted compaction), verifies the finished parts, then:
-- `engine.plan: global` (default): the planning pass over the whole input (`global_run`), the
+- plan `global` (default): the planning pass over the whole input (`global_run`), the
   unfinished units run through one engine (`unit_runner`), or through several engine workers
   (`jobs.parallel_run`) when the job's `parallel` settings resolve to more than one;
-- `engine.plan: window`: a lazy stream of requests built window by window in input order,
-  planned by the engine a window at a time (the comparison arm).
+- plan `window` (`run_job(plan="window")`, a benchmark's comparison arm, not a job key): a lazy
+  stream of requests built window by window in input order, planned by the engine a window at a time.
 Either way samples already in finished parts are skipped, rows without a prompt are recorded
 as errors, and parts are committed as samples finish (completion order). With `output.order:
 input` the parts are then rewritten in input order (`ordered_output`). The planning folder
@@ -28,7 +28,7 @@ from batchinfer.engine.types import Request, RequestOutput
 from batchinfer.jobs.errors import JobError, JobRuntimeError, display_path, no_space_error
 from batchinfer.jobs.tasks.eval_metrics import eval_stats, with_correct_column
 from batchinfer.jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
-from batchinfer.jobs.run.interruption import signal_name, stop_signal_of
+from batchinfer.jobs.outdir.interruption import signal_name, stop_signal_of
 from batchinfer.jobs.run.global_run import PlannedUnits, UnitsInProcess, plan_stats, plan_units, prepare_units, summed_counters
 from batchinfer.jobs.formats.openai_batch import OUTPUT_NAME as BATCH_OUTPUT_NAME, write_batch_output
 from batchinfer.jobs.outdir.ordered_output import compact_in_input_order, finish_interrupted_compaction
@@ -36,10 +36,10 @@ from batchinfer.jobs.outdir.lock import OutputBusy, OutputLock
 from batchinfer.jobs.outdir.remote_folder import RemoteOutputLock
 from batchinfer.jobs.outdir.part_writer import PartWriter, job_result_fields
 from batchinfer.jobs.outdir.part_store import PARTS_DIR, damaged_path, samples_on_disk, scan_parts
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.engine.startup import listening, phase
 from batchinfer.engine.engine_build import EngineBuild, expected_row_tokens
-from batchinfer.jobs.run.progress import ProgressReporter
+from batchinfer.jobs.run.progress import ProgressReporter, computed_tokens_to_do
 from batchinfer.jobs.outdir.resume import STATS_NAME, ResumeState, check_resumable, prepare_output_dir, read_resume_state
 from batchinfer.jobs.spec.job_file import JobSpec, engine_config_kwargs, engine_settings_dict
 from batchinfer.jobs.outdir.stats import JobCounters, build_stats, render_summary, write_stats
@@ -94,20 +94,25 @@ def warn_on_stderr(message: str) -> None:
 UnitExecutor = Callable[..., Any]
 
 
+PLANS = ("global", "window")  # window: the benchmarks' comparison arm, never a job key
+
+
 @dataclass(frozen=True)
 class RunOptions:
     engine_factory: Callable[[PreparedJob, int], EngineLike] = open_engine
-    window_rows: int = WINDOW_ROWS                # engine.plan window: rows per planning window
-    unit_config: UnitConfig = UnitConfig()        # engine.plan global: unit limits
-    sort_budget: SortBudget = SortBudget()        # engine.plan global: the external sort's memory
+    window_rows: int = WINDOW_ROWS                # plan window: rows per planning window
+    unit_config: UnitConfig = UnitConfig()        # plan global: unit limits
+    sort_budget: SortBudget = SortBudget()        # plan global: the external sort's memory
     executor: Optional[UnitExecutor] = None       # None: from the job's `parallel` settings
+    plan: str = "global"                          # one of PLANS
 
 
 def run_job(job: PreparedJob, console: Console, overwrite: bool = False,
             engine_factory: Callable[[PreparedJob, int], EngineLike] = open_engine,
             window_rows: int = WINDOW_ROWS, lock: Optional[OutputLock] = None,
             warn: Callable[[str], None] = warn_on_stderr, unit_config: UnitConfig = UnitConfig(),
-            sort_budget: SortBudget = SortBudget(), executor: Optional[UnitExecutor] = None) -> dict[str, Any]:
+            sort_budget: SortBudget = SortBudget(), executor: Optional[UnitExecutor] = None,
+            plan: str = "global") -> dict[str, Any]:
     """Run a prepared job; returns the stats written to `_stats.json`.
 
     Holds the output folder's lock for the whole run: `lock` when the caller took it (the
@@ -115,9 +120,12 @@ def run_job(job: PreparedJob, console: Console, overwrite: bool = False,
     folder is busy or was changed meanwhile, JobRuntimeError when the engine fails; every
     sample finished until then is on disk. `executor` runs the units of a global plan instead
     of the in-process loop (None: `jobs.parallel_run.run_units_in_workers` when the job's
-    `parallel` settings resolve to more than one worker or to Ray, else in this process).
+    `parallel` settings resolve to more than one worker or to Ray, else in this process). `plan`:
+    `global`, or `window` (rows planned `window_rows` at a time in input order: a benchmark's arm).
     """
-    options = RunOptions(engine_factory, window_rows, unit_config, sort_budget, executor)
+    if plan not in PLANS:
+        raise ValueError(f"plan must be one of {PLANS}, not {plan!r}")
+    options = RunOptions(engine_factory, window_rows, unit_config, sort_budget, executor, plan)
     if lock is not None:
         return _run_locked(job, console, overwrite, options, lock, warn)
     with lock_output(job) as own_lock:
@@ -133,7 +141,7 @@ def _report_parts(resume: ResumeState, warn: Callable[[str], None]) -> None:
 
 
 def _interruption(exc: BaseException) -> str:
-    """`interrupted_by`: the stop signal's name (jobs.interruption), else what stopped the run (SystemExit)."""
+    """`interrupted_by`: the stop signal's name (jobs.outdir.interruption), else what stopped the run (SystemExit)."""
     signum = stop_signal_of(exc)
     if signum is not None:
         return signal_name(signum)
@@ -145,24 +153,9 @@ def _parallel_executor(job: PreparedJob, executor: Optional[UnitExecutor]) -> Op
     """The executor for the job's units; None: this process runs them."""
     if executor is not None:
         return executor
-    parallel = job.spec.parallel
-    if parallel.executor != "ray" and _resolved_workers(job) <= 1:
-        return None
-    from batchinfer.jobs.run.parallel_run import run_units_in_workers
+    from batchinfer.jobs.run.parallel_run import run_units_in_workers, runs_in_workers
 
-    return run_units_in_workers
-
-
-def _resolved_workers(job: PreparedJob) -> int:
-    workers = job.spec.parallel.workers
-    if workers != "auto":
-        return int(workers)
-    device = job.spec.engine.device
-    if device == "cpu" or device.startswith("cuda:"):
-        return 1  # auto means one engine per visible GPU; a pinned device is one engine
-    from batchinfer.jobs.run.executors.placement import visible_gpus
-
-    return max(len(visible_gpus()) // job.spec.parallel.pipeline_stages, 1)  # each engine spans its stages' GPUs
+    return run_units_in_workers if runs_in_workers(job.spec) else None
 
 
 def _raise_interruption(report: Any) -> None:
@@ -254,7 +247,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
                                None if generation_start is None else time.monotonic() - generation_start)
         engine_stats = getattr(engine, "stats", None) if engine is not None else \
             summed_counters(getattr(parallel_report[0], "results", {}).values()) if parallel_report else None
-        stats = build_stats(spec.name, counters, engine_stats, _settings(engine, spec), status, failure,
+        stats = build_stats(spec.name, counters, engine_stats, _settings(engine, spec, options.plan), status, failure,
                             interrupted_by)
         if job.sampling is not None:
             stats["sampling"] = job.sampling.report()
@@ -262,7 +255,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             stats["plan"] = plan_stats(planned)
             for name in ("planned_reuse_lost_tokens", "branch_states_over_capacity"):  # a plan the pool could not hold
                 stats["plan"][name] = getattr(engine_stats, name, 0) if engine_stats is not None else 0
-        elif spec.engine.plan == "window":
+        elif options.plan == "window":
             stats["plan"] = {"mode": "window", "window_rows": options.window_rows}
         if parallel_report:
             stats["executor"] = getattr(parallel_report[0], "stats", {})
@@ -292,7 +285,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         stats = finish("done")
         render_summary(console, stats)
         return stats
-    executor = _parallel_executor(job, options.executor) if spec.engine.plan == "global" else None
+    executor = _parallel_executor(job, options.executor) if options.plan == "global" else None
     progress = ProgressReporter(console, spec.name, total, resumed)
     try:
         with listening(progress.phase_listener):  # the startup phases, shown as they run
@@ -300,9 +293,9 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
             build = EngineBuild.start(partial(options.engine_factory, job, options.window_rows)) \
                 if executor is None else None
             work_dir = work_dir_for(out_dir)
-            made_work_dir = spec.engine.plan == "global" and (overwrite or not work_dir.exists())
+            made_work_dir = options.plan == "global" and (overwrite or not work_dir.exists())
             try:
-                if spec.engine.plan == "global":
+                if options.plan == "global":
                     if lock.lost:  # planning writes into the folder: only while it is ours
                         raise _lost(lock, spec)
                     if overwrite:
@@ -310,6 +303,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
                     with phase("planning", startup, "plan"):
                         planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget, warn)
                     summary = planned.plan.summary
+                    progress.set_prefill_total(computed_tokens_to_do(summary, total, resumed))
                     if build is not None:
                         build.post_row_tokens(expected_row_tokens(summary.prompt_tokens, summary.ideal_cached_tokens,
                                                                   summary.decode_tokens, summary.samples))
@@ -415,6 +409,6 @@ def _finished_samples(resume: ResumeState, rows: int) -> int:
     return sum(len(samples) for row, samples in resume.done.items() if row < rows)
 
 
-def _settings(engine: Optional[EngineLike], spec: JobSpec) -> dict[str, Any]:
+def _settings(engine: Optional[EngineLike], spec: JobSpec, plan: str) -> dict[str, Any]:
     settings = getattr(engine, "settings", None)
-    return settings() if callable(settings) else engine_settings_dict(spec.engine)
+    return settings() if callable(settings) else engine_settings_dict(spec.engine, plan)

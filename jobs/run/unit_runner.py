@@ -7,8 +7,8 @@
 Each unit's rows (`WorkPlan.read_unit`, in plan order) go to `engine.generate_units` as one
 planning unit; one call runs all the given units, so the engine starts unit k + 1 while unit k
 finishes. Pairs done when the run started (`unit_parts.DoneIndex`) are skipped, rows without a
-prompt are recorded as errors without reaching the engine, and each chunk of the unit's rows is
-committed as its fixed part (`unit_parts`) through `part_store.commit_part`, sorted by
+prompt are recorded as errors without reaching the engine (`row_requests`), and each chunk of the unit's rows is
+committed as its fixed part (`unit_parts`) through `part_writer.commit_results`, sorted by
 (row_index, sample_index), beside every input column (`unit_inputs.UnitInputs`). The in-process
 run calls it with every unit; each worker of a parallel run calls `run_units([unit_id])`.
 """
@@ -22,20 +22,16 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 import pyarrow as pa
 
 from batchinfer.engine.types import Request, RequestOutput
-from batchinfer.jobs.run.engine_io import error_result, output_result, row_request, seed_key
+from batchinfer.jobs.run.engine_io import output_result
+from batchinfer.jobs.run.row_requests import RowRequests
 from batchinfer.jobs.run.executors.contract import ProgressDelta, UnitResult
 from batchinfer.jobs.tasks.eval_metrics import with_correct_column
 from batchinfer.jobs.global_plan import WorkPlan
-from batchinfer.jobs.run.interruption import commit_section
-from batchinfer.jobs.formats.openai_batch import row_sampling
-from batchinfer.jobs.outdir.part_writer import ROW_INDEX_COLUMN, SampleResult, append_results, job_result_fields
-from batchinfer.jobs.outdir.part_store import commit_part, unit_part_name
-from batchinfer.jobs.run.prepare import PreparedJob
-from batchinfer.jobs.inputs.prompts import row_ids
-from batchinfer.jobs.inputs.unit_inputs import UnitInputs
+from batchinfer.jobs.outdir.part_writer import ROW_INDEX_COLUMN, SampleResult, append_results, commit_results, job_result_fields
+from batchinfer.jobs.outdir.part_store import unit_part_name
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
+from batchinfer.jobs.global_plan.unit_inputs import UnitInputs
 from batchinfer.jobs.outdir.unit_parts import DoneIndex, chunk_rows, unit_part_committed
-from batchinfer.jobs.tasks.grammar_rows import RowGrammars
-from batchinfer.jobs.tasks.scoring import ScoreRows, row_score_requests
 
 
 class UnitEngine(Protocol):
@@ -137,8 +133,7 @@ class UnitRunner:
         sampling = job.spec.sampling
         self.n, self.per_chunk = sampling.n, chunk_rows(job.spec.output.flush_rows, sampling.n)
         self.fields = job_result_fields(job.spec)
-        self.scores = ScoreRows()  # task score: a row's continuations until the last is back
-        self.grammars = RowGrammars(job.spec, job.tokenizer, job.vocab_size)
+        self.rows = RowRequests(job)
         self._counters = _stats_numbers(getattr(engine, "stats", None))
         self.samples_committed = 0  # over every unit run, in committed parts (on disk)
         self.errors_committed = 0
@@ -146,18 +141,13 @@ class UnitRunner:
 
     # ---- one unit ---------------------------------------------------------------------------
     def _open(self, unit_id: int) -> _OpenUnit:
-        spec = self.job.spec
         rows = self.plan.read_unit(unit_id)
         inputs = self.inputs.read(unit_id)
         indices = inputs[ROW_INDEX_COLUMN].to_pylist()
         if sorted(row.row_index for row in rows) != indices:
             raise RuntimeError(f"unit {unit_id}: its input rows do not match its planned rows")
         position = {row: offset for offset, row in enumerate(indices)}
-        ids = row_ids(inputs, spec.id_column) if spec.id_column else None
-        per_row = row_sampling(spec, inputs)  # None: the job's sampling for every row
-        scoring = spec.task.task == "score"
-        cells = inputs[spec.task.continuations_column].to_pylist() if scoring else None
-        schemas = self.grammars.cells(inputs)
+        columns = self.rows.columns(inputs)
         done = self.done.for_unit(unit_id)
         unit = _OpenUnit(unit_id, inputs, position, {}, {})
         for chunk, first in enumerate(range(0, len(rows), self.per_chunk)):
@@ -177,30 +167,9 @@ class UnitRunner:
                 unit.chunk_of_row[row.row_index] = chunk
                 if not todo[row.row_index]:
                     continue
-                if row.error is not None:
-                    for sample in todo[row.row_index]:
-                        self._record(unit, error_result(row.row_index, sample, row.error))
-                    continue
-                row_id = ids[position[row.row_index]] if ids is not None else None
-                sampling = per_row[position[row.row_index]] if per_row is not None else spec.sampling
-                if per_row is not None:
-                    unit.stops[row.row_index] = sampling.stop
-                if scoring:
-                    requests, error = row_score_requests(self.job.tokenizer, row.row_index, row.token_ids,
-                                                         cells[position[row.row_index]], seed_key(row.row_index, row_id))
-                    if error is not None:
-                        self._record(unit, error_result(row.row_index, 0, error))
-                        continue
-                    self.scores.expect(row.row_index, len(requests))
-                    unit.requests.extend(requests)
-                    continue
-                grammar, error = self.grammars.for_row(schemas[position[row.row_index]] if schemas else None)
-                if error is not None:
-                    for sample in todo[row.row_index]:
-                        self._record(unit, error_result(row.row_index, sample, error))
-                    continue
-                unit.requests.append(row_request(row.row_index, row.token_ids, sampling, row_id,
-                                                 done.get(row.row_index), grammar))
+                unit.requests.extend(self.rows.for_row(
+                    columns, position[row.row_index], row.row_index, row.token_ids, row.error, todo[row.row_index],
+                    done.get(row.row_index), unit.stops, lambda result, unit=unit: self._record(unit, result)))
         unit.samples_skipped += sum(len(samples) for samples in done.values())
         return unit
 
@@ -220,10 +189,8 @@ class UnitRunner:
         table = unit.inputs.take(offsets).drop_columns([ROW_INDEX_COLUMN])
         table = append_results(table, results, self.fields)
         table = with_correct_column(self.job.spec.task, table)
-        with commit_section():
-            self.before_commit()
-            commit_part(self.out_dir, unit_part_name(unit.unit_id, chunk), table)
-            self._count(unit, chunk, results)
+        commit_results(self.out_dir, unit_part_name(unit.unit_id, chunk), table, self.before_commit,
+                       lambda: self._count(unit, chunk, results))
 
     def _count(self, unit: _OpenUnit, chunk: int, results: list[SampleResult]) -> None:
         del unit.pending[chunk]
@@ -281,7 +248,7 @@ class UnitRunner:
                 yield self._result(complete.pop(0))
             unit = pulled[output.unit_index]
             result = output_result(output, self.job.tokenizer, unit.stops.get(output.request_id, stops),
-                                   self.job.reasoning, self.scores)
+                                   self.job.reasoning, self.rows.scores)
             if result is not None:  # None: a scored row waiting for its other continuations
                 self._record(unit, result)
             if output.unit_done:

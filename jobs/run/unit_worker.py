@@ -12,8 +12,6 @@ run again after a crash skips what was committed and rewrites nothing.
 """
 from __future__ import annotations
 
-import os
-import signal
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
@@ -21,19 +19,14 @@ from typing import Any, Iterator, Mapping, Optional
 from batchinfer.jobs.run.executors.contract import ProgressSink, UnitResult, WorkerRecipe
 from batchinfer.jobs.run.executors.worker_loop import StopRequested, parent_alive
 from batchinfer.jobs.global_plan import open_work_plan, work_dir_for
-from batchinfer.jobs.outdir.part_writer import SampleResult
-from batchinfer.jobs.run.prepare import PreparedJob, prepare_job
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
+from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.spec.job_file import JobSpec, load_job_file
 from batchinfer.jobs.run.unit_runner import SinkProgress, UnitRunner
 
 FACTORY = "batchinfer.jobs.run.unit_worker:build_job_worker"
 DEVICE_KEY = "engine.device"
 WORK_DIR_KEY = "work_dir"          # not a job key: where the parent's work plan is, when not <output>/_work
-# Test hooks, "SAMPLES:MARKER": the first worker (over all processes) that has finished SAMPLES samples
-# and can create MARKER SIGKILLs itself (a worker dying mid-job), or sends its parent SIGTERM (a run
-# stopped while units are half done).
-KILL_AFTER_ENV = "BATCHINFER_TEST_KILL_WORKER_AFTER"
-STOP_PARENT_AFTER_ENV = "BATCHINFER_TEST_SIGTERM_PARENT_AFTER"
 
 
 def job_recipe(spec: JobSpec, overrides: Optional[Mapping[str, Any]] = None) -> WorkerRecipe:
@@ -53,25 +46,6 @@ def apply_overrides(spec: JobSpec, overrides: Mapping[str, Any]) -> JobSpec:
             raise ValueError(f"override {key!r} is not a job key")
         spec = replace(spec, **{section: replace(block, **{name: value})})
     return spec
-
-
-class _SignalAfter:
-    """Progress wrapper of the test hooks (KILL_AFTER_ENV, STOP_PARENT_AFTER_ENV)."""
-
-    def __init__(self, inner: Any, setting: str, pid: int, signum: int) -> None:
-        count, _, self.marker = setting.partition(":")
-        self.inner, self.after, self.seen = inner, int(count), 0
-        self.pid, self.signum = pid, signum
-
-    def sample_done(self, unit_id: int, result: SampleResult) -> None:
-        self.inner.sample_done(unit_id, result)
-        self.seen += 1
-        if self.seen == self.after:
-            try:  # O_EXCL: exactly one worker over all processes signals
-                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                return
-            os.kill(self.pid, self.signum)
 
 
 class JobUnitWorker:
@@ -94,13 +68,9 @@ class JobUnitWorker:
         engine = open_engine(self.job)
         work_dir = Path(recipe.overrides.get(WORK_DIR_KEY) or work_dir_for(spec.output.path))
         plan = open_work_plan(work_dir)
-        sink_progress: Any = SinkProgress(progress)
-        if os.environ.get(KILL_AFTER_ENV):
-            sink_progress = _SignalAfter(sink_progress, os.environ[KILL_AFTER_ENV], os.getpid(), signal.SIGKILL)
-        if os.environ.get(STOP_PARENT_AFTER_ENV):
-            sink_progress = _SignalAfter(sink_progress, os.environ[STOP_PARENT_AFTER_ENV], os.getppid(), signal.SIGTERM)
         # A local worker process commits nothing once the run that started it is gone (its lock is stale).
-        self.runner = UnitRunner(self.job, engine, plan, spec.output.path, sink_progress, before_commit=parent_alive)
+        self.runner = UnitRunner(self.job, engine, plan, spec.output.path, SinkProgress(progress),
+                                 before_commit=parent_alive)
 
     def run_units(self, unit_ids: Iterator[int]) -> Iterator[UnitResult]:
         """Units through one engine call, pulled as the engine has room (it overlaps consecutive units).

@@ -11,15 +11,13 @@ import bisect
 from typing import Any, Iterator
 
 from batchinfer.engine.types import Request
-from batchinfer.jobs.run.engine_io import error_result, output_result, row_request, seed_key
+from batchinfer.jobs.run.engine_io import output_result
+from batchinfer.jobs.run.row_requests import RowRequests
 from batchinfer.jobs.inputs.files import RowWindow, iter_windows
-from batchinfer.jobs.formats.openai_batch import row_sampling
 from batchinfer.jobs.outdir.part_writer import PartWriter, SampleResult
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.run.progress import ProgressReporter
-from batchinfer.jobs.inputs.prompts import build_prompts, row_ids
-from batchinfer.jobs.tasks.grammar_rows import RowGrammars
-from batchinfer.jobs.tasks.scoring import ScoreRows, row_score_requests
+from batchinfer.jobs.inputs.prompts import build_prompts
 
 
 class _OpenWindows:
@@ -59,8 +57,7 @@ class WindowRun:
         self.window_rows = window_rows
         self.windows = _OpenWindows()
         self.stops: dict[int, tuple[str, ...]] = {}  # row → its own stop strings (batch input), until its output
-        self.scores = ScoreRows()  # task score: a row's continuations until the last is back
-        self.grammars = RowGrammars(job.spec, job.tokenizer, job.vocab_size)
+        self.rows = RowRequests(job)
 
     def record(self, result: SampleResult) -> None:
         window = self.windows.take(result.row_index)
@@ -83,43 +80,18 @@ class WindowRun:
             self.windows.open(window, samples_todo)
             prompts = build_prompts(window.table, spec.prompt, self.job.tokenizer, spec.chat, spec.system,
                                     self.job.vocab_size, id_column=spec.id_column, max_chars=self.job.max_prompt_chars)
-            ids = row_ids(window.table, spec.id_column) if spec.id_column else [None] * len(rows)
-            per_row = row_sampling(spec, window.table)  # None: the job's sampling for every row
-            scoring = spec.task.task == "score"
-            cells = window.table[spec.task.continuations_column].to_pylist() if scoring else None
-            schemas = self.grammars.cells(window.table)
+            columns = self.rows.columns(window.table)
             for offset, row in enumerate(rows):
-                error = prompts.errors[offset]
                 if not todo[row]:
                     continue
-                if error is not None:
-                    for sample in todo[row]:
-                        self.record(error_result(row, sample, error))
-                    continue
-                sampling = per_row[offset] if per_row is not None else spec.sampling
-                if per_row is not None:
-                    self.stops[row] = sampling.stop
-                if scoring:
-                    requests, error = row_score_requests(self.job.tokenizer, row, prompts.token_ids[offset],
-                                                         cells[offset], seed_key(row, ids[offset]))
-                    if error is not None:
-                        self.record(error_result(row, 0, error))
-                        continue
-                    self.scores.expect(row, len(requests))
-                    yield from requests
-                    continue
-                grammar, error = self.grammars.for_row(schemas[offset] if schemas else None)
-                if error is not None:
-                    for sample in todo[row]:
-                        self.record(error_result(row, sample, error))
-                    continue
-                yield row_request(row, prompts.token_ids[offset], sampling, ids[offset], self.done.get(row), grammar)
+                yield from self.rows.for_row(columns, offset, row, prompts.token_ids[offset], prompts.errors[offset],
+                                             todo[row], self.done.get(row), self.stops, self.record)
 
     def run(self) -> None:
         stops = self.job.spec.sampling.stop
         for output in self.engine.generate(self.requests()):
             result = output_result(output, self.job.tokenizer, self.stops.get(output.request_id, stops),
-                                   self.job.reasoning, self.scores)
+                                   self.job.reasoning, self.rows.scores)
             if result is not None:  # None: a scored row waiting for its other continuations
                 self.record(result)
 

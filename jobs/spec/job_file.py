@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Optional, get_args
+from typing import Any, Callable, Optional
 
 import yaml
 
-from batchinfer.engine.config import EngineConfig, StateCacheMode
+from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.types import SamplingParams
 from batchinfer.jobs.spec import checks as check
 from batchinfer.jobs.errors import JobError, display_path
@@ -44,16 +44,8 @@ class PromptSpec:
 
 @dataclass(frozen=True)
 class EngineSettings(EngineConfig):
-    """The job's `engine:` block: `EngineConfig` itself (its fields, its defaults), plus the
-    job-only keys below. A job file sets only the keys of `ENGINE_KEYS`."""
-
-    # global: the whole job sorted and cut into work units, each planned whole by the engine;
-    # window: the engine plans windows of rows in input order (the comparison arm, as no_buffer is)
-    plan: str = "global"
-
-
-# EngineSettings fields that are the job's, not `EngineConfig`'s
-JOB_ONLY_ENGINE_KEYS = ("plan",)
+    """The job's `engine:` block: `EngineConfig` itself (its fields, its defaults). A job file sets
+    only the keys of `ENGINE_KEYS`; a benchmark may set any field from Python (`dataclasses.replace`)."""
 
 
 @dataclass(frozen=True)
@@ -127,11 +119,14 @@ INPUT_FORMATS = ("auto", "parquet", "csv", "jsonl", "arrow", "hf_dataset", "open
 ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
     "device": check.device_name,
     "dtype": check.choice("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
-    "prefix_cache": check.boolean, "state_cache": check.choice(*get_args(StateCacheMode)), "replayssm": check.boolean,
+    "prefix_cache": check.boolean, "replayssm": check.boolean,
     "ring_len": check.integer(1), "track_interval": check.integer(1), "max_running": check.integer(1),
     "max_batch_tokens": check.integer(1), "max_model_len": check.integer(2, optional=True),
-    "memory_fraction": check.number(0.0, 1.0, low_open=True), "plan": check.choice("global", "window"),
+    "memory_fraction": check.number(0.0, 1.0, low_open=True),
 }
+# Comparison arms of the benchmarks, set from Python (`run_job(plan=...)`, `EngineConfig.state_cache`):
+# a job file naming one is refused, so no job runs an arm by accident. Reported in `_stats.json`.
+BENCHMARK_ARMS = ("state_cache", "plan")
 PROMPT_KEYS = {"template": check.text(), "column": check.text(), "token_ids_column": check.text()}
 OUTPUT_KEYS = {"path": check.text(), "flush_rows": check.integer(1),
                "order": check.choice("completion", "input"), "keep_work": check.boolean,
@@ -252,7 +247,8 @@ def _parse_job(raw: dict, index: int, checker: Checker, base: Path) -> JobSpec:
         input_format=input_format,
         prompt=PromptSpec(**prompt, chat_template_kwargs=tuple(sorted(template_kwargs.items()))),
         sampling=sampling,
-        engine=EngineSettings(**checker.section(raw.get("engine", {}), f"{where}.engine", ENGINE_KEYS)),
+        engine=EngineSettings(**checker.section(_without_arms(checker, raw.get("engine", {}), f"{where}.engine"),
+                                                f"{where}.engine", ENGINE_KEYS)),
         output=_output_spec(checker, output, base, where),
         chat=chat,
         system=scalar("system", check.text(optional=True), None),
@@ -380,11 +376,18 @@ def load_job_file(path: Path) -> JobFile:
     return parse_job_file(text, path)
 
 
-def engine_settings_dict(settings: EngineSettings) -> dict:
-    """Every engine setting a job file can set, in field order (what `_stats.json` reports)."""
-    return {f.name: getattr(settings, f.name) for f in fields(settings) if f.name in ENGINE_KEYS}
+def _without_arms(checker: Any, engine: Any, where: str) -> Any:
+    arm = next((key for key in BENCHMARK_ARMS if isinstance(engine, dict) and key in engine), None)
+    if arm is not None:
+        raise checker.fail(f"{where}.{arm}", "is a benchmark's comparison arm, not a job key; remove it")
+    return engine
 
 
 def engine_config_kwargs(settings: EngineSettings) -> dict:
-    """The settings `batchinfer.engine.EngineConfig` takes (the job-only ones left out)."""
-    return {key: value for key, value in engine_settings_dict(settings).items() if key not in JOB_ONLY_ENGINE_KEYS}
+    """The settings `batchinfer.engine.EngineConfig` takes from a job: its keys and the state cache arm."""
+    return {f.name: getattr(settings, f.name) for f in fields(settings) if f.name in ENGINE_KEYS or f.name == "state_cache"}
+
+
+def engine_settings_dict(settings: EngineSettings, plan: str = "global") -> dict:
+    """The engine settings `_stats.json` reports (a run on workers): `engine_config_kwargs` and the plan arm."""
+    return {**engine_config_kwargs(settings), "plan": plan}

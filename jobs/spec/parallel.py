@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 from batchinfer.jobs.spec import checks as check
-from batchinfer.jobs.run.executors.ray_executor import EXECUTORS, executor_problem
+from batchinfer.jobs.spec.executors import EXECUTORS, executor_problem
 
 
 def workers_count(value: Any) -> Union[str, int]:

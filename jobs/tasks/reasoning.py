@@ -18,15 +18,8 @@ from typing import Optional
 import jinja2
 
 from batchinfer.jobs.spec.job_file import JobSpec
+from batchinfer.jobs.inputs.prepared_job import ReasoningSplit
 from batchinfer.jobs.inputs.tokenizer import THINK_CLOSE, THINK_OPEN, CheckpointTokenizer
-
-
-@dataclass(frozen=True)
-class ReasoningSplit:
-    """How a job's generated text is split (enabled False: it is not)."""
-
-    enabled: bool = False
-    starts_inside: bool = False  # the prompt ends inside an open reasoning block
 
 
 @dataclass(frozen=True)

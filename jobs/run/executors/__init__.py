@@ -11,12 +11,12 @@ from batchinfer.jobs.run.executors.contract import ProgressDelta, ProgressSink, 
 from batchinfer.jobs.run.executors.dispatch import ExecutionReport, RetryPolicy
 from batchinfer.jobs.run.executors.local import LocalExecutor
 from batchinfer.jobs.run.executors.placement import Placement, available_cores, local_placements, resolve_workers, visible_gpus
-from batchinfer.jobs.run.executors.ray_executor import RAY_MISSING, RayExecutor, executor_problem, ray_available
-from batchinfer.jobs.run.executors.storage import PartStore
+from batchinfer.jobs.run.executors.ray_executor import RayExecutor
+from batchinfer.jobs.spec.executors import RAY_MISSING, executor_problem, ray_available
 from batchinfer.jobs.run.executors.tally import ProgressSnapshot
 from batchinfer.jobs.run.executors.unit_queue import UnitSpec
 
-__all__ = ["Balance", "ExecutionReport", "LocalExecutor", "PartStore", "Placement", "ProgressDelta", "ProgressSink",
+__all__ = ["Balance", "ExecutionReport", "LocalExecutor", "Placement", "ProgressDelta", "ProgressSink",
            "ProgressSnapshot", "RAY_MISSING", "RateLimitedSink", "RayExecutor", "RetryPolicy", "UnitResult",
            "UnitSpec", "UnitWorker", "WorkerRecipe", "available_cores", "executor_problem", "local_placements",
            "predict_balance", "ray_available", "resolve_workers", "visible_gpus"]

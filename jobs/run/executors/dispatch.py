@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 from batchinfer.jobs.run.executors.contract import ProgressDelta, UnitResult
 from batchinfer.jobs.run.executors.tally import ProgressSnapshot, Tally
 from batchinfer.jobs.run.executors.unit_queue import UnitQueue, UnitSpec
-from batchinfer.jobs.run.interruption import STOP_SIGNALS
+from batchinfer.jobs.outdir.interruption import STOP_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class StopFlag:
 
 
 class _SignalsStop:
-    """While running in the main thread, the stop signals (`jobs.interruption.STOP_SIGNALS`) set the flag
+    """While running in the main thread, the stop signals (`jobs.outdir.interruption.STOP_SIGNALS`) set the flag
     instead of stopping the parent at once: it stops the workers, which commit what they finished."""
 
     def __init__(self, flag: StopFlag) -> None:

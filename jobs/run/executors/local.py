@@ -26,7 +26,7 @@ from batchinfer.jobs.run.executors.tally import ProgressSnapshot
 from batchinfer.jobs.run.executors.unit_queue import UnitSpec
 from batchinfer.jobs.run.executors.worker_loop import (WORKER_IGNORES, StopRequested, exit_after_failure,
                                                    serve, watch_parent)
-from batchinfer.jobs.run.interruption import stop_on_signals
+from batchinfer.jobs.outdir.interruption import stop_on_signals
 from batchinfer.jobs.run.quiet_streams import quiet_when_closed
 
 CLOSE_SECONDS = 30.0      # a worker asked to close gets this long to release its device

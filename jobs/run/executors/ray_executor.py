@@ -20,11 +20,10 @@ results, progress at the rate bound of `RateLimitedSink`) with one outstanding `
 actor; a lost actor shows as that call failing. Ray is imported only when a run starts: importing
 this module, or the package, never imports it, and `executor_problem` reports its absence in one line.
 Every node needs batchinfer installed (or a `runtime_env` that ships it) and must see the output folder
-and the job's work folder (a shared path, or an object-store URI written through `storage.PartStore`).
+and the job's work folder (a shared path).
 """
 from __future__ import annotations
 
-import importlib.util
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -38,25 +37,11 @@ from batchinfer.jobs.run.executors.worker_loop import serve
 from batchinfer.jobs.run.executors.placement import MEMORY_FRACTION_KEY
 from batchinfer.jobs.run.executors.tally import ProgressSnapshot
 from batchinfer.jobs.run.executors.unit_queue import UnitSpec
+from batchinfer.jobs.spec.executors import executor_problem
 
-RAY_MISSING = "executor: ray needs Ray, which is not installed (pip install 'batchinfer[ray]')"
-EXECUTORS = ("local", "ray")
 CLOSE_SECONDS = 30.0
 EVENTS_WAIT_SECONDS = 0.5   # an `events` call returns at the first message, or empty after this long
 _EVENTS_GROUP = "events"
-
-
-def ray_available() -> bool:
-    return importlib.util.find_spec("ray") is not None
-
-
-def executor_problem(executor: str) -> Optional[str]:
-    """What is wrong with choosing this executor here, in one line; None when it can run."""
-    if executor not in EXECUTORS:
-        return f"unknown executor {executor!r} (choose local or ray)"
-    if executor == "ray" and not ray_available():
-        return RAY_MISSING
-    return None
 
 
 class _UnitActor:

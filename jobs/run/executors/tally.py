@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from batchinfer.jobs.run.executors.contract import ProgressDelta, UnitResult
 from batchinfer.jobs.run.executors.unit_queue import UnitSpec
-from batchinfer.jobs.run.progress_time import eta_seconds
+from batchinfer.jobs.outdir.progress_time import eta_seconds
 
 
 @dataclass(frozen=True)

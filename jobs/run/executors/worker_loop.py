@@ -20,7 +20,7 @@ import sys
 from typing import Any, Callable, Iterator, Optional
 
 from batchinfer.jobs.run.executors.contract import RateLimitedSink, UnitResult, UnitWorker, WorkerRecipe
-from batchinfer.jobs.run.interruption import Stopped
+from batchinfer.jobs.outdir.interruption import Stopped
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_PID_ENV = "BATCHINFER_WORKER_PARENT"  # set in a local worker process: the pid of the run that started it

@@ -35,7 +35,7 @@ from batchinfer.jobs.errors import display_path
 from batchinfer.jobs.global_plan.store import SORTED_NAME, WorkPlan
 from batchinfer.jobs.inputs.files import iter_windows, open_input
 from batchinfer.jobs.outdir.part_writer import ROW_INDEX_COLUMN
-from batchinfer.jobs.run.prepare import PreparedJob
+from batchinfer.jobs.inputs.prepared_job import PreparedJob
 
 RECORD_NAME = "inputs.json"
 ROW_UNITS_NAME = "row_units.npy"
