@@ -9,9 +9,9 @@ import pytest
 from batchinfer.jobs.run.parallel_run import runs_in_workers
 
 
-def spec(device: str, workers, executor: str = "local") -> SimpleNamespace:
+def spec(device: str, workers, executor: str = "local", stages: int = 1) -> SimpleNamespace:
     return SimpleNamespace(engine=SimpleNamespace(device=device),
-                           parallel=SimpleNamespace(workers=workers, executor=executor))
+                           parallel=SimpleNamespace(workers=workers, executor=executor, pipeline_stages=stages))
 
 
 @pytest.mark.parametrize("device, workers, executor, gpus, expected", [
@@ -27,3 +27,12 @@ def spec(device: str, workers, executor: str = "local") -> SimpleNamespace:
 def test_the_runner_and_the_executors_count_workers_alike(monkeypatch, device, workers, executor, gpus, expected):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus)
     assert runs_in_workers(spec(device, workers, executor)) is expected
+
+
+@pytest.mark.parametrize("gpus, stages, expected", [
+    ("0,1", 2, False),      # two GPUs, two stages: one engine spanning both, here
+    ("0,1,2,3", 2, True),   # four GPUs, two stages: two engines
+])
+def test_an_engine_of_pipeline_stages_counts_as_one(monkeypatch, gpus, stages, expected):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus)
+    assert runs_in_workers(spec("auto", "auto", stages=stages)) is expected
