@@ -10,7 +10,8 @@ import torch
 from .audit import audit_state_cache
 from .cache_config import CacheConfig, CacheStats
 from .kv_pool import KVPool
-from .radix_tree import MatchResult, RadixNode, RadixTree
+from .radix_node import MatchResult, RadixNode
+from .radix_tree import RadixTree
 from .seq_handle import SeqHandle
 from .state_pool import GdnStatePool
 
