@@ -186,7 +186,7 @@ class StateCache:
     def ring_steps(self, seqs: Sequence[SeqHandle]) -> int:
         """One ReplaySSM decode step ran on these sequences' working slots (the model advanced
         their device cursors): advance the host mirrors the same way; returns how many found a
-        full ring (cursor == L), which the step folded into the checkpoint. 0 without ReplaySSM."""
+        full ring (cursor == L), which the step folded into the state snapshot. 0 without ReplaySSM."""
         ring_len = self.state_pool.shape.ring_len
         if not ring_len:
             return 0
@@ -201,7 +201,7 @@ class StateCache:
         slot allocated now (evicting the least recently used cached state if the pool is empty).
 
         The snapshot is folded with cursor 0 (`GdnStatePool.copy`); the working slot is
-        untouched — its ring stays consistent with its own checkpoint, so its cursor must not be
+        untouched — its ring stays consistent with its own snapshot, so its cursor must not be
         reset. If the sequence already holds two undonated snapshots, the older one is donated
         first (its tokens must be in the sequence's list by then, as for `donate`). Returns False
         (nothing done) under no_buffer / without prefix caching, when `position` is not past the

@@ -162,7 +162,7 @@ class Engine:
             if reason is not None:
                 for s in wanted:
                     rejected.append(Sequence(request, s, priority=(window_id, -1), planned_reuse=0,
-                                             checkpoints=frozenset(), leader=None, unit_index=unit_index,
+                                             branch_points=frozenset(), leader=None, unit_index=unit_index,
                                              finish_reason="error", error=reason))
             elif wanted:
                 accepted.append(request)
@@ -174,7 +174,7 @@ class Engine:
         for order, row in enumerate(plan.rows):
             seqs.append(Sequence(
                 accepted[row.prompt_index], samples[row.prompt_index][row.sample_index], (window_id, order),
-                planned_reuse=row.resume_depth, checkpoints=frozenset(row.checkpoints),
+                planned_reuse=row.resume_depth, branch_points=frozenset(row.branch_points),
                 leader=None if row.leader is None else seqs[row.leader], unit_index=unit_index))
         left[unit_index] = len(rejected) + len(seqs)
         self.scheduler.add(seqs)

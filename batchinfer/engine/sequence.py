@@ -21,10 +21,10 @@ class Sequence:
     sample_index: int
     priority: tuple[int, int]            # (planning window, DFS position): admission order
     planned_reuse: int                   # the planner's ideal reuse for this sample
-    checkpoints: frozenset[int]          # planned branch depths this sequence's prefill leads
+    branch_points: frozenset[int]        # planned branch points (depths) this sequence's prefill leads
     leader: Optional["Sequence"]         # produces the state at `planned_reuse` (None: no reuse)
     unit_index: int = 0                  # the generate call's unit (plan window) this sample belongs to
-    followers: dict[int, list["Sequence"]] = field(default_factory=dict, repr=False)  # checkpoint → who resumes there
+    followers: dict[int, list["Sequence"]] = field(default_factory=dict, repr=False)  # branch point → who resumes there
     # Prompt, then sampled outputs: the sequence's one token list (its cache handle reads it by
     # reference). Tokens drawn by a decode step still in flight are not in it yet (`awaiting`).
     tokens: list[int] = field(default_factory=list)
