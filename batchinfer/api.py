@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -50,25 +50,6 @@ def run(job: JobSource, *, name: Optional[str] = None, overwrite: bool = False, 
     console = Console(quiet=not progress)
     results = {p.spec.name: run_job(p, console, overwrite=overwrite) for p in prepared}
     return next(iter(results.values())) if len(results) == 1 else results
-
-
-class _EngineSince:
-    """An engine as one job sees it: its counters since the job began (an `LLM` keeps one engine
-    across calls; each call's stats are its own)."""
-
-    def __init__(self, engine: EngineLike) -> None:
-        self._engine = engine
-        self._start = engine.stats
-
-    def __getattr__(self, name: str) -> Any:  # everything but the counters is the engine's own
-        return getattr(self._engine, name)
-
-    @property
-    def stats(self):
-        now, start = self._engine.stats, self._start
-        peaks = {"peak_memory_bytes", "peak_rss_bytes"}  # process-wide maxima, not counters
-        return replace(now, **{f.name: getattr(now, f.name) - getattr(start, f.name)
-                               for f in fields(now) if f.name not in peaks})
 
 
 class LLM:
@@ -119,7 +100,8 @@ class LLM:
         def engine_for(job: PreparedJob, window_rows: int) -> EngineLike:
             if self._engine is None:
                 self._engine = open_engine(job, window_rows)
-            return _EngineSince(self._engine)
+            self._engine.restart_stats()  # an LLM keeps one engine across calls: each call's stats are its own
+            return self._engine
 
         try:
             return run_job(prepared, Console(quiet=not self.progress), engine_factory=engine_for)

@@ -192,6 +192,10 @@ def child_main(out_path: Path, cli_args: list[str]) -> int:
     import batchinfer.cli as cli
     import batchinfer.engine.cuda_graphs as cuda_graphs
     import batchinfer.engine.engine as engine_module
+    try:  # where the engine's building lives (EngineBuilder); older trees build inside Engine
+        import batchinfer.engine.build as build_module
+    except ImportError:
+        build_module = None
     import batchinfer.engine.precompile as precompile
     import batchinfer.models.loader as loader
     import batchinfer.models.presets as presets
@@ -217,8 +221,9 @@ def child_main(out_path: Path, cli_args: list[str]) -> int:
     _patch(timeline, loader, "load_weights", "load_weights")
     _patch(timeline, engine_module.Engine, "__init__", "engine_init")
     _patch(timeline, cuda_graphs.DecodeGraphs, "capture_all", "capture_graphs")
-    if hasattr(engine_module.Engine, "_start_precompile"):  # trace + submit; the wait comes after the load
-        _patch(timeline, engine_module.Engine, "_start_precompile", "precompile")
+    builds = build_module.EngineBuilder if build_module is not None else engine_module.Engine
+    if hasattr(builds, "_start_precompile"):  # trace + submit; the wait comes after the load
+        _patch(timeline, builds, "_start_precompile", "precompile")
         finish = timeline.phase("compile_wait", precompile.PendingPrecompile.finish)
         precompile.PendingPrecompile.finish = timeline.keep("precompile_report", finish, lambda r: dict(r.__dict__))
     elif hasattr(engine_module.Engine, "_precompile"):  # trace and compile in one call

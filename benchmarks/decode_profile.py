@@ -265,6 +265,7 @@ def main() -> None:
     # The breakdown: synced phases, one step at a time (overlap off, else the syncs would bill
     # the previous step's GPU time to whichever phase waits first). The prompts now hit the cache.
     engine.config = dataclasses.replace(engine.config, overlap_decode=False)
+    engine.stepper.overlap_decode = False  # the step reads its own copy of the setting
     timer = PhaseTimer(engine, engine.runner, "decode", sync)
     for _ in engine.generate([dataclasses.replace(r, request_id=f"again-{r.request_id}") for r in requests]):
         pass

@@ -58,8 +58,8 @@ class PhaseTimer:
         self.current: dict[str, float] = {}
         self.steps: list[dict[str, float]] = []
         self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine, "_draw", "sample_stop")
-        self._wrap(engine, "_postprocess", "sample_stop")
+        self._wrap(engine.post, "draw", "sample_stop")
+        self._wrap(engine.post, "accept", "sample_stop")
         self._wrap(engine.model if forward_owner is None else forward_owner, forward_name, "forward")
         step = engine._step
 

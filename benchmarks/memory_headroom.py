@@ -3,7 +3,7 @@
     python -m benchmarks.memory_headroom [--preset qwen3.5-27b] [--layers 8] [--pools-gib 6]
 
 The engine sizes its pools from the free memory and must leave room for the largest step's
-transient tensors (batchinfer/engine/engine.py:activation_reserve_bytes: the largest eager step
+transient tensors (batchinfer/engine/build.py:activation_reserve_bytes: the largest eager step
 and the decode graphs, from batchinfer/engine/activations.py, with a margin). Three runs of one workload whose steps
 are the largest the settings allow — prefill steps of max_batch_tokens, one of them ending
 max_running short prompts at once (logits for each), and decode at max_running:
@@ -28,8 +28,8 @@ from batchinfer.engine import Engine, EngineConfig
 from batchinfer.engine.activations import decode_graph_bytes, step_activation_bytes
 from batchinfer.engine.types import Request, SamplingParams
 from batchinfer.engine.cuda_graphs import bucket_sizes
-from batchinfer.engine.engine import _GRAPH_CTX_CAP as GRAPH_CTX_CAP
-from batchinfer.engine.engine import activation_reserve_bytes
+from batchinfer.engine.build import _GRAPH_CTX_CAP as GRAPH_CTX_CAP
+from batchinfer.engine.build import activation_reserve_bytes
 from benchmarks.engine_arms import build_model
 
 GIB = 2 ** 30

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from .radix_tree import RadixNode
+    from .radix_node import RadixNode
     from .state_cache import StateCache
 
 

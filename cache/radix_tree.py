@@ -8,74 +8,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass(eq=False)
-class RadixNode:
-    """An edge of token ids ending at `depth`, with one KV slot per token (shared by all
-    attention layers) and optionally a GDN state slot valid at exactly `depth` tokens."""
-
-    tokens: tuple[int, ...]
-    kv: torch.Tensor                       # [len(tokens)] int64, CPU
-    parent: Optional["RadixNode"]
-    depth: int                             # tokens from the root through the end of this edge
-    children: dict[int, "RadixNode"] = field(default_factory=dict)  # keyed by first token
-    state_slot: Optional[int] = None
-    lock_ref: int = 0                      # locks held on this node or any descendant
-    state_pins: int = 0                    # admissions copying this node's state right now
-    followers: int = 0                     # planned admissions still to resume from this state
-    last_access: int = 0                   # logical clock of the last insert/lock through it
-    heap_version: int = 0                  # its current entry in the tree's leaf heap (older ones are stale)
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    """What the cache holds for a token sequence.
-
-    kv_len: leading tokens whose KV is cached; kv_indices: their slots [kv_len].
-    state_node / state_slot: the deepest node on the matched path that has a state and ends at
-    most at len(tokens) - 1 (None when there is none); resume_len: its depth (0 without one).
-    A forward pass can resume only at resume_len: KV in [resume_len, kv_len) is unusable.
-    The cap keeps at least one token to compute, which yields the next-token logits.
-    """
-
-    kv_len: int
-    kv_indices: torch.Tensor
-    state_node: Optional[RadixNode]
-    state_slot: Optional[int]
-    resume_len: int
-
-
-@dataclass(frozen=True)
-class InsertResult:
-    """node: the node ending exactly at len(tokens) (the root for no tokens).
-    kv_indices: the tree's slots for all the inserted tokens [len(tokens)] — the caller should
-    use these from now on. dup_kv: the caller's slots the tree did not take (it already held
-    those tokens under other slots): the caller must free them. unused_state: the caller's state
-    slot when the node already had one (or the tokens were empty): still the caller's."""
-
-    node: RadixNode
-    kv_indices: torch.Tensor
-    dup_kv: torch.Tensor
-    unused_state: Optional[int]
-
-
-@dataclass(frozen=True)
-class Evicted:
-    """Slots the tree gave up; the caller returns them to the pools."""
-
-    kv_indices: torch.Tensor               # int64, CPU
-    state_slots: tuple[int, ...]
+from .radix_node import EMPTY_KV, Evicted, InsertResult, MatchResult, RadixNode
 
 
 def _common_prefix_len(edge: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
@@ -121,7 +58,7 @@ class RadixTree:
     heap_rebuild_floor = 64
 
     def __init__(self) -> None:
-        self.root = RadixNode(tokens=(), kv=_EMPTY, parent=None, depth=0)
+        self.root = RadixNode(tokens=(), kv=EMPTY_KV, parent=None, depth=0)
         self._clock = 0
         self.num_kv_tokens = 0   # KV slots owned by the tree
         self.num_states = 0      # state slots owned by the tree
@@ -158,7 +95,7 @@ class RadixTree:
             node = child
             if node.state_slot is not None and node.depth <= len(tokens) - 1:
                 state_node = node
-        kv = torch.cat(pieces) if pieces else _EMPTY
+        kv = torch.cat(pieces) if pieces else EMPTY_KV
         return MatchResult(kv_len=depth, kv_indices=kv, state_node=state_node,
                            state_slot=None if state_node is None else state_node.state_slot,
                            resume_len=0 if state_node is None else state_node.depth)
@@ -212,8 +149,8 @@ class RadixTree:
             self._state_nodes[id(node)] = node
             self.num_states += 1
         self._offer(node)  # a newer last access, maybe a state: a new key if it is a leaf
-        return InsertResult(node=node, kv_indices=torch.cat(path_kv) if path_kv else _EMPTY,
-                            dup_kv=torch.cat(dups) if dups else _EMPTY, unused_state=unused)
+        return InsertResult(node=node, kv_indices=torch.cat(path_kv) if path_kv else EMPTY_KV,
+                            dup_kv=torch.cat(dups) if dups else EMPTY_KV, unused_state=unused)
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cut `node`'s edge after n tokens; returns the new upper node (no state of its own)."""
@@ -345,7 +282,7 @@ class RadixTree:
             freed_kv, leaf_states = self._evict_leaves(num_kv_tokens)
             freed_states += leaf_states
         self.num_states -= len(freed_states)
-        kv = torch.cat(freed_kv) if freed_kv else _EMPTY
+        kv = torch.cat(freed_kv) if freed_kv else EMPTY_KV
         self.num_kv_tokens -= kv.numel()
         return Evicted(kv_indices=kv, state_slots=tuple(freed_states))
 
@@ -388,7 +325,7 @@ class RadixTree:
 
     def owned_kv(self) -> torch.Tensor:
         pieces = [n.kv for n in self.nodes()]
-        return torch.cat(pieces) if pieces else _EMPTY
+        return torch.cat(pieces) if pieces else EMPTY_KV
 
     def owned_states(self) -> list[int]:
         return [n.state_slot for n in self._state_nodes.values()]

@@ -7,7 +7,7 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
-from .radix_tree import RadixNode
+from .radix_node import RadixNode
 
 
 class SeqHandle:

@@ -34,7 +34,7 @@ class GdnStateShape:
     """One GDN state slot across every GDN layer.
 
     `ring_len == 0` means plain recurrent decode (`ssm` is the fp32 state S); `ring_len > 0`
-    means ReplaySSM (`ssm` is the checkpoint C, plus rings of that length and a cursor).
+    means ReplaySSM (`ssm` is the state snapshot C, plus rings of that length and a cursor).
     """
 
     num_layers: int
@@ -45,7 +45,7 @@ class GdnStateShape:
     head_k_dim: int
     head_v_dim: int
     conv_dtype: torch.dtype  # the model dtype
-    ssm_dtype: torch.dtype   # fp32 recurrent state, or the ReplaySSM checkpoint dtype
+    ssm_dtype: torch.dtype   # fp32 recurrent state, or the ReplaySSM state snapshot dtype
     ring_len: int = 0
 
     def __post_init__(self) -> None:
@@ -75,8 +75,8 @@ def shapes_from_model_config(config, dtype: torch.dtype, *, ring_len: int = 0,
                              ckpt_dtype: torch.dtype | None = None) -> tuple[KVShape, GdnStateShape]:
     """(KVShape, GdnStateShape) of a `batchinfer.models.config.ModelConfig`.
 
-    `ring_len > 0` selects ReplaySSM with checkpoints in `ckpt_dtype` (default fp32); without it
-    the recurrent state is fp32 whatever the model dtype (it accumulates over the whole sequence).
+    `ring_len > 0` selects ReplaySSM with state snapshots in `ckpt_dtype` (default fp32; named
+    after the job key); without it the recurrent state is fp32 whatever the model dtype (it accumulates over the whole sequence).
     """
     kv = KVShape(num_layers=len(config.attn_layer_ids), num_kv_heads=config.num_kv_heads,
                  head_dim=config.head_dim, dtype=dtype)

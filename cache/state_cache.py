@@ -10,7 +10,8 @@ import torch
 from .audit import audit_state_cache
 from .cache_config import CacheConfig, CacheStats
 from .kv_pool import KVPool
-from .radix_tree import MatchResult, RadixNode, RadixTree
+from .radix_node import MatchResult, RadixNode
+from .radix_tree import RadixTree
 from .seq_handle import SeqHandle
 from .state_pool import GdnStatePool
 
@@ -185,7 +186,7 @@ class StateCache:
     def ring_steps(self, seqs: Sequence[SeqHandle]) -> int:
         """One ReplaySSM decode step ran on these sequences' working slots (the model advanced
         their device cursors): advance the host mirrors the same way; returns how many found a
-        full ring (cursor == L), which the step folded into the checkpoint. 0 without ReplaySSM."""
+        full ring (cursor == L), which the step folded into the state snapshot. 0 without ReplaySSM."""
         ring_len = self.state_pool.shape.ring_len
         if not ring_len:
             return 0
@@ -200,7 +201,7 @@ class StateCache:
         slot allocated now (evicting the least recently used cached state if the pool is empty).
 
         The snapshot is folded with cursor 0 (`GdnStatePool.copy`); the working slot is
-        untouched — its ring stays consistent with its own checkpoint, so its cursor must not be
+        untouched — its ring stays consistent with its own snapshot, so its cursor must not be
         reset. If the sequence already holds two undonated snapshots, the older one is donated
         first (its tokens must be in the sequence's list by then, as for `donate`). Returns False
         (nothing done) under no_buffer / without prefix caching, when `position` is not past the

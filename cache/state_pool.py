@@ -1,4 +1,4 @@
-"""GDN state pool: per slot the conv window and recurrent state (or ReplaySSM checkpoint +
+"""GDN state pool: per slot the conv window and recurrent state (or ReplaySSM state snapshot +
 ring + cursor) of every GDN layer."""
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ class GdnStatePool(SlotPool):
     `pad_slot`, being scratch that is never allocated, for padded batch entries):
     - `conv[j]`   [S+1, D_conv, K-1]   model dtype — last K-1 conv inputs, oldest first (stored
       entry-major: `conv_state_zeros`)
-    - `ssm[j]`    [S+1, H_v, d_k, d_v] fp32 recurrent state S, or the ReplaySSM checkpoint C
+    - `ssm[j]`    [S+1, H_v, d_k, d_v] fp32 recurrent state S, or the ReplaySSM state snapshot C
     - ReplaySSM only (`shape.replay`): `ring_k[j]` [S+1, L, H_k, d_k] and `ring_u[j]`
-      [S+1, L, H_v, d_v] in the checkpoint dtype, `ring_g[j]` [S+1, L, H_v] fp32 (cumulative
+      [S+1, L, H_v, d_v] in the snapshot dtype, `ring_g[j]` [S+1, L, H_v] fp32 (cumulative
       log decay), and one `cursor` [S+1] int32 shared by all layers (entries pending in the ring).
       Without ReplaySSM the ring lists are empty and `cursor` stays all zero.
 
@@ -67,7 +67,7 @@ class GdnStatePool(SlotPool):
 
     # ---- state moves -----------------------------------------------------------------------
     def zero_(self, slots: int | Sequence[int] | torch.Tensor) -> None:
-        """Fresh start: conv window and state (checkpoint) zero, no pending ring entries."""
+        """Fresh start: conv window and state (snapshot) zero, no pending ring entries."""
         idx = _as_slots(slots, self.device)
         for conv, ssm in zip(self.conv, self.ssm):
             conv[idx] = 0
@@ -78,7 +78,7 @@ class GdnStatePool(SlotPool):
         """dst ← the state of src, for every GDN layer; src is left untouched.
 
         Under ReplaySSM the destination receives the src state *folded* at src's cursor (its
-        pending ring entries included) and `cursor[dst] = 0`; src keeps its checkpoint, ring and
+        pending ring entries included) and `cursor[dst] = 0`; src keeps its snapshot, ring and
         cursor. Destinations must be distinct and none may be a source (the GPU fold runs the pairs
         in any order); use `flush` to fold in place.
         """
@@ -101,11 +101,11 @@ class GdnStatePool(SlotPool):
         self.cursor[dst_idx] = 0  # the destination's ring (whatever it held) is now stale
 
     def flush(self, slots: int | Sequence[int] | torch.Tensor) -> None:
-        """Fold each slot's pending ring entries into its own checkpoint and set its cursor to 0.
+        """Fold each slot's pending ring entries into its own snapshot and set its cursor to 0.
 
-        The state is unchanged (up to one rounding to the checkpoint dtype). Needed before a slot's
+        The state is unchanged (up to one rounding to the snapshot dtype). Needed before a slot's
         state is handed over as is (finish under no_buffer), and before a prefill on a slot that
-        has decoded (prefill reads the checkpoint only, not the ring). No-op without ReplaySSM.
+        has decoded (prefill reads the snapshot only, not the ring). No-op without ReplaySSM.
         """
         if not self.shape.replay:
             return
@@ -115,5 +115,5 @@ class GdnStatePool(SlotPool):
         self.cursor[idx] = 0
 
     def reset_cursor(self, slots: int | Sequence[int] | torch.Tensor) -> None:
-        """Mark the ring of each slot empty (its checkpoint alone is then its state)."""
+        """Mark the ring of each slot empty (its snapshot alone is then its state)."""
         self.cursor[_as_slots(slots, self.device)] = 0

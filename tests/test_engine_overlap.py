@@ -95,14 +95,14 @@ def test_steps_are_read_one_launch_late(model, prompts, monkeypatch):
     for overlap in (True, False):
         events.clear()
         engine = make_engine(model, overlap_decode=overlap)
-        launch_draw = engine._launch_draw  # entered once a step that draws has launched its forward
+        launch_draw = engine.stepper.launch_draw  # entered once a step that draws has launched its forward
 
         def recording_launch(seqs, logits, launch_draw=launch_draw):
             if seqs:  # decode rows, or chunks that end a prompt (mixed step)
                 events.append("launch")
             return launch_draw(seqs, logits)
 
-        engine._launch_draw = recording_launch
+        engine.stepper.launch_draw = recording_launch
         run(engine, requests)
         streak = "".join("L" if e == "launch" else "R" for e in events)
         if overlap:

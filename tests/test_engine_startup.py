@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from batchinfer.engine import Engine, EngineConfig
+from batchinfer.engine.build import EngineBuilder
 from batchinfer.engine.precompile import PrecompileReport
 from batchinfer.engine.startup import listening
 from batchinfer.models import loader
@@ -44,7 +45,7 @@ def _record(monkeypatch, events: list, fail_load: bool = False) -> None:
             raise loader.CheckpointError("bad checkpoint")
         real(model, path, **kwargs)
 
-    monkeypatch.setattr(Engine, "_start_precompile", start)
+    monkeypatch.setattr(EngineBuilder, "_start_precompile", start)
     monkeypatch.setattr(loader, "load_weights", load)
 
 

@@ -16,7 +16,7 @@ from batchinfer.engine.wait_queue import WaitQueue
 
 def make_seq(order: int, unit: int = 0, leader: Sequence | None = None, depth: int = 0) -> Sequence:
     return Sequence(Request(request_id=order, prompt_token_ids=(1, 2, 3, 4)), 0, (unit, order),
-                    planned_reuse=depth, checkpoints=frozenset(), leader=leader)
+                    planned_reuse=depth, branch_points=frozenset(), leader=leader)
 
 
 @pytest.mark.parametrize("min_holes", [1024, 2])  # 2: holes squeezed out as the queue runs

@@ -75,7 +75,7 @@ def test_no_logprobs_asked_computes_none(checkpoint, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("logprobs computed with no row asking")
 
-    monkeypatch.setattr("batchinfer.engine.engine.token_logprobs", fail)
+    monkeypatch.setattr("batchinfer.engine.postprocess.token_logprobs", fail)
     outputs = _run(checkpoint, lambda i: SamplingParams(max_tokens=3, ignore_eos=True))
     assert all(out.logprobs is None for out in outputs.values())
 

@@ -25,7 +25,7 @@ def simulate(plan, prompts):
         tokens = tuple(prompts[row.prompt_index])
         if row.resume_depth:
             assert tokens[:row.resume_depth] in available, (row, "resumes from a state nobody made")
-        for depth in row.checkpoints:
+        for depth in row.branch_points:
             assert row.resume_depth < depth <= len(tokens), "checkpoint outside the row's own prefill"
             available.add(tokens[:depth])
 
@@ -75,7 +75,7 @@ def test_samples_share_all_but_the_last_prompt_token():
     assert summary.theoretical_max_cached_tokens == 2 * 3
     plan = make_plan(prompts, n=[3, 1])
     first = [r for r in plan.rows if r.prompt_index == 0 and r.sample_index == 0][0]
-    assert first.checkpoints == (3,) and first.resume_depth == 0
+    assert first.branch_points == (3,) and first.resume_depth == 0
 
 
 def test_no_sharing_and_single_token_prompts():

@@ -199,8 +199,8 @@ def test_constrained_steps_stay_in_flight(model, tokenizer, grammars, monkeypatc
 
     monkeypatch.setattr(draws, "Download", RecordingDownload)
     engine = _engine(model, tokenizer)
-    launch_draw = engine._launch_draw  # entered once a step that draws (decode or mixed) has launched its forward
-    engine._launch_draw = lambda seqs, logits: (events.append("L") if seqs else None) or launch_draw(seqs, logits)
+    launch_draw = engine.stepper.launch_draw  # entered once a step that draws (decode or mixed) has launched its forward
+    engine.stepper.launch_draw = lambda seqs, logits: (events.append("L") if seqs else None) or launch_draw(seqs, logits)
     outputs = list(engine.generate(_requests(grammars, ("json_schema",), rows=2, max_tokens=12)))
     assert all(o.finish_reason in ("stop", "length") for o in outputs)
     assert "LLRLR" in "".join(events)

@@ -112,7 +112,7 @@ def build_engine(checkpoint: str, config, **kwargs):
     from batchinfer.models.loader import empty_model, load_weights
     from batchinfer.models.presets import PRESETS
 
-    if checkpoint in PRESETS:  # random weights: drawn inside the engine's own start-up
+    if checkpoint in PRESETS or config.pipeline_stages > 1:  # drawn / loaded stage by stage inside the engine
         return Engine.from_pretrained(checkpoint, _sized(config), **kwargs)
     loaded: dict[str, float] = {}
     device = config.resolved_device()

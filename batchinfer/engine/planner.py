@@ -30,7 +30,7 @@ class PlannedRow:
     sample_index: int              # 0..n-1 within that prompt
     resume_depth: int              # prompt tokens this row ideally reuses
     leader: Optional[int]          # DFS position of the row whose prefill produces that state
-    checkpoints: tuple[int, ...]   # branch depths this row leads: end a chunk there, track the state
+    branch_points: tuple[int, ...]  # branch depths this row leads: end a chunk there, track the state
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class PlanSummary:
     prompt_tokens: int             # Σ over rows (a prompt with n samples counts n times)
     theoretical_max_cached_tokens: int
     shared_prefix_groups: int      # maximal runs of sorted rows that each reuse their predecessor's prefix
-    branch_points: int             # planned checkpoint states
+    branch_points: int             # planned branch points (states tracked for followers)
 
     @property
     def hit_rate(self) -> float:
@@ -97,14 +97,14 @@ def make_plan(prompts: Sequence[Sequence[int]], n: Union[int, Sequence[int]] = 1
         resume.append(depth)
         leaders.append(leader)
 
-    checkpoints: list[set[int]] = [set() for _ in keys]
+    points: list[set[int]] = [set() for _ in keys]  # each row's branch points
     for depth, leader in zip(resume, leaders):
         if leader is not None:
-            checkpoints[leader].add(depth)
+            points[leader].add(depth)
 
     rows = tuple(
         PlannedRow(prompt_index=p, sample_index=s, resume_depth=resume[i], leader=leaders[i],
-                   checkpoints=tuple(sorted(checkpoints[i])))
+                   branch_points=tuple(sorted(points[i])))
         for i, (_, p, s) in enumerate(keys))
     # A group starts where a reusing row follows a non-reusing one (row 0 never reuses).
     groups = sum(1 for i in range(1, len(rows)) if resume[i] > 0 and resume[i - 1] == 0)
@@ -113,7 +113,7 @@ def make_plan(prompts: Sequence[Sequence[int]], n: Union[int, Sequence[int]] = 1
         prompt_tokens=sum(len(prompts[p]) * k for p, k in enumerate(per_prompt)),
         theoretical_max_cached_tokens=sum(resume),
         shared_prefix_groups=groups,
-        branch_points=sum(len(c) for c in checkpoints))
+        branch_points=sum(len(c) for c in points))
     return Plan(rows=rows, summary=summary)
 
 

@@ -118,7 +118,7 @@ class Scheduler:
     def next_boundary(self, seq: Sequence) -> int:
         """First position after `computed` where a prefill chunk must end."""
         end = len(seq.tokens)
-        later = [p for p in seq.checkpoints if p > seq.computed]
+        later = [p for p in seq.branch_points if p > seq.computed]
         if later:
             end = min(end, min(later))
         if seq.computed < seq.prompt_len:
@@ -129,8 +129,8 @@ class Scheduler:
 
     # ---- after the model ran -----------------------------------------------------------------
     def advance(self, items: list[tuple[Sequence, int]]) -> None:
-        """Each (sequence, n) computed n more tokens; a state reached at a planned or interval
-        checkpoint is snapshot and donated to the tree at once (planned followers may be
+        """Each (sequence, n) computed n more tokens; a state reached at a branch point or a
+        tracking interval is snapshot and donated to the tree at once (planned followers may be
         admitted next step), and kept until they are: eviction takes states nobody awaits first."""
         for seq, n in items:
             seq.advance(n)
@@ -139,9 +139,9 @@ class Scheduler:
                 self.cache.expect_followers(seq.handle, seq.computed, self.followers_expected(seq, seq.computed))
 
     def _tracks_here(self, seq: Sequence) -> bool:
-        """Whether the state at `seq.computed` (just reached) is a planned or interval checkpoint."""
+        """Whether the state at `seq.computed` (just reached) is at a branch point or a tracking interval."""
         p = seq.computed
-        return 0 < p <= seq.prompt_len and (p in seq.checkpoints or p % self.track_interval == 0)
+        return 0 < p <= seq.prompt_len and (p in seq.branch_points or p % self.track_interval == 0)
 
     # ---- admission -------------------------------------------------------------------------
     def _admit(self, plan: StepPlan) -> None:

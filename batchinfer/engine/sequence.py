@@ -1,15 +1,16 @@
 """One (request, sample) pair as the engine runs it: tokens, progress, plan links, stop rules.
 
 A `Sequence` changes only through its methods: the scheduler admits, advances, preempts and
-releases it; the engine appends its tokens and finishes it. The fields marked as memos are
-derived values kept beside it for the decode hot path.
+releases it; postprocessing appends its tokens, gathers its logprobs, scores and grammar state,
+and finishes it. The fields marked as memos are derived values kept beside it for the decode
+hot path.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq
 
-from batchinfer.engine.types import Request, RequestOutput
+from batchinfer.engine.types import Request, RequestOutput, TokenLogprob
 
 Detokenize = Callable[[Seq[int]], str]
 
@@ -20,10 +21,10 @@ class Sequence:
     sample_index: int
     priority: tuple[int, int]            # (planning window, DFS position): admission order
     planned_reuse: int                   # the planner's ideal reuse for this sample
-    checkpoints: frozenset[int]          # planned branch depths this sequence's prefill leads
+    branch_points: frozenset[int]        # planned branch points (depths) this sequence's prefill leads
     leader: Optional["Sequence"]         # produces the state at `planned_reuse` (None: no reuse)
     unit_index: int = 0                  # the generate call's unit (plan window) this sample belongs to
-    followers: dict[int, list["Sequence"]] = field(default_factory=dict, repr=False)  # checkpoint → who resumes there
+    followers: dict[int, list["Sequence"]] = field(default_factory=dict, repr=False)  # branch point → who resumes there
     # Prompt, then sampled outputs: the sequence's one token list (its cache handle reads it by
     # reference). Tokens drawn by a decode step still in flight are not in it yet (`awaiting`).
     tokens: list[int] = field(default_factory=list)
@@ -39,10 +40,15 @@ class Sequence:
     shared_memo: Optional[tuple] = field(default=None, repr=False)
     finish_reason: Optional[str] = None
     error: Optional[str] = None
-    # Memos: per-sample constants the decode hot path reads every step (engine._draw, _postprocess).
+    # Memos: per-sample constants the decode hot path reads every step (Postprocessor.draw, accept).
     stop_token_ids: Optional[frozenset[int]] = field(default=None, repr=False)  # set by StopRules
     sample_key: Optional[tuple[int, int]] = field(default=None, repr=False)     # sampler.identity_key
     prompt_len: int = field(init=False, default=0)
+    # Gathered by postprocessing (engine/postprocess.py), read when the sequence completes.
+    token_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)  # when sampling.logprobs is set
+    # A scoring sequence's positions → (logprob of the next token, whether it is the argmax).
+    scores: dict[int, tuple[float, bool]] = field(default_factory=dict, repr=False)
+    matcher: object = field(default=None, repr=False)  # a constrained sequence's grammar matcher
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -90,7 +96,7 @@ class Sequence:
         """Why it cannot run; the engine finishes it with reason "error"."""
         self.error = error
 
-    # ---- changes (the engine's) -------------------------------------------------------------
+    # ---- changes (postprocessing's) -----------------------------------------------------------
     def append_token(self, token: int) -> None:
         self.tokens.append(token)
 

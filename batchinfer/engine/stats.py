@@ -20,7 +20,7 @@ class EngineStats:
     states_donated: int = 0
     states_evicted: int = 0
     tracks_skipped: int = 0               # tracked states not cached: no slot even after eviction
-    replayssm_flushes: int = 0            # sequence-steps that folded a full ring into the checkpoint
+    replayssm_flushes: int = 0            # sequence-steps that folded a full ring into the state snapshot
     output_tokens: int = 0
     preemptions: int = 0
     decode_steps: int = 0                 # decode forwards run

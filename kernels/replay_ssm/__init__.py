@@ -7,7 +7,7 @@ small programs"). So the work per loaded byte is kept small. With the default la
 three launches:
 
 1. `replay_flush_kernel` (flush.py), a persistent grid (8 programs per SM), folds every FULL ring (cursor
-   == L) into its checkpoint: each program ranks the batch's full rows from the cursors and takes
+   == L) into its state snapshot: each program ranks the batch's full rows from the cursors and takes
    work items (full row, value head, d_v block) in turn. Sized by the full rings, not the batch, so a step on
    which no ring is full pays one wave of programs that read B cursors. Being its own launch,
    it finishes before the step starts, so the step never folds: no fold registers on the common

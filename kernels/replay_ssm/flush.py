@@ -1,4 +1,4 @@
-"""The flush of a decode step: every full ring (cursor == L) folded into its checkpoint before the
+"""The flush of a decode step: every full ring (cursor == L) folded into its state snapshot before the
 step runs, by a persistent launch over the full rings only (or the fold kernel in flush mode)."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def replay_flush_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, FOLD_K: tl.constexpr,
     BLOCK_B: tl.constexpr, TILE_ITEMS: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
 ):
-    """Persistent grid (P,): fold every full ring (cursor == L) among `slots` into its checkpoint.
+    """Persistent grid (P,): fold every full ring (cursor == L) among `slots` into its state snapshot.
 
     Each program reads all B cursors (one small gather), ranks the full rows, and then takes
     work items p, p + P, ...: (full row, key head), folding the GROUP value heads × d_v blocks
@@ -86,7 +86,7 @@ def _flush_item(ckpt_ptr, ring_k_ptr, ring_u_ptr, ring_g_ptr, slot_vec, full, ra
 
 
 def flush_full_rings(ckpt, ring_k, ring_u, ring_g, cursor, slots, *, launch: StepLaunch = DEFAULT_STEP_LAUNCH):
-    """Fold each full ring (cursor == L) among `slots` into its checkpoint, in place; others untouched.
+    """Fold each full ring (cursor == L) among `slots` into its state snapshot, in place; others untouched.
 
     Runs before replay_decode's step launch (exposed so benchmarks can time it alone). Cursors
     and rings are not changed: the step then treats cursor == L as an empty ring.

@@ -1,4 +1,4 @@
-"""The fold: a slot's checkpoint with its n pending ring entries folded in, written to another
+"""The fold: a slot's state snapshot with its n pending ring entries folded in, written to another
 slot (`replay_fold`: copy) or in place (flush). Maths and ring layout: kernels/ref/replay.py."""
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def replay_fold(ckpt, ring_k, ring_u, ring_g, cursor, src_slots, dst_slots, *, b
     """ckpt[dst] <- state of src at its cursor, rounded to the ckpt dtype. Cursors untouched.
 
     A pair may fold in place (dst == src), but no dst may be another pair's src: programs run
-    in any order, so that would read a half-written checkpoint.
+    in any order, so that would read a half-written state snapshot.
     """
     check_pools(ckpt, ring_k, ring_u, ring_g, cursor)
     if src_slots.numel() == 0:

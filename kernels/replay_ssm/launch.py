@@ -52,7 +52,7 @@ def check_pools(ckpt, ring_k, ring_u, ring_g, cursor) -> None:
     for name, t in (("ckpt", ckpt), ("ring_k", ring_k), ("ring_u", ring_u), ("ring_g", ring_g), ("cursor", cursor)):
         assert t.is_contiguous(), f"{name} pool must be contiguous"
     assert ring_g.dtype == torch.float32, "ring_g holds cumulative log decays in fp32"
-    assert ring_k.dtype == ring_u.dtype == ckpt.dtype, "ring_k / ring_u are stored in the checkpoint dtype"
+    assert ring_k.dtype == ring_u.dtype == ckpt.dtype, "ring_k / ring_u are stored in the state snapshot dtype"
 
 
 def row_major(t: torch.Tensor) -> torch.Tensor:

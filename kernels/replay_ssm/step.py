@@ -1,5 +1,5 @@
 """The ReplaySSM decode step: `replay_decode` runs the flush (flush.py), the ring-key dots
-(key_dots.py) and the step kernel below, which computes u and o from the checkpoint and the ring
+(key_dots.py) and the step kernel below, which computes u and o from the state snapshot and the ring
 and appends the new entry (the package docstring has how the launches divide the work)."""
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def replay_step_kernel(
     n_stored = tl.load(cursor_ptr + slot).to(tl.int32)
     if LIVE_RING_LOADS:
         # Only the live entries move from memory (half the ring on average), at the price of the
-        # ring loads waiting for the cursor (the checkpoint's, the bulk, do not).
+        # ring loads waiting for the cursor (the snapshot's, the bulk, do not).
         ring_rows = offs_l < tl.where(n_stored == L, 0, n_stored)
     else:
         ring_rows = in_ring
