@@ -87,7 +87,7 @@ class LLM:
             pq.write_table(table, work / "input.parquet")
             spec = {"name": "generate", "model": self.model, "input": str(work / "input.parquet"), "prompt": prompt,
                     "chat": chat, "system": system, "sampling": dict(sampling or {}),
-                    "engine": {"plan": "global", **self.engine_settings},
+                    "engine": dict(self.engine_settings),
                     "output": {"path": str(work / "out"), "order": "input"}, "parallel": {"workers": 1}, **job}
             prepared = prepare_job(parse_job_document({"jobs": [spec]}, self.base_dir / _DICT_JOB_FILE).jobs[0])
             self.last_stats = self._run(prepared)
