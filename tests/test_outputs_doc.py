@@ -1,6 +1,6 @@
 """docs/OUTPUTS.md cannot go stale: every job kind runs through the CLI on the tiny random demo checkpoint
 (generate with n samples and eval, structured output with logprobs and the reasoning split, scoring, the
-window plan, OpenAI batch files in both error forms), and every column, `_stats.json` key and batch output
+OpenAI batch files in both error forms), and every column, `_stats.json` key and batch output
 line key written must be named (in backticks) in its section of the reference."""
 from __future__ import annotations
 
@@ -73,8 +73,6 @@ def outputs(tmp_path_factory) -> Path:
         | {"sampling": {"max_tokens": 6, "choice": ["yes", "no"], "logprobs": 2}},
         job_entry(name="score", **common, task="score", score={"continuations_column": "choices"},
                   eval={"answer_column": "answer", "metric": "choice_accuracy"}, output={"path": "out/score"}),
-        job_entry(name="window", **common, output={"path": "out/window"})
-        | {"engine": {"device": "cpu", "plan": "window"}},
         {"name": "batch", **batch, "output": {"path": "out/batch", "format": "openai"}},
         {"name": "batch_vllm", **batch, "output": {"path": "out/batch_vllm", "format": "openai", "error_form": "vllm"}},
     ]
@@ -102,7 +100,7 @@ def test_every_stats_key_is_in_the_reference(outputs):
         written |= set(_keys(json.loads((job / "_stats.json").read_text())))
     missing = sorted(written - named)
     assert not missing, f"_stats.json keys written but not in docs/OUTPUTS.md: {missing}"
-    assert {"eval.accuracy", "plan.global_ideal_cached_tokens", "plan.window_rows"} <= written
+    assert {"eval.accuracy", "plan.global_ideal_cached_tokens"} <= written
 
 
 def test_every_batch_output_line_key_is_in_the_reference(outputs):

@@ -10,7 +10,7 @@ Memory is reported twice, each labelled: the engine's own peak figure on its dev
 
 Cached tokens, three figures, one a bound:
 - `cached_tokens`: achieved, the prompt tokens this run's samples took from the prefix cache;
-- `plan.global_ideal_cached_tokens` (engine.plan: global): the job's ideal, every prompt sorted by
+- `plan.global_ideal_cached_tokens` (the global plan, the default): the job's ideal, every prompt sorted by
   token ids, each reusing min(lcp with its predecessor, len - 1). No cache does better, so
   achieved <= global ideal always; the summary compares achieved with it;
 - `planned_cached_tokens`: what the engine's planner expected of its planning units (work units,

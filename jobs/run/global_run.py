@@ -1,4 +1,4 @@
-"""The globally planned run (`engine.plan: global`): plan, resume by unit, run the units.
+"""The globally planned run (the default): plan, resume by unit, run the units.
 
 `plan_units` is the planning pass (prompts tokenised and sorted into `_work/`, units cut, each
 unit's input columns bucketed), with progress; a rerun reuses it while the input, prompt and

@@ -1,4 +1,4 @@
-"""The per-window run (`engine.plan: window`, the comparison arm): rows in input order, planned by
+"""The per-window run (`run_job(plan="window")`, a benchmark's comparison arm): rows in input order, planned by
 the engine a window at a time.
 
 `WindowRun` hands one `engine.generate` call a lazy stream of requests built window by window
