@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.job_process import demo_cache, keys, read_parts, run_in_this_process, start_run, wait_for, write_demo_job  # noqa: F401
-from tests.test_cli_e2e import invoke
+from tests.cli_utils import invoke_cli as invoke
 
 
 def _stats(out_dir: Path) -> dict:
