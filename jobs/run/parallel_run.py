@@ -37,6 +37,7 @@ from batchinfer.jobs.run.executors import (ExecutionReport, LocalExecutor, Progr
 from batchinfer.jobs.global_plan import WorkPlan, work_dir_for
 from batchinfer.jobs.outdir.interruption import Stopped
 from batchinfer.jobs.inputs.prepared_job import PreparedJob
+from batchinfer.jobs.outdir.part_store import samples_on_disk
 from batchinfer.jobs.outdir.progress_time import format_seconds
 from batchinfer.jobs.spec.job_file import JobSpec
 from batchinfer.jobs.run.unit_worker import WORK_DIR_KEY, job_recipe
@@ -196,3 +197,22 @@ def raise_interruption(report: ExecutionReport) -> None:
     if sig is not None and sig != signal.SIGINT:
         raise Stopped(sig)
     raise KeyboardInterrupt()
+
+
+class WorkersCommitted:
+    """What a parallel run committed, counted from the records on disk (workers commit their own
+    parts): the runner's view of the work for its stats."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.baseline = samples_on_disk(out_dir)[0]
+        self.report: Optional[ExecutionReport] = None
+
+    @property
+    def samples_written(self) -> int:
+        return samples_on_disk(self.out_dir)[0] - self.baseline
+
+    @property
+    def errors_written(self) -> int:
+        results = getattr(self.report, "results", {}) or {}
+        return sum(result.errors for result in results.values())

@@ -35,7 +35,7 @@ from batchinfer.jobs.outdir.ordered_output import compact_in_input_order, finish
 from batchinfer.jobs.outdir.lock import OutputBusy, OutputLock
 from batchinfer.jobs.outdir.remote_folder import RemoteOutputLock
 from batchinfer.jobs.outdir.part_writer import PartWriter, job_result_fields
-from batchinfer.jobs.outdir.part_store import PARTS_DIR, damaged_path, samples_on_disk, scan_parts
+from batchinfer.jobs.outdir.part_store import PARTS_DIR, damaged_path, scan_parts
 from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.engine.startup import listening, phase
 from batchinfer.engine.engine_build import EngineBuild, expected_row_tokens
@@ -166,28 +166,6 @@ def _raise_interruption(report: Any) -> None:
         raise KeyboardInterrupt() from None
     raise_interruption(report)
     raise KeyboardInterrupt()
-
-
-def _rows_on_disk(out_dir: Path) -> int:
-    return samples_on_disk(out_dir)[0]
-
-
-class _ParallelWork:
-    """What a parallel run committed, counted from the records on disk (workers commit their own parts)."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
-        self.baseline = _rows_on_disk(out_dir)
-        self.report: Any = None
-
-    @property
-    def samples_written(self) -> int:
-        return _rows_on_disk(self.out_dir) - self.baseline
-
-    @property
-    def errors_written(self) -> int:
-        results = getattr(self.report, "results", {}) or {}
-        return sum(result.errors for result in results.values())
 
 
 def _reorder(job: PreparedJob, lock: OutputLock, console: Console) -> None:
@@ -330,7 +308,9 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         if planned is not None:
             unit_ids = prepare_units(job, planned, out_dir, resume)
             if executor is not None:
-                work = _ParallelWork(out_dir)
+                from batchinfer.jobs.run.parallel_run import WorkersCommitted
+
+                work = WorkersCommitted(out_dir)
                 work.report = executor(job, planned.plan, out_dir, console, unit_ids=unit_ids)
                 parallel_report.append(work.report)
                 status = getattr(work.report, "status", "done")
