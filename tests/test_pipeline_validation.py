@@ -54,3 +54,15 @@ def load_config(ckpt):
     from batchinfer.models.config import load_model_config
 
     return load_model_config(ckpt)
+
+
+def test_a_ray_worker_is_one_pipeline_on_its_hosts_gpus():
+    from batchinfer.jobs.run.executors.ray_executor import RayExecutor, actor_device
+    from batchinfer.jobs.run.executors.contract import WorkerRecipe
+
+    assert actor_device(1) == "cuda:0" and actor_device(0.5) == "cuda:0"  # one GPU or a share: the actor's cuda:0
+    assert actor_device(4) == "cuda"  # four stages: the actor's cuda:0..3, one stage each
+    recipe = WorkerRecipe("builtins:print")
+    assert RayExecutor(recipe, workers=1, gpus_per_worker=4).gpus_per_worker == 4
+    with pytest.raises(ValueError, match="whole number"):
+        RayExecutor(recipe, workers=1, gpus_per_worker=1.5)

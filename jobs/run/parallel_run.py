@@ -159,6 +159,7 @@ def make_executor(job: PreparedJob, plan: WorkPlan, policy: RetryPolicy,
     if spec.parallel.executor == "ray":
         device = "cpu" if spec.engine.device == "cpu" else "cuda" if spec.engine.device.startswith("cuda") else "auto"
         return RayExecutor(recipe, workers=spec.parallel.workers, device=device, address=spec.parallel.ray_address,
+                           gpus_per_worker=spec.parallel.pipeline_stages,  # a Ray worker is one pipeline on one host
                            memory_fraction=spec.engine.memory_fraction, policy=policy, on_progress=on_progress)
     layout = worker_layout(spec)
     stages = 1 if spec.engine.device.startswith("cuda:") else spec.parallel.pipeline_stages

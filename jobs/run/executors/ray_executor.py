@@ -197,6 +197,12 @@ def _check_fits(cluster: Mapping[str, float], resources: Mapping[str, float], wo
             raise RuntimeError(f"{workers} Ray workers need {need:g} {names[key]}s, the cluster has {have:g}")
 
 
+def actor_device(gpus_per_worker: float) -> str:
+    """The engine device inside a CUDA actor: Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs, so
+    one GPU (or a share) is cuda:0, and an engine of N pipeline stages spans cuda:0..N-1 as `cuda`."""
+    return "cuda" if gpus_per_worker > 1 else "cuda:0"
+
+
 def _first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0][:300] if lines else type(exc).__name__
@@ -219,8 +225,8 @@ class RayExecutor:
         if device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be 'cuda', 'cpu' or 'auto' (cuda where the cluster has GPUs), "
                              f"not {device!r}")
-        if not 0 < gpus_per_worker <= 1:
-            raise ValueError("gpus_per_worker must be in (0, 1]")
+        if not (0 < gpus_per_worker <= 1 or float(gpus_per_worker).is_integer()):
+            raise ValueError("gpus_per_worker must be in (0, 1], or a whole number (an engine of pipeline stages)")
         self.recipe = recipe
         self.workers = workers
         self.device = device
@@ -263,7 +269,7 @@ class RayExecutor:
                 resources = {"num_cpus": 1, "num_gpus": self.gpus_per_worker}
                 if self.gpus_per_worker < 1:  # actors sharing a GPU share its memory too
                     recipe = recipe.with_overrides(**{MEMORY_FRACTION_KEY: self.memory_fraction * self.gpus_per_worker})
-                devices = ["cuda:0"] * workers   # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
+                devices = [actor_device(self.gpus_per_worker)] * workers
             else:
                 resources = {"num_cpus": 1}
                 devices = ["cpu"] * workers
