@@ -110,4 +110,4 @@ def test_unknown_preset_lists_the_presets():
         preset_config("nope")
     assert set(PRESETS) == {"tiny", "qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b",
                             "qwen3.5-27b-fp8", "qwen3-next-80b-a3b-fp8", "qwen3.5-35b-a3b-fp8",
-                            "qwen3.5-122b-a10b-fp8"}
+                            "qwen3.5-122b-a10b-fp8", "qwen3.5-397b-a17b", "qwen3.5-397b-a17b-fp8"}

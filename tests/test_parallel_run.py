@@ -73,10 +73,10 @@ def write_job(folder: Path, sampling: dict, flush_rows: int = 2, **parallel) -> 
         output={"path": "out/rag", "flush_rows": flush_rows}, **({"parallel": parallel} if parallel else {}))])
 
 
-def run(folder: Path, sampling: dict, executor=None, **parallel) -> tuple[dict, pa.Table]:
+def run(folder: Path, sampling: dict, unit_executor=None, **parallel) -> tuple[dict, pa.Table]:
     job_file = write_job(folder, sampling, **parallel)
     job = prepare_job(load_job_file(job_file).jobs[0])
-    stats = run_job(job, Console(quiet=True), unit_config=UNITS, executor=executor)
+    stats = run_job(job, Console(quiet=True), unit_config=UNITS, executor=unit_executor)
     return stats, pq.read_table(folder / "out" / "rag")
 
 

@@ -268,7 +268,7 @@ def test_kill_9_during_planning_then_a_rerun_is_right(tmp_path, checkpoint, refe
 
 def test_kill_9_during_generation_then_a_rerun_completes_each_pair_once(tmp_path, checkpoint, reference):
     job_file = make_job(tmp_path, checkpoint)
-    kill_at(job_file, "batchinfer.jobs.run.unit_runner", "commit_part", after=5)
+    kill_at(job_file, "batchinfer.jobs.outdir.part_writer", "commit_part", after=5)
     before = {p.name: p.read_bytes() for p in parts_of(tmp_path)}
     assert len(before) == 5
     stats = run(job_file)

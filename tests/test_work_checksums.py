@@ -33,7 +33,7 @@ def damage(path: Path, count: int = 16) -> None:
 def test_damaged_work_files_are_rebuilt_and_the_rerun_keeps_every_finished_part(tmp_path, checkpoint, reference,
                                                                               pattern, rebuilt):
     job_file = make_job(tmp_path, checkpoint)
-    kill_at(job_file, "batchinfer.jobs.run.unit_runner", "commit_part", after=5)
+    kill_at(job_file, "batchinfer.jobs.outdir.part_writer", "commit_part", after=5)
     before = {p.name: p.read_bytes() for p in parts_of(tmp_path)}
     (target,) = work_dir_for(out_of(tmp_path)).glob(pattern)
     damage(target)
