@@ -19,20 +19,20 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader | tee "$
 git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$out/summary.txt"
 for part in "$@"; do
   case $part in
-    tests)   step gpu_tests 200 python3 -m pytest -q --tb=short tests/test_kernels_gdn.py tests/test_kernels_gdn_decode.py tests/test_kernels_conv_norm.py \
-               tests/test_kernels_replay.py tests/test_kernels_attention.py tests/test_model_gpu.py tests/test_engine_gpu.py ;;
+    tests)   step gpu_tests 200 python3 -m pytest -q --tb=short tests/kernels/test_kernels_gdn.py tests/kernels/test_kernels_gdn_decode.py tests/kernels/test_kernels_conv_norm.py \
+               tests/kernels/test_kernels_replay.py tests/kernels/test_kernels_attention.py tests/models/test_model_gpu.py tests/engine/test_engine_gpu.py ;;
     kernels) step kernels 420 python3 -m benchmarks.kernels ;;
     kernels_table) step kernels_table 300 python3 -m benchmarks.kernels --no-sweep ;;
     profile) step breakdown 120 python3 -m benchmarks.profile_targets breakdown
              step ncu 240 bash benchmarks/ncu_kernels.sh "$out" ;;
     sanitize) step sanitize 150 compute-sanitizer --tool memcheck --print-limit 5 python3 -c \
-               'import tests.test_kernels_gdn as t; t._check_launches_at_model_shapes([t.WY_FOUR_WARPS_MIX], repeats=1)' ;;
-    engine_tests) step engine_tests 150 python3 -m pytest -q --tb=short tests/test_engine_gpu.py tests/test_model_gpu.py ;;
+               'import tests.kernels.test_kernels_gdn as t; t._check_launches_at_model_shapes([t.WY_FOUR_WARPS_MIX], repeats=1)' ;;
+    engine_tests) step engine_tests 150 python3 -m pytest -q --tb=short tests/engine/test_engine_gpu.py tests/models/test_model_gpu.py ;;
     model)   step model_gpu 240 python3 -m benchmarks.model_gpu ;;
     engine)  step engine_arms 330 python3 -m benchmarks.engine_arms --quick ;;
     decode_profile) step decode_profile 200 python3 -m benchmarks.decode_profile ;;
     engine_full) step engine_full 560 python3 -m benchmarks.engine_arms --hf --json "$out/engine_full.json" ;;
-    new_kernel_tests) step new_kernel_tests 80 python3 -m pytest -q --tb=short tests/test_fp8_gemm.py tests/test_attention_prefill.py tests/test_attention_prefill_backends.py ;;
+    new_kernel_tests) step new_kernel_tests 80 python3 -m pytest -q --tb=short tests/kernels/test_fp8_gemm.py tests/kernels/test_attention_prefill.py tests/kernels/test_attention_prefill_backends.py ;;
     long)    step long_context 230 python3 -m benchmarks.long_context --json "$out/long_context.json" ;;
     attn8k)  step attn8k 60 python3 -m benchmarks.attention_backends --shapes 4x8192,1x32768 --backends sdpa --reps 5 ;;
     fp8)     step fp8_parity 150 python3 -m benchmarks.fp8_parity --parts parity,speed ;;
@@ -44,19 +44,19 @@ for part in "$@"; do
     grammar64_lp) step grammar64_lp 200 env BATCHINFER_FUSED_LOGPROBS=1 python3 -m benchmarks.grammar_overhead --layers 64 --reps 2 ;;
     floor_bf16) step floor_bf16 90 python3 -m benchmarks.engine_arms --layers 16 --arms replay+extra_buffer --json "$out/floor_bf16.json" ;;
     floor_fp8) step floor_fp8 90 python3 -m benchmarks.engine_arms --layers 16 --preset qwen3.5-27b-fp8 --arms replay+extra_buffer --json "$out/floor_fp8.json" ;;
-    fp8gemm) step fp8gemm_tests 60 python3 -m pytest -q --tb=short tests/test_fp8_gemm.py
+    fp8gemm) step fp8gemm_tests 60 python3 -m pytest -q --tb=short tests/kernels/test_fp8_gemm.py
              step fp8gemm 90 python3 -m benchmarks.bench_fp8_gemm --no-sweep ;;
     prefill_profile) step prefill_profile 120 bash -c "python3 -m benchmarks.prefill_profile && python3 -m benchmarks.prefill_profile --prompts 1 --length 32768" ;;
     moe35)   step moe35 240 python3 -m benchmarks.engine_arms --preset qwen3.5-35b-a3b --arms replay+extra_buffer --hf --hf-prompts 32 --hf-batch 32 --json "$out/moe35.json" ;;
     bench_moe) step bench_moe 60 python3 -m benchmarks.bench_moe --json "$out/bench_moe.json" ;;
-    sampling) step sampling_tests 90 python3 -m pytest -q --tb=short tests/test_kernels_sampling.py tests/test_sampler.py
+    sampling) step sampling_tests 90 python3 -m pytest -q --tb=short tests/kernels/test_kernels_sampling.py tests/engine/test_sampler.py
               step bench_sampling 60 python3 -m benchmarks.bench_sampling ;;
     cold)    step cold_start 170 python3 -m benchmarks.cold_start --folder /tmp/cold --cold-libraries --no-load --json "$out/cold_start.json" ;;
-    attn_tests) step attn_tests 120 python3 -m pytest -q -x --tb=short tests/test_kernels_attention.py tests/test_engine_precompile_gpu.py ;;
-    attn_prefix) step attn_prefix_tests 120 python3 -m pytest -q --tb=short tests/test_attention_prefill.py tests/test_attention_prefill_backends.py
+    attn_tests) step attn_tests 120 python3 -m pytest -q -x --tb=short tests/kernels/test_kernels_attention.py tests/engine/test_engine_precompile_gpu.py ;;
+    attn_prefix) step attn_prefix_tests 120 python3 -m pytest -q --tb=short tests/kernels/test_attention_prefill.py tests/kernels/test_attention_prefill_backends.py
              step attn_prefix 150 python3 -m benchmarks.attention_backends --shapes prefix1x8k+8k,prefix1x24k+8k --backends sdpa,op --reps 5 ;;
     long_split) step long_split 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --policies sdpa-cudnn:lower_right,sdpa-cudnn:split --track-intervals 8192 --gen '' --json "$out/long_split.json" ;;
-    split_test) step split_test 90 python3 -m pytest -q -rA --tb=short tests/test_attention_prefill.py tests/test_attention_prefill_backends.py -k "gpu and (split or op_matches)" ;;
+    split_test) step split_test 90 python3 -m pytest -q -rA --tb=short tests/kernels/test_attention_prefill.py tests/kernels/test_attention_prefill_backends.py -k "gpu and (split or op_matches)" ;;
     grammar64_ab) step grammar64_ab 330 python3 -m benchmarks.grammar_overhead --layers 64 --reps 3 --arms none,json,json@16,json_unbounded,logprobs5@torch,logprobs5@fused ;;
     gen_floor) step gen_floor 120 python3 -m benchmarks.decode_floor --batch 48 --context 8704
              step gen8k 240 python3 -m benchmarks.long_context --prefill '' --policies sdpa-cudnn:split --track-intervals 8192 --gen 48x8192x1024 --json "$out/gen8k.json" ;;

@@ -1,5 +1,5 @@
 """Job files run through `batchinfer run` (in this process) on the random demo checkpoint: real engine
-and CLI, tiny and fast, shared by the tests of what jobs write (tests/test_outputs_doc.py, tests/test_openai_examples.py)."""
+and CLI, tiny and fast, shared by the tests of what jobs write (tests/cli/test_outputs_doc.py, tests/jobs/formats/test_openai_examples.py)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -35,7 +35,7 @@ class PrefillLaunch:
 
     Stages share no block_v-dependent buffer or grid: every intermediate is allocated at full d_v
     (plan_prefill) and each launch sizes its own grid, so any mix of per-stage knobs is valid
-    (tests/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the fastest of the H200 sweeps
+    (tests/kernels/test_kernels_gdn.py: MIXED_LAUNCHES). Defaults: the fastest of the H200 sweeps
     (docs/BENCHMARKS.md, "GDN prefill: launch defaults"). The register-resident WY kernel runs
     ONE warp: at 255 registers per thread a 16-row tile is replicated in every warp, so more
     warps add work. `state_pass_few_programs` replaces `state_pass` when its grid would have
