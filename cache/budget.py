@@ -100,7 +100,7 @@ def memory_budget(device: torch.device | str, fraction: float, *, reserve_bytes:
                   cpu_total_bytes: int | None = None) -> int:
     """`fraction` of the device's free memory now (CUDA), but never more than the free memory
     less `reserve_bytes` (what the steps need besides the pools: the engine passes
-    `batchinfer.engine.engine.activation_reserve_bytes`); or `fraction` of
+    `batchinfer.engine.build.activation_reserve_bytes`); or `fraction` of
     `cpu_total_bytes` (CPU). Raises ValueError when the reserve alone exceeds the free memory."""
     device = torch.device(device)
     if not 0 < fraction <= 1:

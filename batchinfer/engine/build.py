@@ -161,7 +161,8 @@ class EngineBuilder:
         to the caller's work meanwhile."""
         if self.device.type != "cuda" or self.pipelined:  # stages compile at first launch
             return None
-        from batchinfer.engine.precompile import StepShapes, engine_trace, start_precompile
+        from batchinfer.engine.precompile import start_precompile
+        from batchinfer.engine.step_shapes import StepShapes, engine_trace
 
         shapes = StepShapes(decode_buckets=bucket_sizes(self.pool_plan.max_running),
                             graph_ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP), decode_hint=True,

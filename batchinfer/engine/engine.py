@@ -19,7 +19,6 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence as Seq
 import torch
 
 from batchinfer.engine.build import EngineBuilder, load_model
-from batchinfer.engine.build import activation_reserve_bytes  # noqa: F401  (cache/budget.py points here)
 from batchinfer.engine.config import EngineConfig, dtype_name
 from batchinfer.engine.overlap import DecodeOverlap
 from batchinfer.engine.planner import PlanSummary, make_plan, plan_prompts

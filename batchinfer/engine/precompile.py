@@ -37,10 +37,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from batchinfer.engine import trace_manifest
-# Re-exported: callers and tests reach the precompile's parts through this module.
-from batchinfer.engine.step_shapes import StepShapes, engine_trace, mixed_decode_sizes, prefill_shapes  # noqa: F401
-from batchinfer.engine.triton_specs import (  # noqa: F401
-    KERNEL_PACKAGE, SUPPORTED_TRITON, KernelSpecialisation, _jit_function, build_launcher, compile_specialisation,
+from batchinfer.engine.triton_specs import (
+    SUPPORTED_TRITON, KernelSpecialisation, _jit_function, build_launcher, compile_specialisation,
     current_target, is_cached, settle_cache_keys, supported_triton, trace_specialisations)
 
 log = logging.getLogger(__name__)

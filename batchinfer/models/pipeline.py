@@ -27,7 +27,7 @@ from batchinfer.models.config import ModelConfig
 from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
 from batchinfer.models.layers.params import empty_param
 from batchinfer.models.layers.rotary import RotaryEmbedding
-from batchinfer.models.qwen3_hybrid import DecoderLayer
+from batchinfer.models.qwen3_hybrid import DecoderLayer, advance_ring_cursors, fold_pending_ring_entries, fp32_logits
 from batchinfer.models.stage_split import StageSplit
 
 
@@ -65,7 +65,7 @@ class StageModel(nn.Module):
         → the carry for the next stage, or the logits [N, vocab] fp32 on the last."""
         prefill, decode = batch.prefill_part, batch.decode_part
         if caches.has_replay and prefill is not None and self.num_gdn_layers:
-            _fold_pending(prefill.state_slots, caches)
+            fold_pending_ring_entries(prefill.state_slots, caches)
         if carry is None:
             x, mlp_out = F.embedding(batch.input_ids, self.embed), None  # [T, hidden]
         else:
@@ -74,28 +74,12 @@ class StageModel(nn.Module):
         for layer in self.layers.values():
             x, mlp_out = layer(x, mlp_out, batch, caches, self.rotary, cos, sin)
         if decode is not None and decode.replay and self.num_gdn_layers:
-            slots = decode.state_slots  # this stage's GDN layers appended one ring entry each
-            caches.cursor[slots] = caches.cursor[slots] % caches.ring_len + 1
+            advance_ring_cursors(decode.state_slots, caches)  # this stage's cursors
         if not self.last:
             return x, mlp_out
         rows = batch.logits_indices
         _, x = ops.add_rms_norm(x[rows], mlp_out[rows], self.final_norm, self.config.rms_norm_eps)
-        weight = self.embed if self.lm_head is None else self.lm_head
-        if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
-            return torch.mm(x, weight.t(), out_dtype=torch.float32)
-        return F.linear(x, weight).float()
-
-
-def _fold_pending(slots: torch.Tensor, caches: ModelCaches) -> None:
-    """Prefill reads the ReplaySSM checkpoint only: fold a slot's pending ring entries first
-    (as `qwen3_hybrid._fold_pending_ring_entries`, over this stage's GDN layers)."""
-    pending = slots[caches.cursor[slots] != 0]
-    if pending.numel() == 0:
-        return
-    for j in range(len(caches.ssm)):
-        ops.replay_fold(caches.ssm[j], caches.ring_k[j], caches.ring_u[j], caches.ring_g[j], caches.cursor,
-                        pending, pending)
-    caches.cursor[pending] = 0
+        return fp32_logits(x, self.embed if self.lm_head is None else self.lm_head)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,20 @@ from batchinfer.models.qwen3_hybrid import HybridModel
 from batchinfer.models.quantization import parse_quantization
 from batchinfer.models.random_init import init_random_, make_generator
 
+def _qwen35_moe(*, moe_intermediate_size: int, **sizes: Any) -> dict[str, Any]:
+    """A Qwen3.5 MoE text model's config: what the family shares, then the model's own sizes (the
+    shared expert as wide as a routed one)."""
+    return {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "vocab_size": 248320,
+        "full_attention_interval": 4, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "norm_topk_prob": True,
+        "moe_intermediate_size": moe_intermediate_size, "shared_expert_intermediate_size": moe_intermediate_size,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "max_position_embeddings": 262144, **sizes,
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
@@ -43,46 +57,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "max_position_embeddings": 262144,
     },
     # Qwen/Qwen3.5-35B-A3B's text model: 40 layers (30 GDN + 10 attention), every layer MoE.
-    "qwen3.5-35b-a3b": {
-        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
-        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
-        "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
-        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        "tie_word_embeddings": False, "max_position_embeddings": 262144,
-    },
+    "qwen3.5-35b-a3b": _qwen35_moe(
+        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, linear_num_value_heads=32,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512),
     # Qwen/Qwen3.5-122B-A10B's text model: 48 layers (36 GDN + 12 attention), every layer MoE.
-    "qwen3.5-122b-a10b": {
-        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
-        "vocab_size": 248320, "hidden_size": 3072, "num_hidden_layers": 48,
-        "full_attention_interval": 4, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
-        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 1024,
-        "shared_expert_intermediate_size": 1024, "norm_topk_prob": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        "tie_word_embeddings": False, "max_position_embeddings": 262144,
-    },
+    "qwen3.5-122b-a10b": _qwen35_moe(
+        hidden_size=3072, num_hidden_layers=48, num_attention_heads=32, linear_num_value_heads=64,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024),
     # Qwen/Qwen3.5-397B-A17B's text model: 60 layers (15 x (3 GDN + 1 attention)), every layer MoE with
     # 512 experts (10 routed + 1 shared, 1024 wide). The numbers are the Hugging Face model card's as
     # restated by https://apxml.com/models/qwen35-397b-a17b and
     # https://roboaidigest.com/posts/2026-02-17-qwen3-5-397b-moe (hidden 4096; 32 q / 2 kv heads of 256;
     # GDN 16 qk / 64 v heads of 128; vocab 248320; rope theta 1e7); config.json itself was not found,
     # so partial_rotary_factor and the rest follow the 122B's. ~397 B parameters: ~794 GB in bf16.
-    "qwen3.5-397b-a17b": {
-        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
-        "vocab_size": 248320, "hidden_size": 4096, "num_hidden_layers": 60,
-        "full_attention_interval": 4, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
-        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 1024,
-        "shared_expert_intermediate_size": 1024, "norm_topk_prob": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        "tie_word_embeddings": False, "max_position_embeddings": 262144,
-    },
+    "qwen3.5-397b-a17b": _qwen35_moe(
+        hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, linear_num_value_heads=64,
+        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024),
     "qwen3-next-80b-a3b": {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,

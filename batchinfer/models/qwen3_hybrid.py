@@ -99,41 +99,45 @@ class HybridModel(nn.Module):
         `logits_out` [N, vocab] fp32 when given (the decode graphs' one shared buffer)."""
         prefill, decode = batch.prefill_part, batch.decode_part  # a mixed step has both
         if caches.has_replay and prefill is not None:
-            _fold_pending_ring_entries(self.config, prefill.state_slots, caches)
+            fold_pending_ring_entries(prefill.state_slots, caches)
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions)  # [T, rot/2] each
         mlp_out = None
         for layer in self.layers:
             x, mlp_out = layer(x, mlp_out, batch, caches, self.rotary, cos, sin)
         if decode is not None and decode.replay:
-            # Every GDN layer appended one ring entry at index cursor % L (a full ring was
-            # folded first), so the shared cursor advances once, after all layers.
-            slots = decode.state_slots
-            caches.cursor[slots] = caches.cursor[slots] % caches.ring_len + 1
+            advance_ring_cursors(decode.state_slots, caches)
         # The last residual add is needed only where logits are read: gather those rows first.
         rows = batch.logits_indices
         _, x = ops.add_rms_norm(x[rows], mlp_out[rows], self.final_norm, self.config.rms_norm_eps)  # [N, hidden]
-        return self._logits(x, logits_out)  # [N, vocab]
-
-    def _logits(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 logits [N, vocab] of the final hidden rows x [N, hidden].
-
-        On CUDA with 16-bit weights the GEMM writes fp32 itself (fp32 accumulators stored
-        as they are): no 16-bit logits tensor and no widening copy of it — at batch 256 and a
-        248k vocabulary that copy moved ~380 MB per decode step — and no rounding of the
-        logits to 16 bits. Elsewhere (the CPU's fp32 parity path) a plain linear.
-        """
-        weight = self.output_embedding
-        if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
-            if out is None:
-                return torch.mm(x, weight.t(), out_dtype=torch.float32)
-            return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
-        logits = F.linear(x, weight).float()
-        return logits if out is None else out.copy_(logits)
+        return fp32_logits(x, self.output_embedding, logits_out)  # [N, vocab]
 
 
-def _fold_pending_ring_entries(config: ModelConfig, slots: torch.Tensor, caches: ModelCaches) -> None:
-    """Prefill continues from the ReplaySSM checkpoint, so pending ring entries must be in it.
+def fp32_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits [N, vocab] of the final hidden rows x [N, hidden] through `weight` [vocab, hidden].
+
+    On CUDA with 16-bit weights the GEMM writes fp32 itself (fp32 accumulators stored
+    as they are): no 16-bit logits tensor and no widening copy of it — at batch 256 and a
+    248k vocabulary that copy moved ~380 MB per decode step — and no rounding of the
+    logits to 16 bits. Elsewhere (the CPU's fp32 parity path) a plain linear.
+    """
+    if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
+        if out is None:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+    logits = F.linear(x, weight).float()
+    return logits if out is None else out.copy_(logits)
+
+
+def advance_ring_cursors(slots: torch.Tensor, caches: ModelCaches) -> None:
+    """After a ReplaySSM decode step: every GDN layer of `caches` appended one ring entry at index
+    cursor % L (a full ring was folded first), so the shared cursor advances once, after all layers."""
+    caches.cursor[slots] = caches.cursor[slots] % caches.ring_len + 1
+
+
+def fold_pending_ring_entries(slots: torch.Tensor, caches: ModelCaches) -> None:
+    """Prefill continues from the ReplaySSM state snapshot, so pending ring entries must be in it
+    (over every GDN layer `caches` holds: the model's, or one pipeline stage's).
 
     The cache contract already hands prefill only folded states (cursor 0); this keeps a
     slot that decoded through ReplaySSM and then receives more prompt tokens (e.g. a chat
@@ -142,7 +146,7 @@ def _fold_pending_ring_entries(config: ModelConfig, slots: torch.Tensor, caches:
     pending = slots[caches.cursor[slots] != 0]
     if pending.numel() == 0:
         return
-    for j in range(len(config.gdn_layer_ids)):
+    for j in range(len(caches.ssm)):
         ops.replay_fold(caches.ssm[j], caches.ring_k[j], caches.ring_u[j], caches.ring_g[j], caches.cursor,
                         pending, pending)
     caches.cursor[pending] = 0

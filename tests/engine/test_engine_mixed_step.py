@@ -207,7 +207,7 @@ def test_running_rows_decode_in_every_step_while_prefill_remains(dense):
 def test_the_precompile_trace_covers_mixed_steps_eager_decode_sizes():
     """Mixed steps run their decode rows eagerly at any count: the trace holds one of each
     integer class Triton specialises on (1, a multiple of 16, neither) in each launch range."""
-    from batchinfer.engine.precompile import StepShapes, mixed_decode_sizes
+    from batchinfer.engine.step_shapes import StepShapes, mixed_decode_sizes
 
     shapes = StepShapes(decode_buckets=[1, 2, 256], graph_ctx_cap=64, decode_hint=True, max_batch_tokens=8192,
                         max_running=256, max_model_len=4096, replay=True, mixed_step=True)

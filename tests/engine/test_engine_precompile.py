@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from batchinfer.engine import precompile as P
-from batchinfer.engine.precompile import StepShapes, prefill_shapes, worker_count
+from batchinfer.engine.precompile import worker_count
+from batchinfer.engine.step_shapes import StepShapes, prefill_shapes
 
 REPO = Path(__file__).resolve().parents[2]
 

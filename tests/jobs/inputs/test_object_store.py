@@ -18,8 +18,9 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install -e '.[test]')")
-boto3 = pytest.importorskip("boto3", reason="boto3 (a dependency of moto) is not installed")
+# Both come with the test extra (moto[server], boto3): missing, this file fails rather than skips.
+import boto3  # noqa: E402
+import moto.server as moto_server  # noqa: E402
 
 from tests.job_process import demo_cache, keys, run_in_this_process, start_run, wait_for  # noqa: E402,F401
 from tests.jobs_fixtures import job_entry, rag_table, write_job_file  # noqa: E402
@@ -89,6 +90,15 @@ def local_generated(folder: Path) -> list:
     return list(zip(table["row_index"].to_pylist(), table["generated_text"].to_pylist()))
 
 
+def generated_from(folder: Path, input_url: str) -> list:
+    """Run a job over `input_url` in `folder` (made here) → its (row, text) pairs."""
+    folder.mkdir(exist_ok=True)
+    write_job(folder, input_url)
+    result = run_in_this_process(folder)
+    assert result.exit_code == 0, result.output
+    return local_generated(folder)
+
+
 def one_error_line(result) -> str:
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
@@ -98,10 +108,7 @@ def one_error_line(result) -> str:
 def test_parquet_csv_and_glob_inputs_from_s3(s3, tmp_path, demo_cache):  # noqa: F811
     table = rag_table(7)
     put_parquet(s3, "qa/rag.parquet", table)
-    write_job(tmp_path, "s3://bi-data/qa/rag.parquet")
-    result = run_in_this_process(tmp_path)
-    assert result.exit_code == 0, result.output
-    expected = local_generated(tmp_path)
+    expected = generated_from(tmp_path, "s3://bi-data/qa/rag.parquet")
     assert [row for row, _ in expected] == list(range(7))
     recorded = json.loads((tmp_path / "out" / "rag" / "_job.json").read_text())
     assert [entry["file"] for entry in recorded["fingerprint"]["input"]] == ["rag.parquet"]
@@ -109,22 +116,12 @@ def test_parquet_csv_and_glob_inputs_from_s3(s3, tmp_path, demo_cache):  # noqa:
     sink = io.BytesIO()
     pcsv.write_csv(table.drop(["extra"]), sink)
     s3.put_object(Bucket=BUCKET, Key="csv/rows.csv", Body=sink.getvalue())
-    csv_folder = tmp_path / "csv"
-    csv_folder.mkdir()
-    write_job(csv_folder, "s3://bi-data/csv/rows.csv")
-    result = run_in_this_process(csv_folder)
-    assert result.exit_code == 0, result.output
-    assert local_generated(csv_folder) == expected
+    assert generated_from(tmp_path / "csv", "s3://bi-data/csv/rows.csv") == expected
 
     put_parquet(s3, "split/a/0.parquet", table.slice(0, 4))
     put_parquet(s3, "split/b/1.parquet", table.slice(4))
     s3.put_object(Bucket=BUCKET, Key="split/b/notes.txt", Body=b"not an input")
-    glob_folder = tmp_path / "glob"
-    glob_folder.mkdir()
-    write_job(glob_folder, "s3://bi-data/split/**/*.parquet")
-    result = run_in_this_process(glob_folder)
-    assert result.exit_code == 0, result.output
-    assert local_generated(glob_folder) == expected
+    assert generated_from(tmp_path / "glob", "s3://bi-data/split/**/*.parquet") == expected
 
 
 def test_https_input(tmp_path, demo_cache):  # noqa: F811
