@@ -5,7 +5,7 @@
 
 Per batch B (tokens routed top-k over E experts; router weights random, so routing is roughly
 uniform): milliseconds of
-  - `SparseMoE._run_experts` as the model runs it (sort by expert, torch._grouped_mm for gate|up
+  - `SparseMoE.routed` as the model runs it (sort by expert, torch._grouped_mm for gate|up
     and down, silu_mul, fp32 combine), CUDA-graph captured, as decode steps run;
   - the same in eager mode (launch overheads included);
   - the per-expert loop (the fallback: one matmul per routed expert, a host sync for the counts);
@@ -79,7 +79,7 @@ def measure(block: SparseMoE, batch: int, device: str, repeats: int) -> dict:
     x = torch.randn(batch, H, device=device, dtype=block.router.dtype, generator=generator)
     experts, weights = block.route(x)
     row = {"batch": batch, "experts": E, "top_k": k, "hidden": H, "moe_intermediate": I}
-    model_path = lambda: block._run_experts(x, experts, weights)  # noqa: E731
+    model_path = lambda: block.routed(x, experts, weights)  # noqa: E731
     loop = lambda: per_expert_loop(block, x, experts, weights)  # noqa: E731
     torch.testing.assert_close(model_path(), loop(), rtol=2e-2, atol=2e-2)  # same maths, either path
     row["eager_ms"] = time_ms(model_path, device, **timing)

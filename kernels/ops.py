@@ -33,6 +33,7 @@ OPS: dict[str, tuple[str, str]] = {
     "attention_prefill": ("batchinfer.kernels.attention.prefill", "batchinfer.kernels.ref.attention"),
     "attention_decode": ("batchinfer.kernels.attention", "batchinfer.kernels.ref.attention"),
     "moe_fp8": ("batchinfer.kernels.moe_fp8", "batchinfer.kernels.ref.moe_fp8"),
+    "moe_combine": ("batchinfer.kernels.moe_combine", "batchinfer.kernels.ref.moe_combine"),
 }
 
 
@@ -88,3 +89,4 @@ store_kv = _dispatch("store_kv")
 attention_prefill = _dispatch("attention_prefill")
 attention_decode = _dispatch("attention_decode")
 moe_fp8 = _dispatch("moe_fp8")
+moe_combine = _dispatch("moe_combine")

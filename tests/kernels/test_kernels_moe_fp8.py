@@ -172,7 +172,7 @@ def test_fp8_moe_layer_runs_the_grouped_kernel_in_a_cuda_graph():
     assert mlp._grouped_fp8_op(x) is triton_moe_fp8
     experts, weights = block.route(x)
     out = torch.full((64, x.shape[1]), float("nan"), device="cuda")
-    run = lambda: out.copy_(block._run_experts(x, experts, weights))  # noqa: E731
+    run = lambda: out.copy_(block.routed(x, experts, weights))  # noqa: E731
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -187,7 +187,7 @@ def test_fp8_moe_layer_runs_the_grouped_kernel_in_a_cuda_graph():
     unquantized = torch.zeros_like(out).index_add_(0, order // block.top_k, dequantized)
     original, mlp._grouped_fp8_op = mlp._grouped_fp8_op, (lambda _: reference_moe_fp8)
     try:  # the same math in fp32 torch: the activations quantized to e4m3 the same way
-        reference = block._run_experts(x, experts, weights).float()
+        reference = block.routed(x, experts, weights).float()
     finally:
         mlp._grouped_fp8_op = original
     assert out.isfinite().all()

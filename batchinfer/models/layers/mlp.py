@@ -6,9 +6,10 @@ by expert and run as one grouped matmul per projection (`torch._grouped_mm`, whe
 device and dtype support it), else one matmul per expert.
 
 The combine (routing weights x expert outputs, summed over the k experts, plus the gated
-shared expert) runs in fp32 and rounds once: in bf16 every weight, product and each of the
-k additions rounds separately, which measurably raised the block's error above a dense
-MLP's (transformers combines in the activation dtype; fp32 parity is unaffected).
+shared expert) is one op, `ops.moe_combine`: fp32 inside, rounded once (in bf16 every weight,
+product and each of the k additions would round separately, which measurably raised the
+block's error above a dense MLP's; transformers combines in the activation dtype, fp32 parity
+is unaffected). On CUDA it is one Triton pass over the expert rows instead of four.
 
 Every `silu(gate) · up` (dense MLP, shared expert, routed experts) is one `ops.silu_mul` over
 the fused gate|up projection: fp32 inside, one rounding (exactly torch's result in fp32).
@@ -93,25 +94,40 @@ class SparseMoE(nn.Module):
         """Top-k expert ids [T, k] and their weights [T, k] (fp32)."""
         # Router logits in fp32: a bf16 rounding that flips a near-tied top-k choice is a
         # discontinuous jump in the output (cheap: E x hidden).
-        probs = torch.softmax(F.linear(x.float(), self.router.float()), dim=-1)  # [T, E]
+        probs = torch.softmax(self._router_logits(x), dim=-1)  # [T, E]
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return experts, weights
 
+    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, E] fp32. On CUDA a half-precision GEMM with fp32 accumulation and output (the products
+        of bf16 values are exact in fp32) runs on tensor cores; the fp32 GEMM ran at FMA speed."""
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            return torch.mm(x, self.router.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), self.router.float())
+
+    def routed(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum alone [T, hidden] in x.dtype (no shared expert)."""
+        rows, slot = self._run_experts(x, experts)
+        no_shared = torch.zeros_like(x)
+        return ops.moe_combine(rows, slot, weights, no_shared, no_shared.new_zeros(x.shape[0], 1, dtype=torch.float32))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        routed = self._run_experts(x, experts, weights)  # [T, hidden] fp32
+        rows, slot = self._run_experts(x, experts)  # [T·k, hidden] sorted by expert, [T, k]
         shared_gate = torch.sigmoid(F.linear(x, self.shared_expert_gate).float())  # [T, 1]
-        shared = self.shared_expert(x).float() * shared_gate
-        return (routed + shared).to(x.dtype)
+        return ops.moe_combine(rows, slot, weights, self.shared_expert(x), shared_gate)  # [T, hidden]
 
-    def _run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's k experts of weight x expert(x): [T, hidden] fp32."""
+    def _run_experts(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each assignment's expert output, sorted by expert [T·k, hidden], and where token t's
+        j-th assignment landed in that order [T, k]."""
         T, k = experts.shape
         flat_experts = experts.reshape(-1)  # [T·k]
         order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert
         token_of = order // k  # [T·k] source token of each sorted assignment
+        slot = torch.empty_like(order)
+        slot[order] = torch.arange(T * k, device=x.device)  # [T·k] the inverse permutation
         # Fixed-size count (bincount's output size depends on the data: a host sync, which
         # would break CUDA-graph capture of decode steps).
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
@@ -119,9 +135,7 @@ class SparseMoE(nn.Module):
         y = self._fp8_expert_rows(x, token_of, counts)
         if y is None:
             y = self._expert_rows(x, token_of, counts)
-        # fp32 products and sum (a transient [T·k, hidden] fp32: one prefill chunk's worth).
-        y = y.float() * weights.reshape(-1)[order, None]  # [T·k, hidden]
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, y)
+        return y, slot.view(T, k)
 
     def _fp8_expert_rows(self, x: torch.Tensor, token_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Expert outputs of the sorted rows [T·k, hidden] by the grouped FP8 kernel (the tokens
