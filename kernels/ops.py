@@ -34,6 +34,7 @@ OPS: dict[str, tuple[str, str]] = {
     "attention_decode": ("batchinfer.kernels.attention", "batchinfer.kernels.ref.attention"),
     "moe_fp8": ("batchinfer.kernels.moe_fp8", "batchinfer.kernels.ref.moe_fp8"),
     "moe_combine": ("batchinfer.kernels.moe_combine", "batchinfer.kernels.ref.moe_combine"),
+    "moe_route": ("batchinfer.kernels.moe_route", "batchinfer.kernels.ref.moe_route"),
 }
 
 
@@ -90,3 +91,4 @@ attention_prefill = _dispatch("attention_prefill")
 attention_decode = _dispatch("attention_decode")
 moe_fp8 = _dispatch("moe_fp8")
 moe_combine = _dispatch("moe_combine")
+moe_route = _dispatch("moe_route")

@@ -94,11 +94,7 @@ class SparseMoE(nn.Module):
         """Top-k expert ids [T, k] and their weights [T, k] (fp32)."""
         # Router logits in fp32: a bf16 rounding that flips a near-tied top-k choice is a
         # discontinuous jump in the output (cheap: E x hidden).
-        probs = torch.softmax(self._router_logits(x), dim=-1)  # [T, E]
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return experts, weights
+        return ops.moe_route(self._router_logits(x), self.top_k, self.norm_topk_prob)  # softmax, top-k, renorm
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[T, E] fp32. On CUDA a half-precision GEMM with fp32 accumulation and output (the products
