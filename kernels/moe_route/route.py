@@ -61,7 +61,9 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool,
     T, E = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    experts = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)  # [T, k]
+    # Zeros, not empty: the ids index other tensors, and the engine's precompile trace skips every
+    # Triton launch, so a skipped launch must still leave valid ids behind.
+    experts = torch.zeros(T, top_k, dtype=torch.int64, device=logits.device)  # [T, k]
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)  # [T, k]
     if T > 0:
         grid = (triton.cdiv(T, launch.block_t),)
