@@ -5,7 +5,7 @@ model runner takes either. Each `StageModel` holds only its layers' weights (the
 first stage, the final norm and LM head on the last) and reads its own `ModelCaches` (its
 attention layers' KV pools and its GDN layers' states, on its device; a slot index is the same
 row on every stage, so the cache's bookkeeping is shared). A decode step's rows are cut into
-micro-batches (`micro_batches`, default one per stage) that go through the stages in wavefront
+micro-batches (`micro_batches`, default one per stage; cut without a host read) that go through the stages in wavefront
 order: on CUDA each stage issues on its own stream and the activations (hidden + the pending
 MLP output) move device to device behind stream events, so stages overlap; on the CPU the same
 code runs in order. A prefill or mixed step is one micro-batch (its chunk tables and per-chunk
@@ -109,16 +109,16 @@ def batch_on(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
 
 def split_decode(batch: ForwardBatch, parts: int) -> list[ForwardBatch]:
     """A decode batch's rows in `parts` contiguous micro-batches (fewer when it has fewer rows).
-    Reads the context offsets on the host (one small copy per step)."""
+    No host read: each micro-batch keeps the whole `kv_indices` and its absolute `kv_indptr`
+    slice (every attention kernel reads a context at `kv_indptr[i]`, not from 0), so the cut is
+    a set of views whose shapes depend on the row count only (CUDA-graph capturable)."""
     B = batch.num_seqs
     parts = min(parts, B)
     if parts <= 1 or not batch.is_decode or batch.parts is not None:
         return [batch]
-    indptr = batch.kv_indptr.tolist()
     edges = [B * k // parts for k in range(parts + 1)]
     out = []
     for a, b in zip(edges[:-1], edges[1:]):
-        ctx0 = indptr[a]
         shared = None
         if batch.shared_with_prev is not None:
             shared = batch.shared_with_prev[a:b].clone()
@@ -127,8 +127,7 @@ def split_decode(batch: ForwardBatch, parts: int) -> list[ForwardBatch]:
         out.append(replace(
             batch, input_ids=batch.input_ids[a:b], positions=batch.positions[a:b], cu_seqlens=steps,
             state_slots=batch.state_slots[a:b], out_kv_slots=batch.out_kv_slots[a:b],
-            kv_indices=batch.kv_indices[ctx0:indptr[b]], kv_indptr=batch.kv_indptr[a:b + 1] - ctx0,
-            logits_indices=batch.logits_indices[: b - a], shared_with_prev=shared))
+            kv_indptr=batch.kv_indptr[a:b + 1], logits_indices=batch.logits_indices[: b - a], shared_with_prev=shared))
     return out
 
 
