@@ -5,11 +5,13 @@ model runner takes either. Each `StageModel` holds only its layers' weights (the
 first stage, the final norm and LM head on the last) and reads its own `ModelCaches` (its
 attention layers' KV pools and its GDN layers' states, on its device; a slot index is the same
 row on every stage, so the cache's bookkeeping is shared). A decode step's rows are cut into
-micro-batches (`micro_batches`, default one per stage; cut without a host read) that go through the stages in wavefront
-order: on CUDA each stage issues on its own stream and the activations (hidden + the pending
-MLP output) move device to device behind stream events, so stages overlap; on the CPU the same
-code runs in order. A prefill or mixed step is one micro-batch (its chunk tables and per-chunk
-logits rows span the whole batch). Per-stage busy time: CUDA events, perf_counter on the CPU.
+micro-batches (`micro_batches`, default one per stage; cut without a host read), a prefill
+step's sequences likewise (balanced by tokens, a sequence never cut); they go through the stages
+in wavefront order: on CUDA each stage issues on its own stream and the activations (hidden +
+the pending MLP output) move device to device behind stream events, so stages overlap; on the
+CPU the same code runs in order. A mixed step is one micro-batch. Per-stage busy time: CUDA
+events, perf_counter on the CPU. Decode steps may instead replay per-stage CUDA graphs
+(engine/stage_graphs.py).
 """
 from __future__ import annotations
 
@@ -78,6 +80,8 @@ class StageModel(nn.Module):
         if not self.last:
             return x, mlp_out
         rows = batch.logits_indices
+        if rows.numel() == 0:  # a prefill micro-batch of chunks that end before their last token
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=x.device)
         _, x = ops.add_rms_norm(x[rows], mlp_out[rows], self.final_norm, self.config.rms_norm_eps)
         return fp32_logits(x, self.embed if self.lm_head is None else self.lm_head)
 
@@ -131,6 +135,49 @@ def split_decode(batch: ForwardBatch, parts: int) -> list[ForwardBatch]:
     return out
 
 
+def prefill_edges(cu: Sequence[int], parts: int) -> list[int]:
+    """Sequence edges `[0, …, B]` of at most `parts` contiguous groups, each cut at the sequence
+    boundary nearest an even share of the tokens (`cu`: the token offsets, [B+1]); a sequence is
+    never cut, so one long sequence stays whole."""
+    B, total = len(cu) - 1, cu[-1]
+    edges = [0]
+    for k in range(1, min(parts, B)):
+        candidates = range(edges[-1] + 1, B)
+        if not candidates:
+            break
+        edges.append(min(candidates, key=lambda i: abs(cu[i] - total * k / parts)))
+    return edges + [B]
+
+
+def split_prefill(batch: ForwardBatch, parts: int) -> list[ForwardBatch]:
+    """A prefill batch's sequences in at most `parts` contiguous micro-batches balanced by tokens
+    (`prefill_edges`). One host read of the token offsets and logits rows (a prefill step reads
+    them anyway for its attention); the context stays whole with absolute offsets, as in
+    `split_decode`. Mixed and single-sequence batches stay one micro-batch."""
+    B = batch.num_seqs
+    if parts <= 1 or B <= 1 or batch.is_decode or batch.parts is not None:
+        return [batch]
+    host = torch.cat([batch.cu_seqlens.to(torch.int64), batch.logits_indices]).tolist()
+    cu, rows = host[:B + 1], host[B + 1:]
+    edges = prefill_edges(cu, parts)
+    if len(edges) <= 2:
+        return [batch]
+    out, r0 = [], 0
+    for a, b in zip(edges[:-1], edges[1:]):
+        t0, t1 = cu[a], cu[b]
+        r1 = r0
+        while r1 < len(rows) and rows[r1] < t1:  # logits rows ascend with the tokens
+            r1 += 1
+        steps = batch.cu_seqlens[a:b + 1] - t0
+        out.append(replace(
+            batch, input_ids=batch.input_ids[t0:t1], positions=batch.positions[t0:t1], cu_seqlens=steps,
+            state_slots=batch.state_slots[a:b], out_kv_slots=batch.out_kv_slots[t0:t1],
+            kv_indptr=batch.kv_indptr[a:b + 1], logits_indices=batch.logits_indices[r0:r1] - t0,
+            chunk_tables=None if batch.chunk_tables is None else ChunkTables(steps, t1 - t0)))
+        r0 = r1
+    return out
+
+
 class PipelinedModel(nn.Module):
     """Stages run as one model: `forward(batch, caches: StagedCaches, logits_out)` → logits on the
     first stage's device (where the engine samples)."""
@@ -158,7 +205,8 @@ class PipelinedModel(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, caches: StagedCaches,
                 logits_out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        micro = split_decode(batch, self.micro_batches)
+        cut = split_decode if batch.is_decode else split_prefill
+        micro = cut(batch, self.micro_batches)
         run = self._wavefront_cpu if self._streams is None else self._wavefront_cuda
         logits = run(micro, caches)  # one [N_m, vocab] per micro-batch
         out = (torch.cat(logits) if len(logits) > 1 else logits[0]).to(self.device)

@@ -9,7 +9,8 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import SamplingParams
 from batchinfer.models.checkpoint_writer import write_random_checkpoint
-from batchinfer.models.pipeline import PipelinedModel
+from batchinfer.models import pipeline as pipeline_module
+from batchinfer.models.pipeline import PipelinedModel, split_prefill
 from batchinfer.models.presets import PRESETS
 from tests.engine_utils import requests_for, run, shared_prefix_prompts
 
@@ -26,13 +27,23 @@ def _tokens(path, stages: int):
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_greedy_tokens_identical_over_1_2_4_stages(tmp_path, kind):
+def test_greedy_tokens_identical_over_1_2_4_stages(tmp_path, kind, monkeypatch):
     path = write_random_checkpoint(tmp_path / kind, PRESETS["tiny"] if kind == "dense" else MOE, seed=1)
     _, reference = _tokens(path, 1)
+    prefill_cuts = []
+
+    def recording_split(batch, parts):
+        micro = split_prefill(batch, parts)
+        prefill_cuts.append(len(micro))
+        return micro
+
+    monkeypatch.setattr(pipeline_module, "split_prefill", recording_split)
     for stages in (2, 4):
+        prefill_cuts.clear()
         engine, tokens = _tokens(path, stages)
         assert isinstance(engine.model, PipelinedModel) and engine.model.num_stages == stages
         assert tokens == reference, f"{stages} stages"
+        assert max(prefill_cuts) > 1  # prefill steps of several sequences ran as micro-batches
         stats = engine.stats
         assert stats.cached_tokens == stats.theoretical_max_cached_tokens > 0
         pipeline = engine.settings()["pipeline"]  # what _stats.json's engine_settings holds
