@@ -16,7 +16,7 @@ events, perf_counter on the CPU. Decode steps may instead replay per-stage CUDA 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.kernels import ops
-from batchinfer.kernels.public import ChunkTables
 from batchinfer.models.config import ModelConfig
 from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
 from batchinfer.models.layers.params import empty_param
 from batchinfer.models.layers.rotary import RotaryEmbedding
+from batchinfer.models.micro_batches import batch_on, split_decode, split_prefill, wavefront
 from batchinfer.models.qwen3_hybrid import DecoderLayer, advance_ring_cursors, fold_pending_ring_entries, fp32_logits
 from batchinfer.models.stage_split import StageSplit
 
@@ -98,86 +98,6 @@ class StagedCaches:
         return cls(tuple(ModelCaches.from_pools(kv, st) for kv, st in zip(kv_pool.stages, state_pool.stages)))
 
 
-def batch_on(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    """The batch's tensors on `device` (itself when they are there already)."""
-    if batch.input_ids.device == device:
-        return batch
-    moved = {f.name: getattr(batch, f.name).to(device, non_blocking=True) for f in fields(batch)
-             if isinstance(getattr(batch, f.name), torch.Tensor)}
-    if batch.parts is not None:
-        moved["parts"] = tuple(batch_on(p, device) for p in batch.parts)
-    if batch.chunk_tables is not None:
-        moved["chunk_tables"] = ChunkTables(moved["cu_seqlens"], batch.num_tokens)
-    return replace(batch, **moved)
-
-
-def split_decode(batch: ForwardBatch, parts: int) -> list[ForwardBatch]:
-    """A decode batch's rows in `parts` contiguous micro-batches (fewer when it has fewer rows).
-    No host read: each micro-batch keeps the whole `kv_indices` and its absolute `kv_indptr`
-    slice (every attention kernel reads a context at `kv_indptr[i]`, not from 0), so the cut is
-    a set of views whose shapes depend on the row count only (CUDA-graph capturable)."""
-    B = batch.num_seqs
-    parts = min(parts, B)
-    if parts <= 1 or not batch.is_decode or batch.parts is not None:
-        return [batch]
-    edges = [B * k // parts for k in range(parts + 1)]
-    out = []
-    for a, b in zip(edges[:-1], edges[1:]):
-        shared = None
-        if batch.shared_with_prev is not None:
-            shared = batch.shared_with_prev[a:b].clone()
-            shared[0] = 0  # its first row has no row before it in this micro-batch
-        steps = batch.cu_seqlens[: b - a + 1]  # 0..n: one token per row
-        out.append(replace(
-            batch, input_ids=batch.input_ids[a:b], positions=batch.positions[a:b], cu_seqlens=steps,
-            state_slots=batch.state_slots[a:b], out_kv_slots=batch.out_kv_slots[a:b],
-            kv_indptr=batch.kv_indptr[a:b + 1], logits_indices=batch.logits_indices[: b - a], shared_with_prev=shared))
-    return out
-
-
-def prefill_edges(cu: Sequence[int], parts: int) -> list[int]:
-    """Sequence edges `[0, …, B]` of at most `parts` contiguous groups, each cut at the sequence
-    boundary nearest an even share of the tokens (`cu`: the token offsets, [B+1]); a sequence is
-    never cut, so one long sequence stays whole."""
-    B, total = len(cu) - 1, cu[-1]
-    edges = [0]
-    for k in range(1, min(parts, B)):
-        candidates = range(edges[-1] + 1, B)
-        if not candidates:
-            break
-        edges.append(min(candidates, key=lambda i: abs(cu[i] - total * k / parts)))
-    return edges + [B]
-
-
-def split_prefill(batch: ForwardBatch, parts: int) -> list[ForwardBatch]:
-    """A prefill batch's sequences in at most `parts` contiguous micro-batches balanced by tokens
-    (`prefill_edges`). One host read of the token offsets and logits rows (a prefill step reads
-    them anyway for its attention); the context stays whole with absolute offsets, as in
-    `split_decode`. Mixed and single-sequence batches stay one micro-batch."""
-    B = batch.num_seqs
-    if parts <= 1 or B <= 1 or batch.is_decode or batch.parts is not None:
-        return [batch]
-    host = torch.cat([batch.cu_seqlens.to(torch.int64), batch.logits_indices]).tolist()
-    cu, rows = host[:B + 1], host[B + 1:]
-    edges = prefill_edges(cu, parts)
-    if len(edges) <= 2:
-        return [batch]
-    out, r0 = [], 0
-    for a, b in zip(edges[:-1], edges[1:]):
-        t0, t1 = cu[a], cu[b]
-        r1 = r0
-        while r1 < len(rows) and rows[r1] < t1:  # logits rows ascend with the tokens
-            r1 += 1
-        steps = batch.cu_seqlens[a:b + 1] - t0
-        out.append(replace(
-            batch, input_ids=batch.input_ids[t0:t1], positions=batch.positions[t0:t1], cu_seqlens=steps,
-            state_slots=batch.state_slots[a:b], out_kv_slots=batch.out_kv_slots[t0:t1],
-            kv_indptr=batch.kv_indptr[a:b + 1], logits_indices=batch.logits_indices[r0:r1] - t0,
-            chunk_tables=None if batch.chunk_tables is None else ChunkTables(steps, t1 - t0)))
-        r0 = r1
-    return out
-
-
 class PipelinedModel(nn.Module):
     """Stages run as one model: `forward(batch, caches: StagedCaches, logits_out)` → logits on the
     first stage's device (where the engine samples)."""
@@ -214,13 +134,11 @@ class PipelinedModel(nn.Module):
 
     def _wavefront_cpu(self, micro: list[ForwardBatch], caches: StagedCaches) -> list[torch.Tensor]:
         carries: list = [None] * len(micro)
-        for tick in range(len(micro) + self.num_stages - 1):
-            for s, stage in enumerate(self.stages):
-                m = tick - s
-                if 0 <= m < len(micro):
-                    started = time.perf_counter()
-                    carries[m] = stage.run(batch_on(micro[m], stage.device), caches.stages[s], carries[m])
-                    self._busy[s] += time.perf_counter() - started
+        for s, m in wavefront(len(micro), self.num_stages):
+            stage = self.stages[s]
+            started = time.perf_counter()
+            carries[m] = stage.run(batch_on(micro[m], stage.device), caches.stages[s], carries[m])
+            self._busy[s] += time.perf_counter() - started
         return carries
 
     def _wavefront_cuda(self, micro: list[ForwardBatch], caches: StagedCaches) -> list[torch.Tensor]:
@@ -231,34 +149,41 @@ class PipelinedModel(nn.Module):
             stream.wait_stream(caller)  # the batch's upload and the pools' last writes
         carries: list = [None] * len(micro)
         ready: list = [None] * len(micro)  # the event after which carry m may be read
-        for tick in range(len(micro) + self.num_stages - 1):
-            for s, stage in enumerate(self.stages):
-                m = tick - s
-                if not 0 <= m < len(micro):
-                    continue
-                stream = self._streams[s]
-                with torch.cuda.stream(stream):
-                    if ready[m] is not None:
-                        stream.wait_event(ready[m])
-                        for t in carries[m] if isinstance(carries[m], tuple) else ():
-                            t.record_stream(stream)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record(stream)
-                    result = stage.run(batch_on(micro[m], stage.device), caches.stages[s], carries[m])
-                    end.record(stream)
-                    self._events[s].append((start, end))
-                    target = self.stages[s + 1].device if s + 1 < self.num_stages else self.device
-                    if isinstance(result, tuple):
-                        result = tuple(t.to(target, non_blocking=True) for t in result)
-                    else:
-                        result = result.to(target, non_blocking=True)
-                    ready[m] = torch.cuda.Event()
-                    ready[m].record(stream)
-                carries[m] = result
+        for s, m in wavefront(len(micro), self.num_stages):
+            stage, stream = self.stages[s], self._streams[s]
+            with torch.cuda.stream(stream):
+                if ready[m] is not None:
+                    stream.wait_event(ready[m])
+                    for t in carries[m] if isinstance(carries[m], tuple) else ():
+                        t.record_stream(stream)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                result = stage.run(batch_on(micro[m], stage.device), caches.stages[s], carries[m])
+                end.record(stream)
+                self._events[s].append((start, end))
+                target = self.stages[s + 1].device if s + 1 < self.num_stages else self.device
+                if isinstance(result, tuple):
+                    result = tuple(t.to(target, non_blocking=True) for t in result)
+                else:
+                    result = result.to(target, non_blocking=True)
+                ready[m] = torch.cuda.Event()
+                ready[m].record(stream)
+            carries[m] = result
         for m, event in enumerate(ready):
             caller.wait_event(event)
             carries[m].record_stream(caller)
         return carries
+
+    @property
+    def streams(self) -> Optional[list]:
+        """Each stage's CUDA stream (None on the CPU)."""
+        return self._streams
+
+    def add_busy(self, stage: int, seconds: float = 0.0, events: Optional[tuple] = None) -> None:
+        """Account a stage run made elsewhere (the stage graphs): seconds, or CUDA (start, end)."""
+        if events is not None:
+            self._events[stage].append(events)
+        self._busy[stage] += seconds
 
     def stage_busy_seconds(self) -> list[float]:
         """Seconds each stage has computed so far (CUDA: synchronises to read its events)."""

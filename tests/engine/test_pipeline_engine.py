@@ -10,7 +10,8 @@ from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import SamplingParams
 from batchinfer.models.checkpoint_writer import write_random_checkpoint
 from batchinfer.models import pipeline as pipeline_module
-from batchinfer.models.pipeline import PipelinedModel, split_prefill
+from batchinfer.models.micro_batches import split_prefill
+from batchinfer.models.pipeline import PipelinedModel
 from batchinfer.models.presets import PRESETS
 from tests.engine_utils import requests_for, run, shared_prefix_prompts
 

@@ -12,7 +12,8 @@ from batchinfer.cache.state_pool import GdnStatePool
 from batchinfer.engine.model_runner import SequenceChunk, build_forward_batch
 from batchinfer.engine.pipeline_pools import build_pipeline_pools
 from batchinfer.models.forward_batch import ModelCaches
-from batchinfer.models.pipeline import StagedCaches, prefill_edges, split_prefill
+from batchinfer.models.micro_batches import prefill_edges, split_prefill
+from batchinfer.models.pipeline import StagedCaches
 from batchinfer.models.pipeline_build import random_pipelined_model
 from batchinfer.models.presets import preset_config, random_model
 

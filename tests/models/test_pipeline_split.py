@@ -7,7 +7,7 @@ import torch
 
 from batchinfer.cache.shapes import shapes_from_model_config
 from batchinfer.cache.staged_pools import StagedStatePool, StageShapes, plan_stage_pools
-from batchinfer.models.pipeline import split_decode
+from batchinfer.models.micro_batches import split_decode
 from batchinfer.models.pipeline_build import random_pipelined_model
 from batchinfer.models.presets import preset_config, random_model
 from batchinfer.models.stage_split import check_stages_fit, layer_cost, split_layers
