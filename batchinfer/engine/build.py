@@ -18,6 +18,7 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.pipeline_pools import build_pipeline_pools, plan_pipeline_pools
+from batchinfer.engine.stage_graphs import stage_decode_graphs
 from batchinfer.engine.startup import max_running_shortfall, phase
 from batchinfer.models.forward_batch import ModelCaches
 from batchinfer.models.pipeline import PipelinedModel, StagedCaches
@@ -174,11 +175,17 @@ class EngineBuilder:
                                                  self.device), spare_cpus=spare_cpus)
 
     def _decode_graphs(self, caches, kv_pool, state_pool) -> Optional[DecodeGraphs]:
-        if not (self.config.cuda_graphs and self.device.type == "cuda") or self.pipelined:  # no per-stage graphs yet
+        if not (self.config.cuda_graphs and self.device.type == "cuda"):
             return None
-        graphs = DecodeGraphs(self.model, caches, self.device, replay=self.config.replayssm,
-                              max_batch=self.pool_plan.max_running, pad_state_slot=state_pool.pad_slot,
-                              pad_kv_slot=kv_pool.pad_slot, ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP))
+        ctx_cap = min(self.max_model_len, _GRAPH_CTX_CAP)
+        if self.pipelined:  # one graph per (stage, micro-batch) and bucket
+            graphs = stage_decode_graphs(self.model, caches, self.device, replay=self.config.replayssm,
+                                         max_batch=self.pool_plan.max_running, kv_pool=kv_pool,
+                                         state_pool=state_pool, ctx_cap=ctx_cap)
+        else:
+            graphs = DecodeGraphs(self.model, caches, self.device, replay=self.config.replayssm,
+                                  max_batch=self.pool_plan.max_running, pad_state_slot=state_pool.pad_slot,
+                                  pad_kv_slot=kv_pool.pad_slot, ctx_cap=ctx_cap)
         try:
             with phase("capturing CUDA graphs", self.startup_seconds, "compile_and_capture"):
                 graphs.capture_all()
