@@ -88,3 +88,14 @@ def test_stage_pools_without_the_pad_slot_are_refused():
     state_pool.stages[1] = SimpleNamespace(pad_slot=STATE_SLOTS - 1)
     with pytest.raises(ValueError, match="pipeline stage 1's state pool has no pad slot 6"):
         check_pad_slots(kv_pool, state_pool)
+
+
+def test_the_pipeline_benchmark_reports_the_graphs_used():
+    from benchmarks.pipeline_one_gpu import graphs_used
+
+    model, kv_pool, state_pool = _pipeline(2)
+    graphs = stage_decode_graphs(model, StagedCaches.from_pools(kv_pool, state_pool), CPU, replay=True, max_batch=4,
+                                 kv_pool=kv_pool, state_pool=state_pool, ctx_cap=8, capture=False)
+    rows = _step_rows()
+    graphs.run(rows.token_ids, rows.positions, rows.state_slots, rows.kv_indices)
+    assert graphs_used(graphs, 0) == "per stage, 1 replays" and graphs_used(None, 0) == "off"
