@@ -77,6 +77,16 @@ def load_model(model: str, config: EngineConfig, seed: int, loaded: dict[str, fl
     return built, fill
 
 
+def staged_trace(trace, model: PipelinedModel):
+    """The engine trace run through the stages (their micro-batch shapes, which the decode
+    graphs replay: edges from the bucket size), keyed apart from the whole model's trace and
+    from other splits."""
+    from batchinfer.engine.step_shapes import EngineTrace
+    from batchinfer.engine.trace_manifest import trace_key
+
+    return EngineTrace(trace.run, trace_key([trace.key, "pipeline", model.split.bounds, model.micro_batches]))
+
+
 @dataclass(frozen=True)
 class EngineParts:
     """What building leaves the engine."""
@@ -160,7 +170,7 @@ class EngineBuilder:
         """The trace of every Triton kernel the steps will launch, their compiles submitted to
         worker processes (CUDA only; None otherwise or when turned off); `spare_cpus` are left
         to the caller's work meanwhile."""
-        if self.device.type != "cuda" or self.pipelined:  # stages compile at first launch
+        if self.device.type != "cuda":
             return None
         from batchinfer.engine.precompile import start_precompile
         from batchinfer.engine.step_shapes import StepShapes, engine_trace
@@ -170,9 +180,14 @@ class EngineBuilder:
                             max_batch_tokens=self.config.max_batch_tokens, max_running=self.pool_plan.max_running,
                             max_model_len=self.max_model_len, replay=self.config.replayssm,
                             mixed_step=self.mixed_step)
+        trace = engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot, self.device)
+        if self.pipelined:
+            trace = staged_trace(trace, self.model)
         with phase("tracing kernels", self.startup_seconds, "compile_and_capture"):
-            return start_precompile(engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot,
-                                                 self.device), spare_cpus=spare_cpus)
+            pending = start_precompile(trace, spare_cpus=spare_cpus)
+        if self.pipelined:
+            self.model.reset_busy()
+        return pending
 
     def _decode_graphs(self, caches, kv_pool, state_pool) -> Optional[DecodeGraphs]:
         if not (self.config.cuda_graphs and self.device.type == "cuda"):

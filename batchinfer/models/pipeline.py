@@ -92,6 +92,13 @@ class StagedCaches:
 
     stages: tuple[ModelCaches, ...]
 
+    def __getattr__(self, name: str):
+        """A pool kind over all stages in stage order (`kv_k`, `ssm`, …): what the precompile's
+        trace key reads of the per-slot shapes."""
+        if name in ("kv_k", "kv_v", "conv", "ssm", "ring_k", "ring_u", "ring_g"):
+            return [t for stage in self.stages for t in getattr(stage, name)]
+        raise AttributeError(name)
+
     @classmethod
     def from_pools(cls, kv_pool, state_pool) -> "StagedCaches":
         """From staged pools (`cache.staged_pools`): each stage's own pool tensors."""
@@ -184,6 +191,12 @@ class PipelinedModel(nn.Module):
         if events is not None:
             self._events[stage].append(events)
         self._busy[stage] += seconds
+
+    def reset_busy(self) -> None:
+        """Forget the busy time so far (the precompile's trace is no work of the job)."""
+        for events in self._events:
+            events.clear()
+        self._busy = [0.0] * self.num_stages
 
     def stage_busy_seconds(self) -> list[float]:
         """Seconds each stage has computed so far (CUDA: synchronises to read its events)."""

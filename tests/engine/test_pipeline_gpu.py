@@ -1,6 +1,6 @@
 """Pipeline stages on one GPU with per-stage decode CUDA graphs: 2 stages both on cuda:0, graphs
 captured, greedy tokens equal to the 1-stage engine's over 32 tokens, and the decode steps
-replayed from the stage graphs (counted). Tiny preset, fp32, a small pool: well under a minute."""
+replayed from the stage graphs (counted); the kernels precompiled as for one stage. Tiny preset, fp32, a small pool: well under a minute."""
 from __future__ import annotations
 
 import pytest
@@ -25,8 +25,10 @@ def _engine(stages: int) -> Engine:
 def test_two_stages_on_one_gpu_replay_stage_graphs_with_the_one_stage_tokens():
     requests = requests_for(shared_prefix_prompts(seed=2, groups=2, per_group=3, prefix_len=40),
                             SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    reference = tokens_of(run(_engine(1), requests))
+    one = _engine(1)
+    reference = tokens_of(run(one, requests))
     engine = _engine(2)
+    assert (engine.precompile_report is None) == (one.precompile_report is None)  # traced through the stages
     assert isinstance(engine.model, PipelinedModel) and engine.model.devices == [engine.model.device] * 2
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.capture and isinstance(graphs.forward, StageGraphs)
