@@ -6,7 +6,8 @@
 Per engine: a RAG-shaped job (groups of rows sharing a long document prefix), greedy, with the top
 logprobs of every generated token. Compared with the 1-stage engine: the first token's logprobs
 (the prefill's logits through the whole model) within bf16 tolerance, the share of identical greedy
-texts, hit = the plan's ideal. Measured: total tok/s, and each stage's busy seconds against the
+texts, hit = the plan's ideal, whether decode steps replayed CUDA graphs (per stage when pipelined)
+and how many. Measured: total tok/s, and each stage's busy seconds against the
 job's wall (both stages share the one GPU, so the sum, not the max, bounds the step; on several
 GPUs the max would). Then a large MoE preset cut to the layers one GPU holds runs as 2 stages end to end.
 """
@@ -22,6 +23,7 @@ import torch
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
+from batchinfer.engine.stage_graphs import StageGraphs
 from batchinfer.engine.types import Request, SamplingParams
 from batchinfer.models.presets import PRESETS
 
@@ -69,6 +71,8 @@ def run_engine(model: str, stages: int, device: str, dtype: str, requests: list[
         torch.cuda.synchronize()
     before = dict(engine.settings().get("pipeline", {}))
     before_stats = engine.stats
+    graphs = engine.runner.decode_graphs  # None: decode steps ran eagerly (off, or the capture failed)
+    replays_before = graphs.replays if graphs is not None else 0
     start = time.perf_counter()
     outputs = {(o.request_id, o.sample_index): o for o in engine.generate(requests)}
     if device.startswith("cuda"):
@@ -82,12 +86,21 @@ def run_engine(model: str, stages: int, device: str, dtype: str, requests: list[
            "cached": stats.cached_tokens - before_stats.cached_tokens,
            "ideal": stats.theoretical_max_cached_tokens - before_stats.theoretical_max_cached_tokens,
            "busy": busy, "split": pipeline.get("stages"), "outputs": outputs,
+           "graphs": graphs_used(graphs, replays_before),
            "errors": sum(o.error is not None for o in outputs.values())}
     del engine
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return row
+
+
+def graphs_used(graphs, replays_before: int) -> str:
+    """Which decode graphs the engine had and how many of the job's decode steps replayed them."""
+    if graphs is None:
+        return "off"
+    kind = "per stage" if isinstance(graphs.forward, StageGraphs) else "whole model"
+    return f"{kind}, {graphs.replays - replays_before} replays"
 
 
 def first_token_gap(a: dict, b: dict) -> float:
@@ -134,14 +147,14 @@ def main() -> None:
     print()
     print(f"{model}, {dtype}, {len(requests)} rows ({args.groups} documents x {args.per_group} questions, "
           f"prefix {args.prefix}, output {args.output})")
-    print("| stages | split | total tok/s | wall s | stage busy s (sum / wall) | hit / ideal | errors |")
-    print("|---|---|---|---|---|---|---|")
+    print("| stages | split | total tok/s | wall s | stage busy s (sum / wall) | hit / ideal | decode graphs | errors |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows + ([big] if big else []):
         busy = " / ".join(f"{b:.2f}" for b in r["busy"]) or "-"
         share = f" ({sum(r['busy']) / r['wall_s']:.2f})" if r["busy"] else ""
         name = model if r is not big else big_model
         print(f"| {r['stages']} ({name}) | {r['split']} | {r['total_tps']:,.0f} | {r['wall_s']:.2f} | {busy}{share} | "
-              f"{r['cached']:,} / {r['ideal']:,} | {r['errors']} |")
+              f"{r['cached']:,} / {r['ideal']:,} | {r['graphs']} | {r['errors']} |")
     print(f"2 vs 1 stage: first-token top-4 logprob gap {gap:.4f}; identical greedy texts {same}/{len(requests)}; "
           f"hit = ideal: {all(r['cached'] == r['ideal'] for r in rows + ([big] if big else []))}")
 

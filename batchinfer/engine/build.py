@@ -18,6 +18,7 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.pipeline_pools import build_pipeline_pools, plan_pipeline_pools
+from batchinfer.engine.stage_graphs import stage_decode_graphs
 from batchinfer.engine.startup import max_running_shortfall, phase
 from batchinfer.models.forward_batch import ModelCaches
 from batchinfer.models.pipeline import PipelinedModel, StagedCaches
@@ -74,6 +75,16 @@ def load_model(model: str, config: EngineConfig, seed: int, loaded: dict[str, fl
             torch.cuda.synchronize()  # the copies to the device are part of the load
 
     return built, fill
+
+
+def staged_trace(trace, model: PipelinedModel):
+    """The engine trace run through the stages (their micro-batch shapes, which the decode
+    graphs replay: edges from the bucket size), keyed apart from the whole model's trace and
+    from other splits."""
+    from batchinfer.engine.step_shapes import EngineTrace
+    from batchinfer.engine.trace_manifest import trace_key
+
+    return EngineTrace(trace.run, trace_key([trace.key, "pipeline", model.split.bounds, model.micro_batches]))
 
 
 @dataclass(frozen=True)
@@ -159,7 +170,7 @@ class EngineBuilder:
         """The trace of every Triton kernel the steps will launch, their compiles submitted to
         worker processes (CUDA only; None otherwise or when turned off); `spare_cpus` are left
         to the caller's work meanwhile."""
-        if self.device.type != "cuda" or self.pipelined:  # stages compile at first launch
+        if self.device.type != "cuda":
             return None
         from batchinfer.engine.precompile import start_precompile
         from batchinfer.engine.step_shapes import StepShapes, engine_trace
@@ -169,16 +180,27 @@ class EngineBuilder:
                             max_batch_tokens=self.config.max_batch_tokens, max_running=self.pool_plan.max_running,
                             max_model_len=self.max_model_len, replay=self.config.replayssm,
                             mixed_step=self.mixed_step)
+        trace = engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot, self.device)
+        if self.pipelined:
+            trace = staged_trace(trace, self.model)
         with phase("tracing kernels", self.startup_seconds, "compile_and_capture"):
-            return start_precompile(engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot,
-                                                 self.device), spare_cpus=spare_cpus)
+            pending = start_precompile(trace, spare_cpus=spare_cpus)
+        if self.pipelined:
+            self.model.reset_busy()
+        return pending
 
     def _decode_graphs(self, caches, kv_pool, state_pool) -> Optional[DecodeGraphs]:
-        if not (self.config.cuda_graphs and self.device.type == "cuda") or self.pipelined:  # no per-stage graphs yet
+        if not (self.config.cuda_graphs and self.device.type == "cuda"):
             return None
-        graphs = DecodeGraphs(self.model, caches, self.device, replay=self.config.replayssm,
-                              max_batch=self.pool_plan.max_running, pad_state_slot=state_pool.pad_slot,
-                              pad_kv_slot=kv_pool.pad_slot, ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP))
+        ctx_cap = min(self.max_model_len, _GRAPH_CTX_CAP)
+        if self.pipelined:  # one graph per (stage, micro-batch) and bucket
+            graphs = stage_decode_graphs(self.model, caches, self.device, replay=self.config.replayssm,
+                                         max_batch=self.pool_plan.max_running, kv_pool=kv_pool,
+                                         state_pool=state_pool, ctx_cap=ctx_cap)
+        else:
+            graphs = DecodeGraphs(self.model, caches, self.device, replay=self.config.replayssm,
+                                  max_batch=self.pool_plan.max_running, pad_state_slot=state_pool.pad_slot,
+                                  pad_kv_slot=kv_pool.pad_slot, ctx_cap=ctx_cap)
         try:
             with phase("capturing CUDA graphs", self.startup_seconds, "compile_and_capture"):
                 graphs.capture_all()

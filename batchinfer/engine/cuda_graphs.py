@@ -7,6 +7,10 @@ the pools' scratch rows (`pad_slot`: never allocated, free to be overwritten). T
 list gets a fixed capacity of `ctx_cap` slots per row; a step whose contexts do not fit runs
 eagerly instead (the runner falls back when `run` returns None).
 
+How a bucket's forward is captured and replayed is a strategy (`forward`): `WholeModelGraphs`
+(one graph of the whole model, the default) or a pipelined model's per-stage graphs
+(engine/stage_graphs.py); both run over the same static buffers and padding.
+
 Without CUDA (`capture=False`) the same static-buffer path runs the model directly, so the
 padding and buffer logic is tested on the CPU.
 """
@@ -36,10 +40,46 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return [b for b in _LADDER if b < max_batch] + [max_batch]
 
 
+class WholeModelGraphs:
+    """A bucket's decode step as one graph of `model.forward` (DecodeGraphs' default strategy).
+    Strategy interface: `capture(b, batch, logits)`, `replay(b, kv_used)` and
+    `eager(b, batch, logits, kv_used)` (capture=False: the same step run directly); `batch` is
+    the bucket's view of the static buffers, `logits` its head of the shared logits buffer and
+    `kv_used` how many leading `kv_indices` entries the step filled."""
+
+    def __init__(self, model, caches: ModelCaches, device: torch.device) -> None:
+        self.model, self.caches, self.device = model, caches, device
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    def capture(self, b: int, batch: ForwardBatch, logits: torch.Tensor) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compile Triton kernels and settle allocations first
+            for _ in range(2):
+                self.model.forward(batch, self.caches, logits_out=logits)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.model.forward(batch, self.caches, logits_out=logits)  # [b, V]
+        self._pool = graph.pool()
+        self.graphs[b] = graph
+
+    def replay(self, b: int, kv_used: int) -> None:
+        self.graphs[b].replay()
+
+    def eager(self, b: int, batch: ForwardBatch, logits: torch.Tensor, kv_used: int) -> torch.Tensor:
+        return self.model.forward(batch, self.caches, logits_out=logits)
+
+
 class DecodeGraphs:
     def __init__(self, model, caches: ModelCaches, device: torch.device, *, replay: bool, max_batch: int,
-                 pad_state_slot: int, pad_kv_slot: int, ctx_cap: int, capture: bool = True) -> None:
+                 pad_state_slot: int, pad_kv_slot: int, ctx_cap: int, capture: bool = True,
+                 forward=None) -> None:
+        """`forward`: how a bucket is captured and replayed (default `WholeModelGraphs`)."""
         self.model, self.caches, self.device, self.replay = model, caches, device, replay
+        self.forward = forward or WholeModelGraphs(model, caches, device)
+        self.replays = 0  # steps served by the static buffers (graph replays, or eager when capture=False)
         self.sizes = bucket_sizes(max_batch)
         self.pad_state_slot, self.pad_kv_slot, self.ctx_cap = pad_state_slot, pad_kv_slot, ctx_cap
         self.capture = capture
@@ -62,8 +102,10 @@ class DecodeGraphs:
         # per-bucket outputs would each hold their own [b, V] fp32 (Qwen3.5-27B, buckets up to
         # 256: 1.25 GiB against 0.24 GiB shared). A step's logits are consumed before the next.
         self.logits = torch.empty(b_max, model.config.vocab_size, dtype=torch.float32, device=device)  # [B_max, V]
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._pool = None
+
+    @property
+    def _graphs(self) -> dict:
+        return self.forward.graphs
 
     def _batch(self, b: int) -> ForwardBatch:
         return ForwardBatch(
@@ -89,18 +131,7 @@ class DecodeGraphs:
             return
         self._point_at_scratch()
         for b in reversed(self.sizes):
-            batch = self._batch(b)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # compile Triton kernels and settle allocations first
-                for _ in range(2):
-                    self.model.forward(batch, self.caches, logits_out=self.logits[:b])
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.model.forward(batch, self.caches, logits_out=self.logits[:b])  # [b, V]
-            self._pool = graph.pool()
-            self._graphs[b] = graph
+            self.forward.capture(b, self._batch(b), self.logits[:b])
         torch.cuda.synchronize(self.device)
         log.info("captured decode graphs for batch sizes %s", self.sizes)
 
@@ -142,7 +173,8 @@ class DecodeGraphs:
         self.shared_with_prev[:b].copy_(shared)  # int64 → int32 on the device
         if from_device:
             select_tokens(self.input_ids[:b], source, prior_tokens, out=self.input_ids[:b])
+        self.replays += 1
         if not self.capture:
-            return self.model.forward(self._batch(b), self.caches, logits_out=self.logits[:b])[:B]
-        self._graphs[b].replay()
+            return self.forward.eager(b, self._batch(b), self.logits[:b], total)[:B]
+        self.forward.replay(b, total)
         return self.logits[:B]

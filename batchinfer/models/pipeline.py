@@ -5,16 +5,18 @@ model runner takes either. Each `StageModel` holds only its layers' weights (the
 first stage, the final norm and LM head on the last) and reads its own `ModelCaches` (its
 attention layers' KV pools and its GDN layers' states, on its device; a slot index is the same
 row on every stage, so the cache's bookkeeping is shared). A decode step's rows are cut into
-micro-batches (`micro_batches`, default one per stage) that go through the stages in wavefront
-order: on CUDA each stage issues on its own stream and the activations (hidden + the pending
-MLP output) move device to device behind stream events, so stages overlap; on the CPU the same
-code runs in order. A prefill or mixed step is one micro-batch (its chunk tables and per-chunk
-logits rows span the whole batch). Per-stage busy time: CUDA events, perf_counter on the CPU.
+micro-batches (`micro_batches`, default one per stage; cut without a host read), a prefill
+step's sequences likewise (balanced by tokens, a sequence never cut); they go through the stages
+in wavefront order: on CUDA each stage issues on its own stream and the activations (hidden +
+the pending MLP output) move device to device behind stream events, so stages overlap; on the
+CPU the same code runs in order. A mixed step is one micro-batch. Per-stage busy time: CUDA
+events, perf_counter on the CPU. Decode steps may instead replay per-stage CUDA graphs
+(engine/stage_graphs.py).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -22,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.kernels import ops
-from batchinfer.kernels.public import ChunkTables
 from batchinfer.models.config import ModelConfig
 from batchinfer.models.forward_batch import ForwardBatch, ModelCaches
 from batchinfer.models.layers.params import empty_param
 from batchinfer.models.layers.rotary import RotaryEmbedding
+from batchinfer.models.micro_batches import batch_on, split_decode, split_prefill, wavefront
 from batchinfer.models.qwen3_hybrid import DecoderLayer, advance_ring_cursors, fold_pending_ring_entries, fp32_logits
 from batchinfer.models.stage_split import StageSplit
 
@@ -78,6 +80,8 @@ class StageModel(nn.Module):
         if not self.last:
             return x, mlp_out
         rows = batch.logits_indices
+        if rows.numel() == 0:  # a prefill micro-batch of chunks that end before their last token
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=x.device)
         _, x = ops.add_rms_norm(x[rows], mlp_out[rows], self.final_norm, self.config.rms_norm_eps)
         return fp32_logits(x, self.embed if self.lm_head is None else self.lm_head)
 
@@ -88,48 +92,17 @@ class StagedCaches:
 
     stages: tuple[ModelCaches, ...]
 
+    def __getattr__(self, name: str):
+        """A pool kind over all stages in stage order (`kv_k`, `ssm`, …): what the precompile's
+        trace key reads of the per-slot shapes."""
+        if name in ("kv_k", "kv_v", "conv", "ssm", "ring_k", "ring_u", "ring_g"):
+            return [t for stage in self.stages for t in getattr(stage, name)]
+        raise AttributeError(name)
+
     @classmethod
     def from_pools(cls, kv_pool, state_pool) -> "StagedCaches":
         """From staged pools (`cache.staged_pools`): each stage's own pool tensors."""
         return cls(tuple(ModelCaches.from_pools(kv, st) for kv, st in zip(kv_pool.stages, state_pool.stages)))
-
-
-def batch_on(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    """The batch's tensors on `device` (itself when they are there already)."""
-    if batch.input_ids.device == device:
-        return batch
-    moved = {f.name: getattr(batch, f.name).to(device, non_blocking=True) for f in fields(batch)
-             if isinstance(getattr(batch, f.name), torch.Tensor)}
-    if batch.parts is not None:
-        moved["parts"] = tuple(batch_on(p, device) for p in batch.parts)
-    if batch.chunk_tables is not None:
-        moved["chunk_tables"] = ChunkTables(moved["cu_seqlens"], batch.num_tokens)
-    return replace(batch, **moved)
-
-
-def split_decode(batch: ForwardBatch, parts: int) -> list[ForwardBatch]:
-    """A decode batch's rows in `parts` contiguous micro-batches (fewer when it has fewer rows).
-    Reads the context offsets on the host (one small copy per step)."""
-    B = batch.num_seqs
-    parts = min(parts, B)
-    if parts <= 1 or not batch.is_decode or batch.parts is not None:
-        return [batch]
-    indptr = batch.kv_indptr.tolist()
-    edges = [B * k // parts for k in range(parts + 1)]
-    out = []
-    for a, b in zip(edges[:-1], edges[1:]):
-        ctx0 = indptr[a]
-        shared = None
-        if batch.shared_with_prev is not None:
-            shared = batch.shared_with_prev[a:b].clone()
-            shared[0] = 0  # its first row has no row before it in this micro-batch
-        steps = batch.cu_seqlens[: b - a + 1]  # 0..n: one token per row
-        out.append(replace(
-            batch, input_ids=batch.input_ids[a:b], positions=batch.positions[a:b], cu_seqlens=steps,
-            state_slots=batch.state_slots[a:b], out_kv_slots=batch.out_kv_slots[a:b],
-            kv_indices=batch.kv_indices[ctx0:indptr[b]], kv_indptr=batch.kv_indptr[a:b + 1] - ctx0,
-            logits_indices=batch.logits_indices[: b - a], shared_with_prev=shared))
-    return out
 
 
 class PipelinedModel(nn.Module):
@@ -159,7 +132,8 @@ class PipelinedModel(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, caches: StagedCaches,
                 logits_out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        micro = split_decode(batch, self.micro_batches)
+        cut = split_decode if batch.is_decode else split_prefill
+        micro = cut(batch, self.micro_batches)
         run = self._wavefront_cpu if self._streams is None else self._wavefront_cuda
         logits = run(micro, caches)  # one [N_m, vocab] per micro-batch
         out = (torch.cat(logits) if len(logits) > 1 else logits[0]).to(self.device)
@@ -167,13 +141,11 @@ class PipelinedModel(nn.Module):
 
     def _wavefront_cpu(self, micro: list[ForwardBatch], caches: StagedCaches) -> list[torch.Tensor]:
         carries: list = [None] * len(micro)
-        for tick in range(len(micro) + self.num_stages - 1):
-            for s, stage in enumerate(self.stages):
-                m = tick - s
-                if 0 <= m < len(micro):
-                    started = time.perf_counter()
-                    carries[m] = stage.run(batch_on(micro[m], stage.device), caches.stages[s], carries[m])
-                    self._busy[s] += time.perf_counter() - started
+        for s, m in wavefront(len(micro), self.num_stages):
+            stage = self.stages[s]
+            started = time.perf_counter()
+            carries[m] = stage.run(batch_on(micro[m], stage.device), caches.stages[s], carries[m])
+            self._busy[s] += time.perf_counter() - started
         return carries
 
     def _wavefront_cuda(self, micro: list[ForwardBatch], caches: StagedCaches) -> list[torch.Tensor]:
@@ -184,34 +156,47 @@ class PipelinedModel(nn.Module):
             stream.wait_stream(caller)  # the batch's upload and the pools' last writes
         carries: list = [None] * len(micro)
         ready: list = [None] * len(micro)  # the event after which carry m may be read
-        for tick in range(len(micro) + self.num_stages - 1):
-            for s, stage in enumerate(self.stages):
-                m = tick - s
-                if not 0 <= m < len(micro):
-                    continue
-                stream = self._streams[s]
-                with torch.cuda.stream(stream):
-                    if ready[m] is not None:
-                        stream.wait_event(ready[m])
-                        for t in carries[m] if isinstance(carries[m], tuple) else ():
-                            t.record_stream(stream)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record(stream)
-                    result = stage.run(batch_on(micro[m], stage.device), caches.stages[s], carries[m])
-                    end.record(stream)
-                    self._events[s].append((start, end))
-                    target = self.stages[s + 1].device if s + 1 < self.num_stages else self.device
-                    if isinstance(result, tuple):
-                        result = tuple(t.to(target, non_blocking=True) for t in result)
-                    else:
-                        result = result.to(target, non_blocking=True)
-                    ready[m] = torch.cuda.Event()
-                    ready[m].record(stream)
-                carries[m] = result
+        for s, m in wavefront(len(micro), self.num_stages):
+            stage, stream = self.stages[s], self._streams[s]
+            with torch.cuda.stream(stream):
+                if ready[m] is not None:
+                    stream.wait_event(ready[m])
+                    for t in carries[m] if isinstance(carries[m], tuple) else ():
+                        t.record_stream(stream)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                result = stage.run(batch_on(micro[m], stage.device), caches.stages[s], carries[m])
+                end.record(stream)
+                self._events[s].append((start, end))
+                target = self.stages[s + 1].device if s + 1 < self.num_stages else self.device
+                if isinstance(result, tuple):
+                    result = tuple(t.to(target, non_blocking=True) for t in result)
+                else:
+                    result = result.to(target, non_blocking=True)
+                ready[m] = torch.cuda.Event()
+                ready[m].record(stream)
+            carries[m] = result
         for m, event in enumerate(ready):
             caller.wait_event(event)
             carries[m].record_stream(caller)
         return carries
+
+    @property
+    def streams(self) -> Optional[list]:
+        """Each stage's CUDA stream (None on the CPU)."""
+        return self._streams
+
+    def add_busy(self, stage: int, seconds: float = 0.0, events: Optional[tuple] = None) -> None:
+        """Account a stage run made elsewhere (the stage graphs): seconds, or CUDA (start, end)."""
+        if events is not None:
+            self._events[stage].append(events)
+        self._busy[stage] += seconds
+
+    def reset_busy(self) -> None:
+        """Forget the busy time so far (the precompile's trace is no work of the job)."""
+        for events in self._events:
+            events.clear()
+        self._busy = [0.0] * self.num_stages
 
     def stage_busy_seconds(self) -> list[float]:
         """Seconds each stage has computed so far (CUDA: synchronises to read its events)."""

@@ -7,7 +7,7 @@ import torch
 
 from batchinfer.cache.shapes import shapes_from_model_config
 from batchinfer.cache.staged_pools import StagedStatePool, StageShapes, plan_stage_pools
-from batchinfer.models.pipeline import split_decode
+from batchinfer.models.micro_batches import split_decode
 from batchinfer.models.pipeline_build import random_pipelined_model
 from batchinfer.models.presets import preset_config, random_model
 from batchinfer.models.stage_split import check_stages_fit, layer_cost, split_layers
@@ -88,15 +88,33 @@ def test_stage_pools_fit_the_tightest_stage():
     assert tight.max_running < plan.max_running
 
 
-def test_decode_micro_batches_rebase_their_context():
+def _decode_batch():
     from batchinfer.engine.model_runner import DecodeRows, build_decode_batch
 
     rows = DecodeRows(token_ids=[1, 2, 3, 4, 5], positions=[0, 2, 1, 3, 0], state_slots=[4, 3, 2, 1, 0],
                       kv_indices=torch.arange(1 + 3 + 2 + 4 + 1), shared_with_prev=[0, 1, 1, 2, 0])
-    batch = build_decode_batch(rows, replay=False, device=torch.device("cpu"))
+    return build_decode_batch(rows, replay=False, device=torch.device("cpu"))
+
+
+def test_decode_micro_batches_keep_the_whole_context_and_absolute_offsets():
+    batch = _decode_batch()
     parts = split_decode(batch, 2)
     assert [p.num_seqs for p in parts] == [2, 3]
     second = parts[1]
-    assert second.kv_indptr.tolist() == [0, 2, 6, 7] and second.kv_indices.tolist() == list(range(4, 11))
+    assert second.kv_indptr.tolist() == [4, 6, 10, 11] and second.kv_indices is batch.kv_indices
     assert second.shared_with_prev.tolist() == [0, 2, 0] and second.logits_indices.tolist() == [0, 1, 2]
     assert torch.cat([p.input_ids for p in parts]).tolist() == [1, 2, 3, 4, 5]
+
+
+def test_decode_micro_batch_cut_reads_nothing_on_the_host(monkeypatch):
+    """A host read would stall the GPU each step and break CUDA-graph capture."""
+    batch = _decode_batch()
+
+    def host_read(*_args, **_kwargs):
+        raise AssertionError("split_decode read a tensor on the host")
+
+    for name in ("tolist", "item", "__int__", "__index__", "__bool__", "__float__", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    parts = split_decode(batch, 3)
+    monkeypatch.undo()
+    assert [p.num_seqs for p in parts] == [1, 2, 2]
