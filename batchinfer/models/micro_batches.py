@@ -58,7 +58,7 @@ def decode_micro_batch(batch: ForwardBatch, parts: int, m: int) -> ForwardBatch:
     shared = None
     if batch.shared_with_prev is not None:
         shared = batch.shared_with_prev[a:b].clone()
-        shared[0] = 0  # its first row has no row before it in this micro-batch
+        shared[:1].zero_()  # its first row has no row before it here; a device fill (`[0] = 0` copies a host scalar: no graph capture)
     steps = batch.cu_seqlens[: b - a + 1]  # 0..n: one token per row
     return replace(
         batch, input_ids=batch.input_ids[a:b], positions=batch.positions[a:b], cu_seqlens=steps,
