@@ -199,7 +199,7 @@ def child_main(out_path: Path, cli_args: list[str]) -> int:
     import batchinfer.engine.precompile as precompile
     import batchinfer.models.loader as loader
     import batchinfer.models.presets as presets
-    import batchinfer.jobs.run.global_run as global_run
+    import batchinfer.jobs.run.in_process as in_process
     import batchinfer.jobs.run.runner as runner
     imports_end = time.time()
     timeline.phases.append({"name": "imports", "start": imports_start, "end": imports_end, "io": {
@@ -230,7 +230,7 @@ def child_main(out_path: Path, cli_args: list[str]) -> int:
         _patch(timeline, engine_module.Engine, "_precompile", "precompile")
     _patch(timeline, runner, "plan_units", "plan")
     _patch(timeline, runner, "prepare_units", "prepare_units")
-    _patch(timeline, global_run.UnitsInProcess, "run", "generate")
+    _patch(timeline, in_process.InProcessExecutor, "run", "generate")
     code = 0
     try:
         cli.main.main(args=cli_args, prog_name="batchinfer", standalone_mode=True)

@@ -6,8 +6,8 @@
 A shuffled rag job much larger than one 4,096-row window: `--docs` documents of `--doc-tokens`
 random token ids, each followed by `--questions` questions of `--question-tokens`, shuffled, so
 that a window holds about two rows per document. The same rows run as two jobs that differ only
-in `run_job(plan=...)` (`window`: the engine plans 4,096 rows at a time in input order; `global`: the
-whole job sorted and cut into work units). Each arm gets a fresh engine on one loaded model (no
+in `run_job(plan=...)` (`window`: units of 4,096 consecutive rows in input order, each planned alone;
+`global`: the whole job sorted and cut into work units; both through the same unit path). Each arm gets a fresh engine on one loaded model (no
 cache carried across arms), after a warm-up job that compiles the kernels. Printed: cached tokens
 against the global ideal (Σ over the globally sorted prompts of min(lcp, len − 1), computed here
 independently), prompt / output tokens per second over the job's wall time and over the engine's

@@ -1,12 +1,12 @@
 """Planned against achieved reuse on a shuffled rag job, per-window planning against one unit.
 
-    python -m benchmarks.unit_reuse --arm window   # today's 4,096-row plan windows
+    python -m benchmarks.unit_reuse --arm window   # units of 4,096 consecutive rows, in input order
     python -m benchmarks.unit_reuse --arm unit     # the whole job as one work unit
 
-The demo model (`model: demo`, fp32 on the CPU, its default 256 MiB pool budget) over 1,000
-documents of 120 pseudo-words × 10 questions each, shuffled, built and tokenised here and
-fed through the engine API. Prints one JSON object: the engine's reuse counters, the global
-ideal (the plan of all rows at once) and the wall time.
+The demo model (`model: demo`, fp32 on the CPU, its default 256 MiB pool budget) over 1,000 documents of 120
+pseudo-words × 10 questions each, shuffled, built and tokenised here and fed through the engine API
+(`generate_units`, as the job runner feeds it). Prints one JSON object: the engine's reuse counters, the
+global ideal (the plan of all rows at once) and the wall time.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=1000)
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--words", type=int, default=120)
-    parser.add_argument("--window", type=int, default=4096, help="rows per plan window (--arm window)")
+    parser.add_argument("--window", type=int, default=4096, help="rows per unit (--arm window)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--grouped", action="store_true", help="keep the rows grouped by document")
     args = parser.parse_args()
@@ -60,10 +60,12 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     requests = [Request(request_id=i, prompt_token_ids=tuple(ids[i]), sampling=params, seed_key=i) for i in order]
 
-    config = EngineConfig(plan_window=args.window if args.arm == "window" else None)
-    engine = Engine.from_pretrained(str(checkpoint), config, eos_token_ids=tokenizer.eos_token_ids)
+    # The window plan's units (jobs/global_plan/windows.py): consecutive rows, each unit planned alone.
+    size = args.window if args.arm == "window" else len(requests)
+    units = [requests[start:start + size] for start in range(0, len(requests), size)]
+    engine = Engine.from_pretrained(str(checkpoint), EngineConfig(), eos_token_ids=tokenizer.eos_token_ids)
     started = time.perf_counter()
-    for _ in engine.generate_units([requests]) if args.arm == "unit" else engine.generate(requests):
+    for _ in engine.generate_units(units):
         pass
     wall = time.perf_counter() - started
     stats = engine.stats.to_dict()

@@ -6,7 +6,8 @@
 
 Modules, one job each: `spill` (tokenising pass into sorted runs), `external_sort` (runs and
 their k-way merge in bounded memory), `sorted_rows` (the globally sorted rows on disk, with
-each row's lcp), `units` (cutting them into units, costs), `store` (the work folder, its
+each row's lcp), `units` (cutting them into units, costs), `windows` (the window plan's cutter:
+units of consecutive rows in input order, no global sort), `store` (the work folder, its
 atomic commit and reuse, `WorkPlan`), `progress`. The balance of units over N workers is the
 executors' (`jobs.executors.balance`), so `plan --workers` predicts the order they dispatch in.
 """

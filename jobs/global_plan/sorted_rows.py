@@ -66,8 +66,9 @@ class UnitRow:
 
 
 def write_sorted_rows(rows: Iterable[SortedRow], path: Path, on_rows: Optional[Callable[[int], None]] = None,
-                      row_group_rows: int = ROW_GROUP_ROWS) -> SpillTotals:
-    """Write the merged stream with each row's lcp and length; returns the totals."""
+                      row_group_rows: int = ROW_GROUP_ROWS, restart_every: Optional[int] = None) -> SpillTotals:
+    """Write the merged stream with each row's lcp and length; returns the totals. `restart_every`: rows at
+    multiples of it share nothing with the row before (a window plan's units, planned alone)."""
     totals = dict(rows=0, error_rows=0, prompt_tokens=0, first_sample_reuse=0, further_sample_reuse=0)
     columns: tuple[list, ...] = ([], [], [], [], [])
     previous = b""
@@ -83,7 +84,8 @@ def write_sorted_rows(rows: Iterable[SortedRow], path: Path, on_rows: Optional[C
     with pq.ParquetWriter(path, SORTED_SCHEMA, compression="zstd", compression_level=1) as writer:
         for key, row_index, error in rows:
             tokens = key_tokens(key)
-            lcp = common_prefix_tokens(previous, key) if tokens and previous else 0
+            restart = restart_every is not None and totals["rows"] % restart_every == 0
+            lcp = common_prefix_tokens(previous, key) if tokens and previous and not restart else 0
             previous = key
             totals["rows"] += 1
             if error is not None:

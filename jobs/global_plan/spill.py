@@ -29,7 +29,7 @@ class SpillCounts:
     prompt_tokens: int  # Σ prompt lengths, one sample each
 
 
-def _prompt_batches(job: PreparedJob, window_rows: int) -> Iterator[tuple[RowWindow, PromptBatch]]:
+def prompt_batches(job: PreparedJob, window_rows: int) -> Iterator[tuple[RowWindow, PromptBatch]]:
     """Windows with their prompts; the next window is tokenised while the caller handles this one."""
     spec = job.spec
 
@@ -54,7 +54,7 @@ def spill_prompts(job: PreparedJob, runs: RunWriter, on_rows: Optional[Callable[
     """Tokenise every row of the job (within `limit`) into `runs`; `on_rows(rows, tokens)` per window;
     each window's `id_column` into `ids` (the uniqueness check, in the same read of the input)."""
     rows = error_rows = prompt_tokens = 0
-    for window, prompts in _prompt_batches(job, window_rows):
+    for window, prompts in prompt_batches(job, window_rows):
         if ids is not None:
             ids.add(window.table[job.spec.id_column])
         keys = [b"" if ids is None else encode_key(ids) for ids in prompts.token_ids]

@@ -36,6 +36,7 @@ from batchinfer.jobs.global_plan.sorted_rows import (SortedRowsReader, SpillTota
 from batchinfer.jobs.global_plan.spill import SPILL_WINDOW_ROWS, spill_prompts
 from batchinfer.jobs.global_plan.unique_ids import IdHashes, check_unique_ids, checks_ids
 from batchinfer.jobs.global_plan.units import GlobalPlanSummary, UnitConfig, WorkUnit, cut_units
+from batchinfer.jobs.global_plan.windows import WindowCut, cut_windows, write_window_rows
 from batchinfer.jobs.outdir.atomic_files import checksum_problem, file_checksum
 from batchinfer.jobs.errors import display_path
 from batchinfer.jobs.outdir.part_writer import TEMP_SUFFIX, write_atomically
@@ -64,12 +65,13 @@ def work_dir_for(out_dir: Path) -> Path:
     return Path(out_dir) / WORK_DIR_NAME
 
 
-def spill_fingerprint(job: PreparedJob) -> dict[str, Any]:
+def spill_fingerprint(job: PreparedJob, windows: Optional[WindowCut] = None) -> dict[str, Any]:
     """What the sorted rows depend on: not sampling, not the engine (the id column makes rows with an
-    id that is not UTF-8 errors)."""
+    id that is not UTF-8 errors); a window plan's rows also on its windows."""
     fingerprint = job.fingerprint
-    return {"format": FORMAT, "model": fingerprint["model"], "prompt": fingerprint["prompt"],
-            "id_column": job.spec.id_column, "input": fingerprint["input"], "rows": job.rows}
+    spill = {"format": FORMAT, "model": fingerprint["model"], "prompt": fingerprint["prompt"],
+             "id_column": job.spec.id_column, "input": fingerprint["input"], "rows": job.rows}
+    return spill if windows is None else {**spill, "cut": windows.fingerprint()}
 
 
 def _units_digest(spill_digest: str, config: UnitConfig, n: int, max_tokens: int) -> str:
@@ -184,6 +186,18 @@ def _build_sorted_rows(job: PreparedJob, work_dir: Path, build: Path, budget: So
     return totals
 
 
+def _build_window_rows(job: PreparedJob, work_dir: Path, build: Path, windows: WindowCut,
+                       progress: Progress) -> SpillTotals:
+    progress.phase("tokenise", job.rows)
+    ids = IdHashes(build / "ids") if checks_ids(job) else None
+    written: list[SpillTotals] = []
+    write_atomically(work_dir / SORTED_NAME, lambda temp: written.append(
+        write_window_rows(job, windows, temp, progress.advance, ids)))
+    if ids is not None:
+        check_unique_ids(job, ids)
+    return written[0]
+
+
 def _write_units(units: tuple[WorkUnit, ...], path: Path) -> None:
     columns = {name: [getattr(unit, name) for unit in units] for name in WorkUnit.__dataclass_fields__}
     pq.write_table(pa.table(columns, schema=_UNITS_SCHEMA), path)
@@ -204,14 +218,16 @@ def _summary(manifest: dict[str, Any]) -> GlobalPlanSummary:
 
 def build_work_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitConfig(),
                     progress: Optional[Progress] = None, budget: SortBudget = SortBudget(),
-                    window_rows: int = SPILL_WINDOW_ROWS, warn: Warn = _no_warning) -> WorkPlan:
+                    window_rows: int = SPILL_WINDOW_ROWS, warn: Warn = _no_warning,
+                    windows: Optional[WindowCut] = None) -> WorkPlan:
     """The job's global plan in `work_dir`: reused when committed from the same input, prompt and
     model (units recut if the unit config or sampling changed), else built from scratch
-    (`window_rows` input rows tokenised at a time); a damaged file is rebuilt, said through `warn`."""
+    (`window_rows` input rows tokenised at a time); a damaged file is rebuilt, said through `warn`.
+    `windows`: cut in input order instead (`windows.py`), no global sort; `config` then goes unused."""
     progress = progress or NoProgress()
     work_dir.mkdir(parents=True, exist_ok=True)
     sampling = job.spec.sampling
-    digest = fingerprint_digest(spill_fingerprint(job))
+    digest = fingerprint_digest(spill_fingerprint(job, windows))
     manifest = _read_manifest(work_dir)
     totals = _committed_spill(work_dir, manifest, digest, warn)
     build = work_dir / BUILD_NAME
@@ -222,7 +238,8 @@ def build_work_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitC
         _forget(work_dir)
         manifest = None
         build.mkdir()
-        totals = _build_sorted_rows(job, work_dir, build, budget, progress, window_rows)
+        totals = _build_sorted_rows(job, work_dir, build, budget, progress, window_rows) if windows is None else \
+            _build_window_rows(job, work_dir, build, windows, progress)
     units_digest = _units_digest(digest, config, sampling.n, sampling.max_tokens)
     units_name = f"units-{units_digest[:16]}.parquet"
     if manifest is not None and manifest.get("units_sha256") == units_digest and \
@@ -232,11 +249,14 @@ def build_work_plan(job: PreparedJob, work_dir: Path, config: UnitConfig = UnitC
         sorted_checksum = manifest["files"][SORTED_NAME] if manifest is not None else \
             file_checksum(work_dir / SORTED_NAME)  # reused: verified above; else just written
         build.mkdir(exist_ok=True)
-        units, summary = cut_units(lambda: iter_profile(work_dir / SORTED_NAME), totals, sampling.n,
-                                   sampling.max_tokens, config, scratch=build)
+        profile = lambda: iter_profile(work_dir / SORTED_NAME)  # noqa: E731
+        units, summary = cut_units(profile, totals, sampling.n, sampling.max_tokens, config, scratch=build) \
+            if windows is None else cut_windows(profile, totals, sampling.n, sampling.max_tokens, windows,
+                                                config.decode_token_cost)
         write_atomically(work_dir / units_name, lambda temp: _write_units(units, temp))
         files = {SORTED_NAME: sorted_checksum, units_name: file_checksum(work_dir / units_name)}
-        record = {"format": FORMAT, "spill_sha256": digest, "spill_fingerprint": spill_fingerprint(job), "files": files,
+        record = {"format": FORMAT, "spill_sha256": digest, "spill_fingerprint": spill_fingerprint(job, windows),
+                  "files": files,
                   "spill": totals.to_dict(), "units_sha256": units_digest, "units_file": units_name,
                   "unit_config": config.to_dict(), "sampling": {"n": sampling.n, "max_tokens": sampling.max_tokens},
                   "summary": summary.to_dict()}

@@ -204,7 +204,7 @@ def _cut_starts(profile: Iterable[tuple[np.ndarray, np.ndarray]], n: int, max_to
     return predecessors.backtrack(row)
 
 
-def _units_from_starts(profile: Iterable[tuple[np.ndarray, np.ndarray]], starts: list[int], rows: int, n: int,
+def units_from_starts(profile: Iterable[tuple[np.ndarray, np.ndarray]], starts: list[int], rows: int, n: int,
                        max_tokens: int, decode_token_cost: float) -> tuple[list[WorkUnit], int]:
     """Each unit's counts from one streaming pass; also the global shared-prefix group count."""
     unit_starts = np.asarray(starts, dtype=np.int64)
@@ -267,7 +267,7 @@ def cut_units(profile: Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]], to
     target = resolve_target_cost(config, totals, n, max_tokens)
     with tempfile.TemporaryDirectory(dir=scratch, prefix=".cut-") as folder:
         starts = _cut_starts(profile(), n, max_tokens, config, target, Path(folder)) if totals.rows else []
-    units, groups = _units_from_starts(profile(), starts, totals.rows, n, max_tokens, config.decode_token_cost)
+    units, groups = units_from_starts(profile(), starts, totals.rows, n, max_tokens, config.decode_token_cost)
     summary = GlobalPlanSummary(
         rows=totals.rows, error_rows=totals.error_rows, samples=n * totals.prompt_rows,
         prompt_tokens=n * totals.prompt_tokens, ideal_cached_tokens=totals.ideal_cached_tokens(n),
@@ -289,4 +289,4 @@ def unit_size_quantiles(units: Iterable[WorkUnit], field: str = "rows") -> dict[
 
 
 __all__ = ["DECODE_TOKEN_COST", "GlobalPlanSummary", "UnitConfig", "WorkUnit", "cut_units", "resolve_target_cost",
-           "total_cost", "unit_size_quantiles"]
+           "total_cost", "unit_size_quantiles", "units_from_starts"]

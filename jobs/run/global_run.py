@@ -1,18 +1,18 @@
-"""The globally planned run (the default): plan, resume by unit, run the units.
+"""The planned run: plan, resume by unit, run the units.
 
-`plan_units` is the planning pass (prompts tokenised and sorted into `_work/`, units cut, each
-unit's input columns bucketed), with progress; a rerun reuses it while the input, prompt and
-model are unchanged. `prepare_units` retires unit parts of an earlier plan that this one would
-rewrite and records what was done at the run's start (`unit_parts`). `UnitsInProcess` runs the
-unfinished units through one engine (`unit_runner.UnitRunner`); a parallel run hands the same
-units to `jobs.parallel_run.run_units_in_workers` instead.
+`plan_units` is the planning pass (prompts tokenised and sorted into `_work/`, units cut, each unit's input
+columns bucketed), with progress; a rerun reuses it while the input, prompt and model are unchanged. With a
+`WindowCut` (`run_job(plan="window")`, a benchmark's arm) the units are windows of consecutive rows in input
+order instead (`global_plan/windows.py`); the rest is the same. `prepare_units` retires unit parts of an
+earlier plan that this one would rewrite and records what was done at the run's start (`unit_parts`); an
+executor then runs the unfinished units (`job_executor`: `in_process` through one engine here, or
+`parallel_run` on workers).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -21,9 +21,9 @@ from rich.console import Console
 from batchinfer.jobs.global_plan import PlanningProgress, SortBudget, UnitConfig, WorkPlan, build_work_plan
 from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.outdir.resume import ResumeState
+from batchinfer.jobs.global_plan.windows import WindowCut
 from batchinfer.jobs.global_plan.unit_inputs import ROW_UNITS_NAME, UnitInputs, build_unit_inputs, inputs_dir_for
-from batchinfer.jobs.outdir.unit_parts import DoneIndex, retire_foreign_unit_parts, write_done_index
-from batchinfer.jobs.run.unit_runner import UnitEngine, UnitRunner
+from batchinfer.jobs.outdir.unit_parts import retire_foreign_unit_parts, write_done_index
 
 
 @dataclass(frozen=True)
@@ -31,23 +31,31 @@ class PlannedUnits:
     plan: WorkPlan
     inputs: UnitInputs
     seconds: float
+    windows: Optional[WindowCut] = None  # None: the global plan
 
 
 def plan_units(job: PreparedJob, work_dir: Path, console: Console, config: UnitConfig = UnitConfig(),
-               budget: SortBudget = SortBudget(), warn: Callable[[str], None] = lambda message: None) -> PlannedUnits:
+               budget: SortBudget = SortBudget(), warn: Callable[[str], None] = lambda message: None,
+               windows: Optional[WindowCut] = None) -> PlannedUnits:
     """The planning pass, shown as it goes (rows tokenised and sorted, inputs bucketed, ETA); `warn`: a
-    damaged `_work/` file being rebuilt."""
+    damaged `_work/` file being rebuilt; `windows`: cut in input order, not sorted."""
     start = time.monotonic()
     with PlanningProgress(console, job.spec.name) as progress:
-        plan = build_work_plan(job, work_dir, config, progress, budget, warn=warn)
+        plan = build_work_plan(job, work_dir, config, progress, budget, warn=warn, windows=windows)
         inputs = UnitInputs.open(plan, verify=True, warn=warn)
         if inputs is None:
             progress.phase("inputs", job.rows)
             inputs = build_unit_inputs(job, plan, on_rows=progress.advance)
     summary = plan.summary
+    reused = " (reused _work/)" if plan.reused_spill else ""
+    if windows is not None:  # no global sort: no global figure to show
+        console.print(f"[{job.spec.name}] plan: {summary.units:,} windows of {windows.window_rows:,} rows in input "
+                      f"order, {summary.unit_ideal_cached_tokens:,} cached tokens planned" + reused,
+                      highlight=False, markup=False)
+        return PlannedUnits(plan, inputs, time.monotonic() - start, windows)
     console.print(f"[{job.spec.name}] plan: {summary.units:,} units, global ideal {summary.ideal_cached_tokens:,} "
                   f"cached tokens ({summary.hit_rate:.1%}), {summary.recomputed_root_tokens:,} root tokens "
-                  f"recomputed by split groups" + (" (reused _work/)" if plan.reused_spill else ""),
+                  f"recomputed by split groups" + reused,
                   highlight=False, markup=False)
     return PlannedUnits(plan, inputs, time.monotonic() - start)
 
@@ -78,44 +86,14 @@ def prepare_units(job: PreparedJob, planned: PlannedUnits, out_dir: Path, resume
 def plan_stats(planned: PlannedUnits) -> dict[str, Any]:
     """The plan's numbers for `_stats.json`, beside the achieved cached tokens."""
     summary = planned.plan.summary
+    if planned.windows is not None:  # the windows' own plan: no global ideal was computed
+        return {"mode": "window", "window_rows": planned.windows.window_rows, "units": summary.units,
+                "prompt_tokens": summary.prompt_tokens, "unit_ideal_cached_tokens": summary.unit_ideal_cached_tokens,
+                "shared_prefix_groups": summary.shared_prefix_groups, "reused_work_dir": planned.plan.reused_spill,
+                "planning_seconds": planned.seconds}
     return {"mode": "global", "units": summary.units, "prompt_tokens": summary.prompt_tokens,
             "global_ideal_cached_tokens": summary.ideal_cached_tokens, "global_ideal_hit_rate": summary.hit_rate,
             "unit_ideal_cached_tokens": summary.unit_ideal_cached_tokens,
             "recomputed_root_tokens": summary.recomputed_root_tokens, "shared_prefix_groups":
                 summary.shared_prefix_groups, "reused_work_dir": planned.plan.reused_spill,
             "planning_seconds": planned.seconds}
-
-
-class UnitsInProcess:
-    """Every unfinished unit through one engine in this process; counts what it commits."""
-
-    def __init__(self, job: PreparedJob, engine: UnitEngine, planned: PlannedUnits, out_dir: Path, progress: Any,
-                 before_commit: Callable[[], None]) -> None:
-        self.runner = UnitRunner(job, engine, planned.plan, out_dir, progress, before_commit=before_commit,
-                                 inputs=planned.inputs, done=DoneIndex(planned.plan.work_dir))
-
-    @property
-    def samples_written(self) -> int:
-        return self.runner.samples_committed
-
-    @property
-    def errors_written(self) -> int:
-        return self.runner.errors_committed
-
-    def run(self, unit_ids: list[int]) -> None:
-        for _ in self.runner.run_units(unit_ids):
-            pass
-
-    def flush_partial(self) -> None:
-        """The run stops early: commit what its open chunks hold."""
-        self.runner.flush_partial()
-
-
-def summed_counters(results: Any) -> Optional[SimpleNamespace]:
-    """Engine counters of a parallel run's unit results, as `build_stats` reads them (peaks: the max)."""
-    totals: dict[str, float] = {}
-    for result in results:
-        for name, value in result.counters.items():
-            totals[name] = max(totals.get(name, 0), value) if name.startswith("peak_") else \
-                totals.get(name, 0) + value
-    return SimpleNamespace(**totals) if totals else None

@@ -25,7 +25,8 @@ import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from types import SimpleNamespace
+from typing import Any, Callable, Optional, Sequence, Union
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -34,7 +35,7 @@ from rich.table import Table
 from batchinfer.jobs.run.executors.contract import WorkerRecipe
 from batchinfer.jobs.run.executors import (ExecutionReport, LocalExecutor, ProgressSnapshot, RayExecutor, RetryPolicy, UnitSpec,
                             available_cores, local_placements, resolve_workers, visible_gpus)
-from batchinfer.jobs.global_plan import WorkPlan, work_dir_for
+from batchinfer.jobs.global_plan import GlobalPlanSummary, WorkPlan, work_dir_for
 from batchinfer.jobs.outdir.interruption import Stopped
 from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.outdir.part_store import samples_on_disk
@@ -200,20 +201,56 @@ def raise_interruption(report: ExecutionReport) -> None:
     raise KeyboardInterrupt()
 
 
-class WorkersCommitted:
-    """What a parallel run committed, counted from the records on disk (workers commit their own
-    parts): the runner's view of the work for its stats."""
+def summed_counters(results: Any) -> Optional[SimpleNamespace]:
+    """Engine counters of a parallel run's unit results, as `build_stats` reads them (peaks: the max)."""
+    totals: dict[str, float] = {}
+    for result in results:
+        for name, value in result.counters.items():
+            totals[name] = max(totals.get(name, 0), value) if name.startswith("peak_") else \
+                totals.get(name, 0) + value
+    return SimpleNamespace(**totals) if totals else None
 
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
-        self.baseline = samples_on_disk(out_dir)[0]
+
+class WorkersExecutor:
+    """The job's units on workers (`run_units`: `run_units_in_workers`, or a test's own), as the runner
+    drives every executor (`job_executor.JobExecutor`); what they committed is counted from the records
+    on disk, since the workers commit their own parts."""
+
+    def __init__(self, run_units: Callable[..., ExecutionReport] = run_units_in_workers) -> None:
+        self._run_units = run_units
+        self._out_dir: Optional[Path] = None
+        self._baseline = 0
         self.report: Optional[ExecutionReport] = None
+
+    def start(self, job: PreparedJob) -> None:
+        pass  # each worker loads its own engine once it is handed units
+
+    def planned(self, summary: GlobalPlanSummary) -> None:
+        pass
+
+    def ready(self) -> dict[str, float]:
+        return {}
+
+    def run(self, job: PreparedJob, planned: Any, out_dir: Path, console: Console,
+            unit_ids: list[int]) -> ExecutionReport:
+        self._out_dir, self._baseline = out_dir, samples_on_disk(out_dir)[0]
+        self.report = self._run_units(job, planned.plan, out_dir, console, unit_ids=unit_ids)
+        return self.report
+
+    def flush_partial(self) -> None:
+        pass  # a worker commits what it finished before it stops
 
     @property
     def samples_written(self) -> int:
-        return samples_on_disk(self.out_dir)[0] - self.baseline
+        return samples_on_disk(self._out_dir)[0] - self._baseline if self._out_dir is not None else 0
 
     @property
     def errors_written(self) -> int:
         results = getattr(self.report, "results", {}) or {}
         return sum(result.errors for result in results.values())
+
+    def engine_stats(self) -> Any:
+        return summed_counters(getattr(self.report, "results", {}).values()) if self.report is not None else None
+
+    def settings(self) -> Optional[dict]:
+        return None

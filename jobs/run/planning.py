@@ -6,8 +6,8 @@ the predicted balance of the units over N workers. It writes nothing into the jo
 folder: it reuses a committed `_work/` plan made from the same input, prompt and model,
 else plans into a temporary folder that is deleted afterwards.
 
-The per-window plan (`plan_job`): prompts planned in the windows of requests `run` hands
-to the engine today (on a fresh run), kept as the comparison arm.
+The per-window plan (`plan_job`): prompts planned in the units `run_job(plan="window")` hands the
+engine (windows of `window_rows` consecutive input rows, each planned alone), the comparison arm.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class JobPlan:
 
 
 def plan_job(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> JobPlan:
-    """Plan the job's prompts in the windows the engine will plan them in (`window_rows` requests)."""
+    """Plan the job's prompts in the units of the window plan (`window_rows` input rows each, in input order)."""
     spec = job.spec
     totals = dict(rows=0, samples=0, error_rows=0, prompt_tokens=0, theoretical_max_cached_tokens=0,
                   shared_prefix_groups=0, branch_points=0)
@@ -60,16 +60,20 @@ def plan_job(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> JobPlan:
             totals[key] += getattr(summary, key)
 
     pending: list[list[int]] = []
+    unit = 0
     for window in iter_windows(job.inputs, window_rows, spec.limit):
         prompts = build_prompts(window.table, spec.prompt, job.tokenizer, spec.chat, spec.system, job.vocab_size,
                                 id_column=spec.id_column, max_chars=job.max_prompt_chars)
-        good = [ids for ids in prompts.token_ids if ids is not None]
         totals["rows"] += window.table.num_rows
-        totals["error_rows"] += window.table.num_rows - len(good)
-        pending.extend(good)
-        while len(pending) >= window_rows:
-            add_plan(pending[:window_rows])
-            pending = pending[window_rows:]
+        for row, ids in enumerate(prompts.token_ids, start=window.first_row):
+            if row // window_rows != unit:  # a file's end may cut a read window short: units go by row index
+                if pending:
+                    add_plan(pending)
+                pending, unit = [], row // window_rows
+            if ids is None:
+                totals["error_rows"] += 1
+            else:
+                pending.append(ids)
     if pending:
         add_plan(pending)
     return JobPlan(job=spec.name, **totals)

@@ -1,49 +1,46 @@
 """One prepared job end to end: plan, run, commit parts, and (on request) put them in input order.
 
-`run_job` takes the output folder's lock, finishes or undoes what a killed run left there
-(an interrupted compaction), verifies the finished parts, then:
-- plan `global` (default): the planning pass over the whole input (`global_run`), the
-  unfinished units run through one engine (`unit_runner`), or through several engine workers
-  (`jobs.parallel_run`) when the job's `parallel` settings resolve to more than one;
-- plan `window` (`run_job(plan="window")`, a benchmark's comparison arm, not a job key): a lazy
-  stream of requests built window by window in input order, planned by the engine a window at a time.
-Either way samples already in finished parts are skipped, rows without a prompt are recorded
-as errors, and parts are committed as samples finish (completion order). With `output.order:
-input` the parts are then rewritten in input order (`ordered_output`). The planning folder
-`_work/` is deleted when the job completes, unless `output.keep_work`.
+`run_job` takes the output folder's lock, finishes or undoes what a killed run left there (an interrupted
+compaction), verifies the finished parts, then plans the job into units (`global_run.plan_units`: plan
+`global`, the default, sorts every prompt and cuts prefix groups; plan `window`, `run_job(plan="window")`, a
+benchmark's comparison arm and not a job key, cuts `window_rows` consecutive rows in input order), and hands
+the unfinished units to the job's executor (`job_executor`: one engine in this process, `in_process`, or
+several engine workers, `parallel_run`, when the job's `parallel` settings resolve to more than one), driven
+the same way either way. Samples already in finished parts are skipped, rows without a prompt are recorded
+as errors, and each unit's parts are committed as its chunks finish. With `output.order: input` the parts
+are then rewritten in input order (`ordered_output`). The planning folder `_work/` is deleted when the job
+completes, unless `output.keep_work`.
 """
 from __future__ import annotations
 
 import json
 import sys
 import time
-from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 from rich.console import Console
 
 from batchinfer.engine.types import Request, RequestOutput
 from batchinfer.jobs.errors import JobError, JobRuntimeError, display_path, no_space_error
-from batchinfer.jobs.tasks.eval_metrics import eval_stats, with_correct_column
+from batchinfer.jobs.tasks.eval_metrics import eval_stats
 from batchinfer.jobs.global_plan import SortBudget, UnitConfig, remove_work_dir, work_dir_for
 from batchinfer.jobs.outdir.interruption import signal_name, stop_signal_of
-from batchinfer.jobs.run.global_run import PlannedUnits, UnitsInProcess, plan_stats, plan_units, prepare_units, summed_counters
+from batchinfer.jobs.run.global_run import PlannedUnits, plan_stats, plan_units, prepare_units
+from batchinfer.jobs.run.job_executor import JobExecutor, UnitExecutor, job_executor
 from batchinfer.jobs.formats.openai_batch import OUTPUT_NAME as BATCH_OUTPUT_NAME, write_batch_output
 from batchinfer.jobs.outdir.ordered_output import compact_in_input_order, finish_interrupted_compaction
 from batchinfer.jobs.outdir.lock import OutputBusy, OutputLock
 from batchinfer.jobs.outdir.remote_folder import RemoteOutputLock
-from batchinfer.jobs.outdir.part_writer import PartWriter, job_result_fields
 from batchinfer.jobs.outdir.part_store import PARTS_DIR, damaged_path, scan_parts
 from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.engine.startup import listening, phase
-from batchinfer.engine.engine_build import EngineBuild, expected_row_tokens
 from batchinfer.jobs.run.progress import ProgressReporter, computed_tokens_to_do
 from batchinfer.jobs.outdir.resume import STATS_NAME, ResumeState, check_resumable, prepare_output_dir, read_resume_state
 from batchinfer.jobs.spec.job_file import JobSpec, engine_config_kwargs, engine_settings_dict
 from batchinfer.jobs.outdir.stats import JobCounters, build_stats, render_summary, write_stats
-from batchinfer.jobs.run.window_run import WindowRun
+from batchinfer.jobs.global_plan.windows import WindowCut
 
 WINDOW_ROWS = 4096  # rows tokenised, planned and held in memory at a time
 
@@ -53,7 +50,7 @@ class EngineLike(Protocol):
 
     stats: Any
 
-    def generate(self, requests: Iterable[Request]) -> Iterator[RequestOutput]: ...
+    def generate_units(self, units: Iterable[Sequence[Request]]) -> Iterator[RequestOutput]: ...
 
     def settings(self) -> dict: ...
 
@@ -62,8 +59,7 @@ def open_engine(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> EngineLike:
     from batchinfer.engine import EngineConfig
     from batchinfer.engine.engine_build import build_engine
 
-    # The engine plans `plan_window` requests at a time and pulls the next window only when
-    # its queue runs dry: memory stays bounded and there is no pause between windows.
+    # `plan_window`: what `Engine.generate` plans at a time; a job's units each go to generate_units whole.
     config = EngineConfig(**engine_config_kwargs(job.spec.engine), plan_window=window_rows,
                           pipeline_stages=job.spec.parallel.pipeline_stages)
     return build_engine(str(job.checkpoint), config, eos_token_ids=job.tokenizer.eos_token_ids,
@@ -90,17 +86,13 @@ def warn_on_stderr(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-# A parallel run of units: (job, plan, output folder, console, unit_ids=...) → jobs.executors.ExecutionReport
-UnitExecutor = Callable[..., Any]
-
-
 PLANS = ("global", "window")  # window: the benchmarks' comparison arm, never a job key
 
 
 @dataclass(frozen=True)
 class RunOptions:
     engine_factory: Callable[[PreparedJob, int], EngineLike] = open_engine
-    window_rows: int = WINDOW_ROWS                # plan window: rows per planning window
+    window_rows: int = WINDOW_ROWS                # the engine's plan window; plan window: rows per unit
     unit_config: UnitConfig = UnitConfig()        # plan global: unit limits
     sort_budget: SortBudget = SortBudget()        # plan global: the external sort's memory
     executor: Optional[UnitExecutor] = None       # None: from the job's `parallel` settings
@@ -115,13 +107,12 @@ def run_job(job: PreparedJob, console: Console, overwrite: bool = False,
             plan: str = "global") -> dict[str, Any]:
     """Run a prepared job; returns the stats written to `_stats.json`.
 
-    Holds the output folder's lock for the whole run: `lock` when the caller took it (the
-    CLI takes every job's before the first runs), else its own. Raises JobError when the
-    folder is busy or was changed meanwhile, JobRuntimeError when the engine fails; every
-    sample finished until then is on disk. `executor` runs the units of a global plan instead
-    of the in-process loop (None: `jobs.parallel_run.run_units_in_workers` when the job's
-    `parallel` settings resolve to more than one worker or to Ray, else in this process). `plan`:
-    `global`, or `window` (rows planned `window_rows` at a time in input order: a benchmark's arm).
+    Holds the output folder's lock for the whole run: `lock` when the caller took it (the CLI takes every
+    job's before the first runs), else its own. Raises JobError when the folder is busy or was changed
+    meanwhile, JobRuntimeError when the engine fails; every sample finished until then is on disk.
+    `executor`: `(job, plan, out_dir, console, unit_ids=) -> report` runs the units (as a
+    `parallel_run.WorkersExecutor`); None: the job's executor (`job_executor.job_executor`). `plan`: `global`,
+    or `window` (units of `window_rows` consecutive rows in input order: a benchmark's arm).
     """
     if plan not in PLANS:
         raise ValueError(f"plan must be one of {PLANS}, not {plan!r}")
@@ -147,15 +138,6 @@ def _interruption(exc: BaseException) -> str:
         return signal_name(signum)
     name = getattr(exc, "signal_name", None)  # an embedding caller's own stop exception
     return name if isinstance(name, str) else type(exc).__name__
-
-
-def _parallel_executor(job: PreparedJob, executor: Optional[UnitExecutor]) -> Optional[UnitExecutor]:
-    """The executor for the job's units; None: this process runs them."""
-    if executor is not None:
-        return executor
-    from batchinfer.jobs.run.parallel_run import run_units_in_workers, runs_in_workers
-
-    return run_units_in_workers if runs_in_workers(job.spec) else None
 
 
 def _raise_interruption(report: Any) -> None:
@@ -206,10 +188,9 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
     _report_parts(resume, warn)
     resumed = _finished_samples(resume, job.rows)
     reorder = spec.output.order == "input"
-    engine: Optional[EngineLike] = None
     planned: Optional[PlannedUnits] = None
-    work: Any = None
-    parallel_report: list[Any] = []
+    executor: Optional[JobExecutor] = None
+    report: Any = None
     startup: dict[str, float] = {}  # load, compile_and_capture (the engine's), plan
     generation_start: Optional[float] = None
     generation_seconds: Optional[float] = None  # set when generation ends (an interrupted run: until finish)
@@ -218,25 +199,23 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         if lock.lost:  # the folder is another run's now: write nothing more into it
             raise _lost(lock, spec)
         counters = JobCounters(rows=job.rows, samples_total=total, samples_resumed=resumed,
-                               samples_written=work.samples_written if work is not None else 0,
-                               errors=work.errors_written if work is not None else 0,
+                               samples_written=executor.samples_written if executor is not None else 0,
+                               errors=executor.errors_written if executor is not None else 0,
                                wall_seconds=time.monotonic() - start, startup_seconds=dict(startup),
                                generation_seconds=generation_seconds if generation_seconds is not None else
                                None if generation_start is None else time.monotonic() - generation_start)
-        engine_stats = getattr(engine, "stats", None) if engine is not None else \
-            summed_counters(getattr(parallel_report[0], "results", {}).values()) if parallel_report else None
-        stats = build_stats(spec.name, counters, engine_stats, _settings(engine, spec, options.plan), status, failure,
-                            interrupted_by)
+        engine_stats = executor.engine_stats() if executor is not None else None
+        settings = (executor.settings() if executor is not None else None) or \
+            engine_settings_dict(spec.engine, options.plan)
+        stats = build_stats(spec.name, counters, engine_stats, settings, status, failure, interrupted_by)
         if job.sampling is not None:
             stats["sampling"] = job.sampling.report()
         if planned is not None:
             stats["plan"] = plan_stats(planned)
             for name in ("planned_reuse_lost_tokens", "branch_states_over_capacity"):  # a plan the pool could not hold
                 stats["plan"][name] = getattr(engine_stats, name, 0) if engine_stats is not None else 0
-        elif options.plan == "window":
-            stats["plan"] = {"mode": "window", "window_rows": options.window_rows}
-        if parallel_report:
-            stats["executor"] = getattr(parallel_report[0], "stats", {})
+        if getattr(report, "stats", None) is not None:  # units on workers: their section
+            stats["executor"] = report.stats
         if spec.task.eval is not None:
             stats["eval"] = eval_stats(spec.task.eval, [path for path, _ in scan_parts(out_dir, verify=False).finished],
                                        id_column=spec.id_column)
@@ -263,37 +242,34 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         stats = finish("done")
         render_summary(console, stats)
         return stats
-    executor = _parallel_executor(job, options.executor) if options.plan == "global" else None
     progress = ProgressReporter(console, spec.name, total, resumed)
+    executor = job_executor(job, options.executor, options.engine_factory, options.window_rows, progress,
+                            lock.ensure_held)
     try:
         with listening(progress.phase_listener):  # the startup phases, shown as they run
-            # The engine builds while the job plans, and is sized by the plan (engine/engine_build.py).
-            build = EngineBuild.start(partial(options.engine_factory, job, options.window_rows)) \
-                if executor is None else None
+            # In this process the engine builds while the job plans, and is sized by the plan (engine_build.py).
+            executor.start(job)
             work_dir = work_dir_for(out_dir)
-            made_work_dir = options.plan == "global" and (overwrite or not work_dir.exists())
+            made_work_dir = overwrite or not work_dir.exists()
+            windows = WindowCut(options.window_rows) if options.plan == "window" else None
             try:
-                if options.plan == "global":
-                    if lock.lost:  # planning writes into the folder: only while it is ours
-                        raise _lost(lock, spec)
-                    if overwrite:
-                        remove_work_dir(work_dir)
-                    with phase("planning", startup, "plan"):
-                        planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget, warn)
-                    summary = planned.plan.summary
-                    progress.set_prefill_total(computed_tokens_to_do(summary, total, resumed))
-                    if build is not None:
-                        build.post_row_tokens(expected_row_tokens(summary.prompt_tokens, summary.ideal_cached_tokens,
-                                                                  summary.decode_tokens, summary.samples))
+                if lock.lost:  # planning writes into the folder: only while it is ours
+                    raise _lost(lock, spec)
+                if overwrite:
+                    remove_work_dir(work_dir)
+                with phase("planning", startup, "plan"):
+                    planned = plan_units(job, work_dir, console, options.unit_config, options.sort_budget, warn,
+                                         windows)
+                summary = planned.plan.summary
+                progress.set_prefill_total(computed_tokens_to_do(summary, total, resumed))
+                executor.planned(summary)
             finally:  # a model that cannot load fails the run as before, and leaves the folder as it was
-                if build is not None:
-                    try:
-                        engine = build.result()
-                    except Exception as exc:
-                        if made_work_dir:
-                            remove_work_dir(work_dir)
-                        raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
-                    startup.update(getattr(engine, "startup_seconds", {}))
+                try:
+                    startup.update(executor.ready())
+                except Exception as exc:
+                    if made_work_dir:
+                        remove_work_dir(work_dir)
+                    raise JobRuntimeError(spec.name, f"cannot load the model: {type(exc).__name__}: {exc}") from exc
     except Exception:
         raise
     except BaseException as exc:  # a stop signal while loading or planning: stopped like any other
@@ -302,35 +278,16 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         raise
     _prepare_output_dir(job, overwrite, resume, lock)
     (out_dir / BATCH_OUTPUT_NAME).unlink(missing_ok=True)  # an earlier run's lines: rewritten when the job completes
-    writer: Optional[PartWriter] = None
     generation_start = time.monotonic()
     try:
-        if planned is not None:
-            unit_ids = prepare_units(job, planned, out_dir, resume)
-            if executor is not None:
-                from batchinfer.jobs.run.parallel_run import WorkersCommitted
-
-                work = WorkersCommitted(out_dir)
-                work.report = executor(job, planned.plan, out_dir, console, unit_ids=unit_ids)
-                parallel_report.append(work.report)
-                status = getattr(work.report, "status", "done")
-                if status == "interrupted":
-                    _raise_interruption(work.report)
-                if status != "done":
-                    raise RuntimeError(getattr(work.report, "failure", None) or "the workers failed")
-            else:
-                work = UnitsInProcess(job, engine, planned, out_dir, progress, lock.ensure_held)
-                with progress:
-                    work.run(unit_ids)
-        else:
-            if overwrite:  # a global plan of an earlier run goes with everything else it wrote
-                remove_work_dir(work_dir_for(out_dir))
-            writer = PartWriter(out_dir, spec.output.flush_rows, resume.next_part, before_commit=lock.ensure_held,
-                                finish_table=partial(with_correct_column, spec.task), fields=job_result_fields(spec))
-            work = WindowRun(job, engine, writer, progress, resume.done, options.window_rows)
-            with progress:
-                work.run()
-            writer.flush()
+        assert planned is not None
+        unit_ids = prepare_units(job, planned, out_dir, resume)
+        report = executor.run(job, planned, out_dir, console, unit_ids)
+        status = getattr(report, "status", "done")
+        if status == "interrupted":
+            _raise_interruption(report)
+        if status != "done":
+            raise RuntimeError(getattr(report, "failure", None) or "the workers failed")
         generation_seconds = time.monotonic() - generation_start
         if reorder:
             _reorder(job, lock, console)
@@ -340,10 +297,7 @@ def _run_locked(job: PreparedJob, console: Console, overwrite: bool, options: Ru
         if lock.lost:
             raise _lost(lock, spec) from None
         try:  # every buffered sample is complete: keep it
-            if writer is not None:
-                writer.flush()
-            elif isinstance(work, UnitsInProcess):
-                work.flush_partial()
+            executor.flush_partial()
         except Exception:  # e.g. the disk is full: report the original failure, not this one
             pass
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SIGTERM, SystemExit: stop quietly
@@ -387,8 +341,3 @@ def _read_stats(out_dir: Path) -> dict[str, Any]:
 def _finished_samples(resume: ResumeState, rows: int) -> int:
     """Samples of the job's rows (those within `limit`) already in verified parts."""
     return sum(len(samples) for row, samples in resume.done.items() if row < rows)
-
-
-def _settings(engine: Optional[EngineLike], spec: JobSpec, plan: str) -> dict[str, Any]:
-    settings = getattr(engine, "settings", None)
-    return settings() if callable(settings) else engine_settings_dict(spec.engine, plan)

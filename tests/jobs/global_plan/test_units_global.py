@@ -120,5 +120,8 @@ def test_shuffled_and_grouped_copies_reach_the_global_ideal_with_the_tokens_of_n
 def test_the_per_window_plan_of_the_shuffled_copy_evicts_and_falls_short(tmp_path, demo_model):
     ideal = global_ideal(prompt_ids(rag_rows(shuffle=False), demo_model[0]))
     stats, _ = run(tmp_path, rag_rows(shuffle=True), demo_model, plan="window")
-    assert stats["plan"] == {"mode": "window", "window_rows": WINDOW_ROWS}
+    plan = stats["plan"]
+    assert (plan["mode"], plan["window_rows"]) == ("window", WINDOW_ROWS) and "global_ideal_cached_tokens" not in plan
+    assert plan["units"] == -(-DOCS * QUESTIONS // WINDOW_ROWS)  # a unit a window, in input order
+    assert plan["unit_ideal_cached_tokens"] < ideal  # windows planned alone, no reuse across them
     assert stats["states_evicted"] > 0 and stats["cached_tokens"] < ideal

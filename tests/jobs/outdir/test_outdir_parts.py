@@ -13,7 +13,7 @@ from rich.console import Console
 
 from batchinfer.jobs.errors import JobError
 from batchinfer.jobs.outdir import part_store
-from batchinfer.jobs.outdir.part_store import PARTS_DIR, commit_part, record_path, scan_parts
+from batchinfer.jobs.outdir.part_store import PARTS_DIR, UNIT_PART_PATTERN, commit_part, record_path, scan_parts
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.run.runner import run_job
 from batchinfer.jobs.spec.job_file import load_job_file
@@ -30,7 +30,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def make_job(folder: Path, checkpoint: Path, **overrides) -> Path:
-    """Numbered parts (part-NNNNN) come from the window plan; unit parts: tests/jobs/outdir/test_units_resume.py."""
+    """Unit parts of 5-row units in input order (the window plan); resume: tests/jobs/outdir/test_units_resume.py."""
     write_parquet(rag_table(ROWS), folder / "data" / "rag.parquet")
     return write_job_file(folder, [job_entry(model=str(checkpoint), sampling={"max_tokens": 5, "n": 2}, **overrides)])
 
@@ -70,7 +70,7 @@ def test_a_part_damaged_inside_a_column_is_moved_aside_and_its_rows_redone(tmp_p
     job_file = make_job(tmp_path, checkpoint)
     run(job_file)
     reference = read_output(tmp_path).drop_columns(["cached_tokens"])
-    part = out_dir(tmp_path) / "part-00001.parquet"
+    part = sorted(out_dir(tmp_path).glob("part-*.parquet"))[1]
     lost = pq.read_metadata(part).num_rows
     damage_column(part, column)
     with pytest.raises(Exception):
@@ -78,8 +78,9 @@ def test_a_part_damaged_inside_a_column_is_moved_aside_and_its_rows_redone(tmp_p
     engine, warnings = FakeEngine(), []
     stats = run(job_file, engine, warnings=warnings)
     assert len(warnings) == 1 and warnings[0].startswith(f"{part}: damaged (its sha256 differs from its record)")
-    assert "moved to .part-00001.parquet.damaged, its rows are redone" in warnings[0]
-    assert (out_dir(tmp_path) / ".part-00001.parquet.damaged").is_file() and not part.exists()
+    assert f"moved to .{part.name}.damaged, its rows are redone" in warnings[0]
+    assert (out_dir(tmp_path) / f".{part.name}.damaged").is_file()
+    assert pq.read_metadata(part).num_rows == lost  # the unit's chunk, redone under its own name
     assert read_output(tmp_path).drop_columns(["cached_tokens"]).equals(reference)
     assert asked(engine) == lost == stats["samples_written"]
     assert stats["samples_resumed"] == ROWS * 2 - lost
@@ -100,8 +101,8 @@ def test_a_users_own_part_is_ignored_named_and_never_deleted(tmp_path, checkpoin
     assert stats["samples_written"] == ROWS * 2 and stats["samples_resumed"] == 0
     assert warnings == [f"{mine}: not written by batchinfer (no record in {PARTS_DIR}/); ignored for resume and "
                         "left in place, but dataset readers of the folder will read it too"]
-    numbers = sorted(int(p.name[5:10]) for p in folder.glob("part-*.parquet"))
-    assert numbers[0] == 99 and all(n > 99 for n in numbers[1:])  # new parts never take its name
+    ours = [p.name for p in folder.glob("part-*.parquet") if p != mine]
+    assert ours and all(UNIT_PART_PATTERN.match(name) for name in ours)  # named by unit: never its name
     for overwrite in (False, True):
         stats = run(job_file, overwrite=overwrite)
         assert mine.read_bytes() == own_bytes
@@ -112,16 +113,17 @@ def test_overwrite_deletes_only_what_batchinfer_wrote(tmp_path, checkpoint):
     job_file = make_job(tmp_path, checkpoint)
     run(job_file)
     folder = out_dir(tmp_path)
-    damage_column(folder / "part-00000.parquet", "document")
+    first = sorted(folder.glob("part-*.parquet"))[0]
+    damage_column(first, "document")
     run(job_file)  # moves it aside
-    assert (folder / ".part-00000.parquet.damaged").exists()
+    assert (folder / f".{first.name}.damaged").exists()
     keep = {folder / "NOTES.txt": b"mine", folder / "part-00777.parquet": b"not a part of ours",
             folder / ".hidden": b"mine too"}
     for path, data in keep.items():
         path.write_bytes(data)
     run(job_file, overwrite=True)
     names = {p.name for p in folder.iterdir()}
-    assert {path.name for path in keep} <= names and ".part-00000.parquet.damaged" not in names
+    assert {path.name for path in keep} <= names and f".{first.name}.damaged" not in names
     assert all(path.read_bytes() == data for path, data in keep.items())
     ours = {p.name for p in folder.glob("part-*.parquet")} - {"part-00777.parquet"}
     assert {p.name for p in (folder / PARTS_DIR).iterdir()} == {f"{name}.json" for name in ours}
@@ -131,9 +133,9 @@ def test_a_commit_cut_between_record_and_rename_leaves_nothing_counted(tmp_path,
     job_file = make_job(tmp_path, checkpoint)
     run(job_file)
     folder = out_dir(tmp_path)
-    part = folder / "part-00002.parquet"
+    part = sorted(folder.glob("part-*.parquet"))[2]
     lost = pq.read_metadata(part).num_rows
-    part.rename(folder / ".part-00002.parquet.1234-abcd.tmp")  # as if killed just before the rename
+    part.rename(folder / f".{part.name}.1234-abcd.tmp")  # as if killed just before the rename
     (folder / PARTS_DIR / ".part-00009.parquet.json.1234-abcd.tmp").write_text("{")
     engine = FakeEngine()
     stats = run(job_file, engine)

@@ -201,15 +201,16 @@ def test_stop_strings_cut_the_text_at_the_first_stop():
     assert _cut_at_stop("abc", ("x",)) == "abc" and _cut_at_stop("abc", ()) == "abc"
 
 
-def test_plan_sums_the_planner_over_the_windows_the_engine_gets(tmp_path, checkpoint):
+def test_plan_sums_the_planner_over_the_window_units_the_engine_gets(tmp_path, checkpoint):
     job_file = make_job(tmp_path, checkpoint, table=rag_table(ROWS, null_rows=(1, 6)), sampling={"n": 2})
     job = prepare_job(load_job_file(job_file).jobs[0])
     plan = plan_job(job, window_rows=4)
     assert not (tmp_path / "out").exists()  # planning writes nothing
     engine = FakeEngine()
     run(job_file, engine, window_rows=4, plan="window")
-    prompts = [list(r.prompt_token_ids) for call in engine.calls for r in call]
-    windows = [plan_prompts(prompts[i:i + 4], 2) for i in range(0, len(prompts), 4)]
+    # One engine call a unit (largest cost first): rows 0-3, 4-7, 8-11, 12 (rows 1 and 6 have no prompt).
+    assert sorted(len(call) for call in engine.calls) == [1, 3, 3, 4]
+    windows = [plan_prompts([list(r.prompt_token_ids) for r in call], 2) for call in engine.calls]
     assert (plan.rows, plan.error_rows, plan.samples) == (ROWS, 2, (ROWS - 2) * 2)
     assert plan.prompt_tokens == sum(w.prompt_tokens for w in windows) == engine.stats.prompt_tokens
     assert plan.theoretical_max_cached_tokens == sum(w.theoretical_max_cached_tokens for w in windows) > 0

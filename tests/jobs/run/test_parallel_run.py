@@ -105,6 +105,17 @@ def test_two_cpu_workers_write_what_one_engine_writes_and_reach_the_global_ideal
     assert on_disk["executor"]["per_worker"] == executor["per_worker"]  # one _stats.json, per-worker section
 
 
+def test_two_cpu_workers_run_the_units_of_a_window_plan(tmp_path, one_engine):
+    _, one = one_engine(GREEDY)
+    job = prepare_job(load_job_file(write_job(tmp_path, GREEDY, workers=2)).jobs[0])
+    stats = run_job(job, Console(quiet=True), plan="window", window_rows=10)
+    two = pq.read_table(tmp_path / "out" / "rag")
+    assert (stats["plan"]["mode"], stats["plan"]["units"]) == ("window", 3)  # rows 0-9, 10-19, 20-23
+    assert stats["executor"]["workers"] == 2 and sum(w["units"] for w in stats["executor"]["per_worker"]) == 3
+    assert stats["status"] == "done" and stats["samples_written"] == DOCS * QUESTIONS
+    assert generations(two) == generations(one)  # greedy: the same tokens, whichever units ran them
+
+
 def test_a_worker_killed_mid_job_is_replaced_and_every_sample_is_written_once(tmp_path, one_engine):
     _, one = one_engine(GREEDY)
     # The first worker to finish its 3rd sample SIGKILLs itself: flush_rows 2 has committed its first
