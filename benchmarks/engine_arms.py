@@ -163,7 +163,9 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args,
                   max_batch_tokens=args.max_batch_tokens, memory_budget_bytes=args.budget_bytes)
     config = EngineConfig(**{**fields, **ARMS[arm], **(engine_overrides or {})})
     engine = Engine(model, config, model_name=args.preset)
-    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    # temperature > 0: random weights give near-flat logits, so greedy rows tend to draw the same
+    # token, and a MoE model's decode then routes the whole batch to few experts (optimistic)
+    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True, temperature=getattr(args, "temperature", 0.0))
     # Warm-up on unrelated tokens shaped like the workload (its first prompts' lengths, a pair
     # sharing a prefix): Triton compiles the prefill shapes here, not in the timed run — else
     # whichever arm runs first pays for it (docs/BENCHMARKS.md, "Benchmark method: warm-up,

@@ -56,11 +56,12 @@ def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
 
 def generation_row(model, policy: PrefillPolicy, count: int, length: int, output: int, device: str,
                    preset: str, track_interval: int, max_running: int | None = None,
-                   overrides: dict | None = None) -> dict:
+                   overrides: dict | None = None, temperature: float = 0.0) -> dict:
     prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
     running = None if max_running == AUTO else max_running or count
     args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=running,
-                           max_batch_tokens=STEP_TOKENS, budget_bytes=None, preset=preset, floor=device == "cuda")
+                           max_batch_tokens=STEP_TOKENS, budget_bytes=None, preset=preset, floor=device == "cuda",
+                           temperature=temperature)
     with prefill_policy(policy):
         row = run_arm(model, "replay+extra_buffer", prompts, output, args,
                       {"track_interval": track_interval, **(overrides or {})})
@@ -91,6 +92,8 @@ def main(argv=None) -> None:
     p.add_argument("--gemm-reps", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true", help="CPU smoke: tiny preset, short prompts")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the generation jobs' sampling temperature (0: greedy; >0 spreads a random MoE's routing)")
     args = p.parse_args(argv)
     device = "cpu" if args.quick else "cuda"
     preset = "tiny" if args.quick else args.preset
@@ -118,7 +121,7 @@ def main(argv=None) -> None:
     for spec in (s for s in args.gen.split(",") if s):
         count, length, output, running, overrides = parse_generation(spec)
         gen_rows.append(generation_row(model, best["_policy"], count, length, output, device, preset,
-                                       best["_interval"], running, overrides))
+                                       best["_interval"], running, overrides, args.temperature))
         print(f"{gen_rows[-1]['workload']:<18} {gen_rows[-1]['policy']:<40} {gen_rows[-1]['total_tps']:10,.0f} total tok/s",
               flush=True)
     gemms = gemm_floor(model, device, 256 if args.quick else STEP_TOKENS, args.gemm_reps)
