@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 from rich.console import Console
 
-from batchinfer.jobs.global_plan import PlanningProgress, SortBudget, UnitConfig, WorkPlan, build_work_plan
+from batchinfer.engine.engine_build import expected_row_tokens
+from batchinfer.jobs.global_plan import GlobalPlanSummary, PlanningProgress, SortBudget, UnitConfig, WorkPlan, build_work_plan
 from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.outdir.resume import ResumeState
 from batchinfer.jobs.global_plan.windows import WindowCut
@@ -32,6 +33,12 @@ class PlannedUnits:
     inputs: UnitInputs
     seconds: float
     windows: Optional[WindowCut] = None  # None: the global plan
+
+
+def plan_row_tokens(summary: GlobalPlanSummary) -> Optional[int]:
+    """The plan's row figure for `EngineConfig.row_tokens`: KV positions a running sample holds, on average."""
+    return expected_row_tokens(summary.prompt_tokens, summary.ideal_cached_tokens, summary.decode_tokens,
+                               summary.samples)
 
 
 def plan_units(job: PreparedJob, work_dir: Path, console: Console, config: UnitConfig = UnitConfig(),

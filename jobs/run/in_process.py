@@ -13,11 +13,11 @@ from typing import Any, Callable, Optional
 
 from rich.console import Console
 
-from batchinfer.engine.engine_build import EngineBuild, expected_row_tokens
+from batchinfer.engine.engine_build import EngineBuild
 from batchinfer.jobs.global_plan import GlobalPlanSummary
 from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.outdir.unit_parts import DoneIndex
-from batchinfer.jobs.run.global_run import PlannedUnits
+from batchinfer.jobs.run.global_run import PlannedUnits, plan_row_tokens
 from batchinfer.jobs.run.unit_runner import UnitRunner
 
 
@@ -42,8 +42,7 @@ class InProcessExecutor:
 
     def planned(self, summary: GlobalPlanSummary) -> None:
         assert self._build is not None
-        self._build.post_row_tokens(expected_row_tokens(summary.prompt_tokens, summary.ideal_cached_tokens,
-                                                        summary.decode_tokens, summary.samples))
+        self._build.post_row_tokens(plan_row_tokens(summary))
 
     def ready(self) -> dict[str, float]:
         if self.engine is None:

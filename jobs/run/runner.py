@@ -55,13 +55,15 @@ class EngineLike(Protocol):
     def settings(self) -> dict: ...
 
 
-def open_engine(job: PreparedJob, window_rows: int = WINDOW_ROWS) -> EngineLike:
+def open_engine(job: PreparedJob, window_rows: int = WINDOW_ROWS, row_tokens: Optional[int] = None) -> EngineLike:
+    """The job's engine; `row_tokens`: the plan's row figure when it is known before the build (a
+    worker's), else posted to the build by the in-process executor (`EngineBuild`)."""
     from batchinfer.engine import EngineConfig
     from batchinfer.engine.engine_build import build_engine
 
     # `plan_window`: what `Engine.generate` plans at a time; a job's units each go to generate_units whole.
     config = EngineConfig(**engine_config_kwargs(job.spec.engine), plan_window=window_rows,
-                          pipeline_stages=job.spec.parallel.pipeline_stages)
+                          pipeline_stages=job.spec.parallel.pipeline_stages, row_tokens=row_tokens)
     return build_engine(str(job.checkpoint), config, eos_token_ids=job.tokenizer.eos_token_ids,
                         detokenize=job.tokenizer.decode)
 

@@ -20,6 +20,7 @@ from batchinfer.jobs.run.executors.contract import ProgressSink, UnitResult, Wor
 from batchinfer.jobs.run.executors.worker_loop import StopRequested, parent_alive
 from batchinfer.jobs.global_plan import open_work_plan, work_dir_for
 from batchinfer.jobs.inputs.prepared_job import PreparedJob
+from batchinfer.jobs.run.global_run import plan_row_tokens
 from batchinfer.jobs.run.prepare import prepare_job
 from batchinfer.jobs.spec.job_file import JobSpec, load_job_file
 from batchinfer.jobs.run.unit_runner import SinkProgress, UnitRunner
@@ -65,9 +66,10 @@ class JobUnitWorker:
         (spec,) = load_job_file(Path(recipe.job_file)).select(recipe.job_name)
         spec = apply_overrides(spec, {DEVICE_KEY: device, **recipe.overrides})
         self.job = prepare_job(spec, overwrite=True)
-        engine = open_engine(self.job)
         work_dir = Path(recipe.overrides.get(WORK_DIR_KEY) or work_dir_for(spec.output.path))
         plan = open_work_plan(work_dir)
+        # Sized by the plan's row figure, as the in-process engine is (max_running set by hand still wins).
+        engine = open_engine(self.job, row_tokens=plan_row_tokens(plan.summary))
         # A local worker process commits nothing once the run that started it is gone (its lock is stale).
         self.runner = UnitRunner(self.job, engine, plan, spec.output.path, SinkProgress(progress),
                                  before_commit=parent_alive)

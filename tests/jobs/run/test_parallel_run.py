@@ -189,3 +189,31 @@ def test_a_stopped_run_commits_what_its_workers_finished_in_open_chunks(tmp_path
     result = run_in_this_process(tmp_path)
     assert result.exit_code == 0, (result.output, result.exception)
     assert set(generations(pq.read_table(out_dir))) == {(row, 0) for row in range(DOCS * QUESTIONS)}
+
+
+def test_a_worker_engine_is_sized_by_the_plans_row_figure(tmp_path, monkeypatch):
+    """Each worker builds its engine with the plan's row figure (`EngineConfig.row_tokens`), as the
+    in-process engine gets it posted: MoE and long-row jobs size their rows from it."""
+    from batchinfer.jobs.global_plan import open_work_plan, work_dir_for
+    from batchinfer.jobs.run import runner
+    from batchinfer.jobs.run.global_run import plan_row_tokens
+    from batchinfer.jobs.run.unit_worker import JobUnitWorker, job_recipe
+
+    job_file = write_job(tmp_path, GREEDY)
+    text = job_file.read_text().replace("flush_rows: 2", "flush_rows: 2\n    keep_work: true")
+    job_file.write_text(text)
+    spec = load_job_file(job_file).jobs[0]
+    assert spec.output.keep_work
+    run_job(prepare_job(spec), Console(quiet=True), unit_config=UNITS)
+    expected = plan_row_tokens(open_work_plan(work_dir_for(spec.output.path)).summary)
+    assert expected is not None and expected > 0
+
+    asked: dict = {}
+
+    def fake_open_engine(job, window_rows=runner.WINDOW_ROWS, row_tokens=None):
+        asked["row_tokens"] = row_tokens
+        return object()
+
+    monkeypatch.setattr(runner, "open_engine", fake_open_engine)
+    JobUnitWorker(job_recipe(spec)).open(0, "cpu", lambda *_: None)
+    assert asked["row_tokens"] == expected
