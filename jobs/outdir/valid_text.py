@@ -117,3 +117,19 @@ def repair_table(table: pa.Table) -> tuple[pa.Table, dict[int, str]]:
             start += len(chunk)
         table = table.set_column(index, table.schema.field(index), pa.chunked_array(chunks, type=column.type))
     return table, changed
+
+
+def valid_cells(column: pa.ChunkedArray, name: str) -> tuple[list, dict[int, str]]:
+    """A column's values as Python objects, and {row: error} for each value holding invalid UTF-8
+    (at any depth), which reads as None: a cell the job must interpret (continuations, a schema)
+    makes its row's error, not a decode error of the whole table."""
+    values: list = []
+    errors: dict[int, str] = {}
+    for chunk in column.chunks:
+        fixed, bad = repair_array(chunk)
+        cells = fixed.to_pylist()
+        for row in np.flatnonzero(bad):
+            cells[int(row)] = None
+            errors[len(values) + int(row)] = f"column {name!r} is not valid UTF-8"
+        values.extend(cells)
+    return values, errors

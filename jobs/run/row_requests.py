@@ -19,6 +19,7 @@ from batchinfer.jobs.formats.openai_batch import row_sampling
 from batchinfer.jobs.inputs.prepared_job import PreparedJob
 from batchinfer.jobs.inputs.prompts import row_ids
 from batchinfer.jobs.outdir.part_writer import SampleResult
+from batchinfer.jobs.outdir.valid_text import valid_cells
 from batchinfer.jobs.run.engine_io import error_result, row_request, seed_key
 from batchinfer.jobs.tasks.grammar_rows import RowGrammars
 from batchinfer.jobs.tasks.scoring import ScoreRows, row_score_requests
@@ -32,6 +33,7 @@ class RowColumns:
     per_row: Optional[list]             # per-row sampling (batch input); None: the job's for every row
     cells: Optional[list]               # score continuations; None unless task score
     schemas: Optional[list]             # per-row JSON schemas; None without a schema column
+    cell_errors: dict[int, str]         # offset → why its continuations / schema cell cannot be read
 
 
 class RowRequests:
@@ -42,17 +44,23 @@ class RowRequests:
 
     def columns(self, table: pa.Table) -> RowColumns:
         spec = self.job.spec
-        scoring = spec.task.task == "score"
+        cells = schemas = None
+        cell_errors: dict[int, str] = {}
+        if spec.task.task == "score":
+            column = spec.task.continuations_column
+            cells, cell_errors = valid_cells(table[column], column)
+        if self.grammars.column is not None:
+            schemas, schema_errors = valid_cells(table[self.grammars.column], self.grammars.column)
+            cell_errors = {**schema_errors, **cell_errors}
         return RowColumns(ids=row_ids(table, spec.id_column) if spec.id_column else None,
-                          per_row=row_sampling(spec, table),
-                          cells=table[spec.task.continuations_column].to_pylist() if scoring else None,
-                          schemas=self.grammars.cells(table))
+                          per_row=row_sampling(spec, table), cells=cells, schemas=schemas, cell_errors=cell_errors)
 
     def for_row(self, columns: RowColumns, offset: int, row_index: int, token_ids: Any, error: Optional[str],
                 todo: Sequence[int], done: Optional[frozenset[int]], stops: dict[int, tuple[str, ...]],
                 record: Callable[[SampleResult], None]) -> list[Request]:
         """The requests of the row at `offset` of the table (its samples `todo`; `done` ones skipped)."""
         spec = self.job.spec
+        error = error or columns.cell_errors.get(offset)
         if error is not None:
             for sample in todo:
                 record(error_result(row_index, sample, error))

@@ -31,10 +31,6 @@ class RowGrammars:
             self.column = BATCH_SCHEMA_COLUMN  # a line's response_format overrides the job's constraint
             self._strict = False  # applied per line by openai_batch, where its `strict` flag is
 
-    def cells(self, table) -> Optional[list]:
-        """The schema column's values for a table of input rows (None: no column constraint)."""
-        return table[self.column].to_pylist() if self.column is not None else None
-
     def for_row(self, cell: Any) -> tuple[Any, Optional[str]]:
         """(the row's compiled grammar or None, why the row's schema cannot be compiled or None)."""
         if cell is None:

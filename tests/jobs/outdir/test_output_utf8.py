@@ -105,3 +105,41 @@ def test_a_valid_table_is_returned_as_it_is():
     table = rag_table(5)
     repaired, changed = repair_table(table)
     assert repaired is table and changed == {}
+
+
+def _text_cells(values: list) -> pa.Array:
+    return pa.array(values, pa.binary()).cast(pa.string(), safe=False)
+
+
+def test_invalid_utf8_in_a_score_rows_continuations_is_that_rows_error(tmp_path, checkpoint):
+    """The continuations cell is read by the job (not only carried): a cell with invalid bytes
+    used to fail the whole job with a UnicodeDecodeError; now it is its row's error."""
+    from tests.engine_utils import demo_engine_fp32
+
+    choices = pa.array([[b"Paris", b"Lyon"], [b"re\xffd", b"blue"], [b"yes", b"no"]],
+                       pa.list_(pa.binary())).cast(pa.list_(pa.string()), safe=False)
+    write_parquet(pa.table({"question": ["One?", "Two?", "Three?"], "choices": choices}),
+                  tmp_path / "data" / "rag.parquet")
+    entry = job_entry(model=str(checkpoint), prompt={"template": "{question} Answer:"}, task="score",
+                      score={"continuations_column": "choices"})
+    job = prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
+    stats = run_job(job, Console(quiet=True), engine_factory=lambda _job, _rows: demo_engine_fp32())
+    rows = pq.read_table(tmp_path / "out" / "rag").sort_by("row_index").to_pylist()
+    assert stats["status"] == "done" and len(rows) == 3
+    assert (rows[1]["finish_reason"], rows[1]["error"]) == ("error", "column 'choices' is not valid UTF-8")
+    assert rows[1]["choices"] == ["re\ufffdd", "blue"]  # carried, repaired
+    assert all(rows[r]["error"] is None and rows[r]["finish_reason"] != "error" for r in (0, 2))
+
+
+def test_invalid_utf8_in_a_rows_json_schema_is_that_rows_error(tmp_path, checkpoint):
+    schema = b'{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    schemas = _text_cells([schema, schema[:-1] + b'\xff}', schema])
+    write_parquet(pa.table({"q": ["a", "b", "c"], "schema": schemas}), tmp_path / "data" / "rag.parquet")
+    entry = job_entry(model=str(checkpoint), prompt={"template": "{q}"},
+                      sampling={"max_tokens": 4, "json_schema_column": "schema"})
+    job = prepare_job(load_job_file(write_job_file(tmp_path, [entry])).jobs[0])
+    stats = run_job(job, Console(quiet=True), engine_factory=lambda _job, _rows: FakeEngine())
+    rows = pq.read_table(tmp_path / "out" / "rag").sort_by("row_index").to_pylist()
+    assert stats["status"] == "done" and len(rows) == 3
+    assert (rows[1]["finish_reason"], rows[1]["error"]) == ("error", "column 'schema' is not valid UTF-8")
+    assert all(rows[r]["error"] is None for r in (0, 2))
