@@ -127,6 +127,7 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=float, default=400)
     parser.add_argument("--replayssm", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--profile", action="store_true", help="print the top of cProfile")
+    parser.add_argument("--sort", default="cumulative", help="cProfile's order (cumulative, tottime, ...)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: tiny ops pay no thread-pool wake-ups, as on a GPU host)")
     args = parser.parse_args()
@@ -160,7 +161,7 @@ def main() -> None:
             print(f"  {key:<16} {report[key]:7.3f}")
     if profiler:
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(profiler, stream=text).sort_stats(args.sort).print_stats(30)
         print(text.getvalue())
 
 
