@@ -8,6 +8,7 @@ from batchinfer.kernels.fp8_gemm import (FP8_DTYPE, block_dequantize, block_quan
 from batchinfer.kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, fp8_block_matmul, quantize_act
 from batchinfer.kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
 from tests.conftest import interpreter_only, requires_cuda
+from tests.sm90_child import sm90_child_output
 
 SMALL = Fp8GemmLaunch(block_m=16, block_n=64, num_warps=4, num_stages=1, group_m=2)
 # The kernels run where the tests run: the interpreter on the CPU, the GPU when there is one.
@@ -106,17 +107,7 @@ for M in (256, 8192):  # e4m3 tensor-core products (wgmma) at the decode and pre
 def test_kernels_compile_for_sm90():
     """The interpreter runs code the compiler refuses (e.g. a plain global read in a kernel):
     compile both kernels for sm_90a offline, in a child without the interpreter."""
-    import os
-    import subprocess
-    import sys
-
-    from benchmarks.sm90_compile import PTXAS
-    if not os.path.exists(PTXAS):
-        pytest.skip("Triton ships no ptxas here")
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    child = subprocess.run([sys.executable, "-c", SM90_CHILD], capture_output=True, text=True, env=env, timeout=300)
-    assert child.returncode == 0, child.stderr[-2000:]
-    assert child.stdout.split() == ["True"] * 3
+    assert sm90_child_output(SM90_CHILD).split() == ["True"] * 3
 
 
 @pytest.mark.parametrize("shape", [(3, 256, 384), (200, 300)])

@@ -13,6 +13,7 @@ from batchinfer.kernels.moe_fp8.grouped_gemm import moe_fp8 as triton_moe_fp8
 from batchinfer.kernels.moe_fp8.tiles import expert_tiles
 from batchinfer.kernels.ref.moe_fp8 import moe_fp8 as reference_moe_fp8
 from tests.conftest import interpreter_only, requires_cuda
+from tests.sm90_child import sm90_child_output
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E, H, I = 4, 256, 128  # gate|up is [E, 256, 256]: N = K = 256
@@ -208,15 +209,5 @@ for kernel, block_m in (("gate_up", 16), ("down", 16), ("gate_up", 64), ("down",
 def test_kernels_compile_for_sm90():
     """The interpreter runs code the compiler refuses: compile both kernels for sm_90a offline at
     the decode and prefill row tiles, in a child without the interpreter."""
-    import os
-    import subprocess
-    import sys
-
-    from benchmarks.sm90_compile import PTXAS
-    if not os.path.exists(PTXAS):
-        pytest.skip("Triton ships no ptxas here")
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    child = subprocess.run([sys.executable, "-c", SM90_CHILD], capture_output=True, text=True, env=env, timeout=600)
-    assert child.returncode == 0, child.stderr[-2000:]
     # e4m3 tensor-core products at the prefill tile; below 64 rows Triton's f16 mma on exactly converted e4m3.
-    assert child.stdout.split() == ["mma", "mma", "wgmma-e4m3", "wgmma-e4m3"]
+    assert sm90_child_output(SM90_CHILD, timeout=600).split() == ["mma", "mma", "wgmma-e4m3", "wgmma-e4m3"]

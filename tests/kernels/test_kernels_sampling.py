@@ -5,6 +5,7 @@ import torch
 
 from batchinfer.engine.sampler import gumbel_argmax_torch as reference_gumbel_argmax
 from batchinfer.kernels.sampling import GumbelLaunch, gumbel_argmax
+from tests.sm90_child import sm90_child_output
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -54,17 +55,7 @@ print("lg2" in compiled.asm["ptx"] or "log" in compiled.asm["ptx"])
 
 def test_kernel_compiles_for_sm90():
     """The interpreter runs code the compiler refuses: compile the kernel for sm_90a offline."""
-    import os
-    import subprocess
-    import sys
-
-    from benchmarks.sm90_compile import PTXAS
-    if not os.path.exists(PTXAS):
-        pytest.skip("Triton ships no ptxas here")
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    child = subprocess.run([sys.executable, "-c", SM90_CHILD], capture_output=True, text=True, env=env, timeout=300)
-    assert child.returncode == 0, child.stderr[-2000:]
-    assert child.stdout.split() == ["True"]
+    assert sm90_child_output(SM90_CHILD).split() == ["True"]
 
 
 def _reference_logprobs(logits, tokens, rows, k):
@@ -127,15 +118,4 @@ print(compiled.n_spills == 0 if hasattr(compiled, "n_spills") else True)
 
 
 def test_logprobs_kernel_compiles_for_sm90():
-    import os
-    import subprocess
-    import sys
-
-    from benchmarks.sm90_compile import PTXAS
-    if not os.path.exists(PTXAS):
-        pytest.skip("Triton ships no ptxas here")
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    child = subprocess.run([sys.executable, "-c", SM90_LOGPROBS_CHILD], capture_output=True, text=True, env=env,
-                           timeout=300)
-    assert child.returncode == 0, child.stderr[-2000:]
-    assert child.stdout.split() == ["True"]
+    assert sm90_child_output(SM90_LOGPROBS_CHILD).split() == ["True"]

@@ -5,12 +5,11 @@ have the Triton interpreter on, which cannot compile."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks.sm90_compile import PTXAS
+from tests.sm90_child import sm90_child_output
 
 pytestmark = [pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton ships no ptxas here"),
               pytest.mark.slow]  # compiles every prefill kernel for sm_90a
@@ -27,10 +26,8 @@ for kernel, warps in (("wy", 1), ("state_pass", 4), ("output", 4)):
 
 
 def test_prefill_kernels_compile_for_sm90():
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=300)
-    assert child.returncode == 0, child.stderr[-3000:]
-    rows = {kernel: (int(regs), int(mma)) for kernel, regs, mma in map(str.split, child.stdout.splitlines())}
+    output = sm90_child_output(CHILD)
+    rows = {kernel: (int(regs), int(mma)) for kernel, regs, mma in map(str.split, output.splitlines())}
     assert set(rows) == {"wy", "state_pass", "output"}
     for kernel, (registers, products) in rows.items():
         assert 0 < registers <= 255 and products > 0, (kernel, registers, products)  # tensor-core products
