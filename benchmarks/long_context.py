@@ -60,7 +60,7 @@ def generation_row(model, policy: PrefillPolicy, count: int, length: int, output
     prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
     running = None if max_running == AUTO else max_running or count
     args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=running,
-                           max_batch_tokens=STEP_TOKENS, budget_bytes=None, preset=preset, floor=device == "cuda",
+                           max_batch_tokens=None, budget_bytes=None, preset=preset, floor=device == "cuda",
                            temperature=temperature)
     with prefill_policy(policy):
         row = run_arm(model, "replay+extra_buffer", prompts, output, args,

@@ -40,7 +40,8 @@ def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: 
     less than one prefill step needs on a nearly full device (docs/BENCHMARKS.md, "Memory budget:
     the activation reserve")."""
     dtype = config.resolved_dtype()
-    reserve = step_activation_bytes(model_config, dtype, config.max_batch_tokens, config.resolved_max_running(model_config))
+    reserve = step_activation_bytes(model_config, dtype, config.resolved_max_batch_tokens(model_config),
+                                    config.resolved_max_running(model_config))
     if config.cuda_graphs:
         reserve += decode_graph_bytes(model_config, dtype, bucket_sizes(config.resolved_max_running(model_config)),
                                       min(max_model_len, _GRAPH_CTX_CAP))
@@ -177,7 +178,8 @@ class EngineBuilder:
 
         shapes = StepShapes(decode_buckets=bucket_sizes(self.pool_plan.max_running),
                             graph_ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP), decode_hint=True,
-                            max_batch_tokens=self.config.max_batch_tokens, max_running=self.pool_plan.max_running,
+                            max_batch_tokens=self.config.resolved_max_batch_tokens(self.model.config),
+                            max_running=self.pool_plan.max_running,
                             max_model_len=self.max_model_len, replay=self.config.replayssm,
                             mixed_step=self.mixed_step)
         trace = engine_trace(self.model, caches, shapes, state_pool.pad_slot, kv_pool.pad_slot, self.device)

@@ -21,6 +21,10 @@ DEFAULT_MAX_RUNNING = 256
 # MoE: a decode step reads every routed expert's weights for a few rows each, so more rows amortise them
 # (the peer runs Qwen3.5-35B-A3B at 1,024 concurrent); the memory budget caps it where it fits fewer.
 DEFAULT_MAX_RUNNING_MOE = 1024
+DEFAULT_MAX_BATCH_TOKENS = 8192
+# MoE: every prefill step reads all routed experts' weights and runs a decode forward beside it, so
+# larger steps amortise both (35B-A3B FP8, 8k in / 1k out on the H200: 1.17x the total tok/s at 8,192)
+DEFAULT_MAX_BATCH_TOKENS_MOE = 32768
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,9 @@ class EngineConfig:
     # max_tokens; the job's plan knows them): with max_running unset, the rows are sized so that
     # that many fit the KV pool (cache.budget.size_max_running), capped by the default above
     row_tokens: Optional[int] = None
-    max_batch_tokens: int = 8192         # tokens per step: prefill tokens, plus the decode rows with mixed_step
+    # tokens per step: prefill tokens, plus the decode rows with mixed_step; None: DEFAULT_MAX_BATCH_TOKENS
+    # (DEFAULT_MAX_BATCH_TOKENS_MOE for a MoE model)
+    max_batch_tokens: Optional[int] = None
     max_model_len: Optional[int] = None  # None → the model's max_position_embeddings
     memory_fraction: float = 0.9         # share of the free device memory for the pools (at most free − a step's activations)
     memory_budget_bytes: Optional[int] = None  # explicit pool budget (tests force eviction with it)
@@ -92,6 +98,14 @@ class EngineConfig:
         log.info("max_running %d for rows of ~%d KV positions (cap %d; %.1f GiB of pools, %d B a KV position, "
                  "%.0f MiB a state slot)", rows, self.row_tokens, cap, budget / 2**30, kv_token, state_slot / 2**20)
         return rows
+
+    def resolved_max_batch_tokens(self, model_config=None) -> int:
+        """Tokens per step: the config's, else the default for the model (`model_config`, a
+        `batchinfer.models.config.ModelConfig`; None: a dense model's)."""
+        if self.max_batch_tokens is not None:
+            return self.max_batch_tokens
+        moe = model_config is not None and getattr(model_config, "num_experts", 0) > 0
+        return DEFAULT_MAX_BATCH_TOKENS_MOE if moe else DEFAULT_MAX_BATCH_TOKENS
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

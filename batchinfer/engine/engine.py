@@ -72,7 +72,7 @@ class Engine:
         self.precompile_report = parts.precompile_report
         self.tally = StatsTally()
         self.scheduler = Scheduler(
-            self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.max_batch_tokens,
+            self.cache, max_running=self.pool_plan.max_running, max_batch_tokens=config.resolved_max_batch_tokens(model_config),
             track_interval=config.track_interval, wait_for_leaders=builder.cache_config.tracks, tally=self.tally,
             state_slots=self.pool_plan.state_slots, branch_state_capacity=self.pool_plan.cache_state_slots,
             max_model_len=self.max_model_len, decode_rows_in_budget=self.mixed_step,
@@ -246,6 +246,7 @@ class Engine:
             "dtype": dtype_name(self.config.resolved_dtype()),
             "ckpt_dtype": dtype_name(self.config.resolved_ckpt_dtype()) if self.config.replayssm else None,
             "max_model_len": self.max_model_len,
+            "max_batch_tokens": self.scheduler.max_batch_tokens,  # the config's, else the model's default
             "mixed_step": self.mixed_step,  # the config's, unless BATCHINFER_MIXED_STEP=0 turned it off
             "max_running_effective": plan.max_running,
             "kv_slots": plan.kv_slots,

@@ -37,3 +37,28 @@ def test_the_default_max_running_suits_the_model():
     assert EngineConfig().resolved_max_running(dense) == DEFAULT_MAX_RUNNING == 256
     assert EngineConfig().resolved_max_running(moe) == DEFAULT_MAX_RUNNING_MOE == 1024
     assert EngineConfig(max_running=48).resolved_max_running(moe) == 48
+
+
+def _tiny_moe():
+    raw = dict(PRESETS["qwen3.5-35b-a3b"], vocab_size=256, hidden_size=64, num_hidden_layers=4, head_dim=32,
+               num_attention_heads=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=16, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)
+    return random_model(model_config_from_dict(raw), torch.float32, "cpu", seed=0)
+
+
+def test_the_default_step_size_suits_the_model():
+    from batchinfer.engine.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_MOE, EngineConfig
+    dense, moe = (model_config_from_dict(PRESETS[name]) for name in ("qwen3.5-27b", "qwen3.5-35b-a3b"))
+    assert EngineConfig().resolved_max_batch_tokens(dense) == DEFAULT_MAX_BATCH_TOKENS == 8192
+    assert EngineConfig().resolved_max_batch_tokens(moe) == DEFAULT_MAX_BATCH_TOKENS_MOE == 32768
+    assert EngineConfig().resolved_max_batch_tokens() == 8192  # no model: a dense model's
+    assert EngineConfig(max_batch_tokens=4096).resolved_max_batch_tokens(moe) == 4096
+
+
+def test_the_engine_steps_by_the_models_default_unless_the_job_sets_it():
+    dense = random_model(model_config_from_dict(PRESETS["tiny"]), torch.float32, "cpu", seed=0)
+    assert make_engine(dense).scheduler.max_batch_tokens == 8192
+    assert make_engine(_tiny_moe()).scheduler.max_batch_tokens == 32768
+    assert make_engine(_tiny_moe(), max_batch_tokens=64).scheduler.max_batch_tokens == 64
+    assert make_engine(_tiny_moe()).settings()["max_batch_tokens"] == 32768  # stats.json says what ran

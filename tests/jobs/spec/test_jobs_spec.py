@@ -67,6 +67,21 @@ jobs:
     assert b.output.path == Path("/elsewhere") and b.output.flush_rows == 7
 
 
+def test_null_step_and_row_settings_leave_them_to_the_model():
+    text = """
+defaults:
+  model: demo
+  engine: {max_running: 8, max_batch_tokens: 2048}
+jobs:
+  - name: a
+    input: /abs/a.parquet
+    prompt: {column: text}
+    engine: {max_running: null, max_batch_tokens: null}
+"""
+    (a,) = parse(text).jobs
+    assert (a.engine.max_running, a.engine.max_batch_tokens) == (None, None)
+
+
 @pytest.mark.parametrize("snippet, where, what", [
     ("    sampling: {temprature: 0.5}", "jobs.rag.sampling.temprature", "did you mean 'temperature'"),
     ("    engine: {max_runing: 4}", "jobs.rag.engine.max_runing", "did you mean 'max_running'"),
