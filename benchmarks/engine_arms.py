@@ -132,7 +132,7 @@ def decode_flops(model, batch: float, context: float) -> float:
     return 2 * batch * (matrices + routed) + attention + len(c.gdn_layer_ids) * 6 * heads * batch
 
 
-def decode_bytes(model, replay: bool, batch: float, context: float, ring_len: int = 16) -> float:
+def decode_bytes(model, replay: bool, batch: float, context: float, ring_len: int = 16, kv_itemsize: int = 2) -> float:
     """Fewest bytes one decode step must move: every weight once (embedding: only the batch's
     rows; MoE: of each expert stack only the experts the batch routes to, expected under uniform
     routing), the KV of every context token of every attention layer, and the GDN state
@@ -146,7 +146,7 @@ def decode_bytes(model, replay: bool, batch: float, context: float, ring_len: in
     if stacks:  # a decode batch reads the experts it routes to, not all E
         routed = expected_unique_experts(c.num_experts, c.num_experts_per_tok, batch)
         weights -= sum(p[0].numel() * p.element_size() * (c.num_experts - routed) for p in stacks)
-    kv = len(c.attn_layer_ids) * 2 * c.num_kv_heads * c.head_dim * 2 * context  # bf16 K and V
+    kv = len(c.attn_layer_ids) * 2 * c.num_kv_heads * c.head_dim * kv_itemsize * context  # K and V (bf16: 2 B)
     heads = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     if replay:
         ring = (c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim) * 2
@@ -191,9 +191,10 @@ def run_arm(model, arm: str, prompts: list[list[int]], output_tokens: int, args,
         wall = time.perf_counter() - start
     stats = engine.stats
     replay = ARMS[arm]["replayssm"]
+    kv_itemsize = 1 if config.kv_cache_dtype == "fp8_e4m3" else 2
 
     def roofline_ms(batch: float, context: float) -> float:  # a decode step's bytes at copy bandwidth
-        return 1e3 * decode_bytes(model, replay, batch, context) / COPY_BANDWIDTH
+        return 1e3 * decode_bytes(model, replay, batch, context, kv_itemsize=kv_itemsize) / COPY_BANDWIDTH
 
     prompt = stats.prompt_tokens - before.prompt_tokens
     cached = stats.cached_tokens - before.cached_tokens

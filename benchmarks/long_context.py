@@ -39,8 +39,8 @@ def parse_policy(text: str, min_run: int) -> PrefillPolicy:
 def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
     """"NxLxO[@R][/field=int...]": N prompts of L tokens, O output tokens each, max_running R
     (default: N, everything admitted at once; `@auto`: the engine's default for the model),
-    EngineConfig integer / boolean fields set after
-    the slashes (e.g. `/track_interval=256`)."""
+    EngineConfig integer / boolean / string fields set after
+    the slashes (e.g. `/track_interval=256`, `/kv_cache_dtype=fp8_e4m3`)."""
     spec, *settings = text.split("/")
     spec, _, running = spec.partition("@")
     count, length, output = (int(v) for v in spec.lower().split("x"))
@@ -48,7 +48,10 @@ def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
     for item in settings:
         key, _, value = item.partition("=")
         default = getattr(EngineConfig(), key)  # AttributeError names a wrong field
-        overrides[key] = int(value) if default is None else type(default)(int(value))  # None: an optional int
+        if isinstance(default, str):  # e.g. /kv_cache_dtype=fp8_e4m3
+            overrides[key] = value
+        else:
+            overrides[key] = int(value) if default is None else type(default)(int(value))  # None: an optional int
     if running == "auto":  # the engine's own default for the model (EngineConfig.max_running None)
         return count, length, output, AUTO, overrides
     return count, length, output, int(running) if running else None, overrides

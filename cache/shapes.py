@@ -72,14 +72,16 @@ class GdnStateShape:
 
 
 def shapes_from_model_config(config, dtype: torch.dtype, *, ring_len: int = 0,
-                             ckpt_dtype: torch.dtype | None = None) -> tuple[KVShape, GdnStateShape]:
+                             ckpt_dtype: torch.dtype | None = None,
+                             kv_dtype: torch.dtype | None = None) -> tuple[KVShape, GdnStateShape]:
     """(KVShape, GdnStateShape) of a `batchinfer.models.config.ModelConfig`.
 
     `ring_len > 0` selects ReplaySSM with state snapshots in `ckpt_dtype` (default fp32; named
     after the job key); without it the recurrent state is fp32 whatever the model dtype (it accumulates over the whole sequence).
+    The KV pool is in `kv_dtype` (default: the model dtype `dtype`).
     """
     kv = KVShape(num_layers=len(config.attn_layer_ids), num_kv_heads=config.num_kv_heads,
-                 head_dim=config.head_dim, dtype=dtype)
+                 head_dim=config.head_dim, dtype=kv_dtype or dtype)
     gdn = GdnStateShape(
         num_layers=len(config.gdn_layer_ids), conv_dim=config.conv_dim,
         conv_kernel=config.linear_conv_kernel_dim, num_k_heads=config.linear_num_key_heads,

@@ -110,7 +110,8 @@ class EngineBuilder:
         self.cache_config = CacheConfig(mode=config.state_cache, prefix_cache=config.prefix_cache)
         ring_len = config.ring_len if config.replayssm else 0
         self.kv_shape, self.state_shape = shapes_from_model_config(
-            model.config, config.resolved_dtype(), ring_len=ring_len, ckpt_dtype=config.resolved_ckpt_dtype())
+            model.config, config.resolved_dtype(), ring_len=ring_len, ckpt_dtype=config.resolved_ckpt_dtype(),
+            kv_dtype=config.resolved_kv_dtype())
         # One working slot per running request, plus plan_pools' shared pool of cached states
         # that tracking borrows from (a tracked state goes to the tree at once) and eviction
         # refills: tree states are never pinned by running requests, only during admission.

@@ -16,6 +16,8 @@ MIXED_STEP_ENV = "BATCHINFER_MIXED_STEP"  # "1" / "0": the mixed step on / off, 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}  # None: the model dtype
+
 
 DEFAULT_MAX_RUNNING = 256
 # MoE: a decode step reads every routed expert's weights for a few rows each, so more rows amortise them
@@ -36,6 +38,9 @@ class EngineConfig:
     replayssm: bool = True               # decode GDN layers through checkpoint + ring
     ring_len: int = 16                   # ReplaySSM ring length L
     ckpt_dtype: Optional[str] = None     # ReplaySSM checkpoint dtype; None → the model dtype
+    # KV pool dtype: "auto" → the model dtype; "fp8_e4m3" halves a decode step's KV bytes (stored
+    # without a scale, saturated at ±448; attention widens it to the model dtype tile by tile)
+    kv_cache_dtype: str = "auto"
     track_interval: int = 8192           # also checkpoint every this many prompt tokens (unplanned reuse);
                                          # each multiple ends a prefill chunk, so small values cut long prompts short
     # sequences decoding at once; None: DEFAULT_MAX_RUNNING (DEFAULT_MAX_RUNNING_MOE for a MoE model),
@@ -68,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"state_cache must be 'extra_buffer' or 'no_buffer', not {self.state_cache!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, not {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.ckpt_dtype is not None and self.ckpt_dtype not in _DTYPES:
             raise ValueError(f"ckpt_dtype must be one of {sorted(_DTYPES)}, not {self.ckpt_dtype!r}")
         for name in ("ring_len", "track_interval", "max_running", "max_batch_tokens", "row_tokens", "pipeline_stages"):
@@ -122,6 +129,10 @@ class EngineConfig:
         if self.ckpt_dtype is not None:
             return _DTYPES[self.ckpt_dtype]
         return torch.bfloat16 if self.resolved_dtype() == torch.bfloat16 else torch.float32
+
+    def resolved_kv_dtype(self) -> torch.dtype:
+        """The KV pool's dtype: the model's, or FP8 (e4m3) when asked."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.resolved_dtype()
 
     def resolved_mixed_step(self) -> bool:
         switch = os.environ.get(MIXED_STEP_ENV, "").strip()

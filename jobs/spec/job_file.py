@@ -119,7 +119,7 @@ INPUT_FORMATS = ("auto", "parquet", "csv", "jsonl", "arrow", "hf_dataset", "open
 ENGINE_KEYS: dict[str, Callable[[Any], Any]] = {
     "device": check.device_name,
     "dtype": check.choice("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
-    "prefix_cache": check.boolean, "replayssm": check.boolean,
+    "prefix_cache": check.boolean, "replayssm": check.boolean, "kv_cache_dtype": check.choice("auto", "fp8_e4m3"),
     "ring_len": check.integer(1), "track_interval": check.integer(1), "max_running": check.integer(1, optional=True),
     "max_batch_tokens": check.integer(1, optional=True), "max_model_len": check.integer(2, optional=True),
     "memory_fraction": check.number(0.0, 1.0, low_open=True),

@@ -21,8 +21,10 @@ import triton
 import triton.language as tl
 
 from batchinfer.kernels._common import LOOP_AS_WHILE
-from batchinfer.kernels.attention.shared_prefix import (SharedPrefixLaunch, attend_range, block_shared_len, num_shared_splits,
-                                      run_shared_prefix_stage, softmax_partial)
+from batchinfer.kernels.ref.attention import FP8_KV_DTYPES
+from batchinfer.kernels.ref.attention import store_kv as reference_store_kv
+from batchinfer.kernels.attention.shared_prefix import (SharedPrefixLaunch, as_compute, attend_range, block_shared_len,
+                                                       num_shared_splits, run_shared_prefix_stage, softmax_partial)
 
 
 @triton.jit
@@ -49,6 +51,9 @@ def store_kv(k, v, k_cache, v_cache, out_slots) -> None:
     """Scatter k, v [T, H_kv, d] into k_cache, v_cache [S_kv, H_kv, d] at out_slots [T]."""
     T = k.shape[0]
     if T == 0:
+        return
+    if k_cache.dtype in FP8_KV_DTYPES:  # torch's saturated cast: one rounding on every device
+        reference_store_kv(k, v, k_cache, v_cache, out_slots)
         return
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     k, v = _rows(k), _rows(v)
@@ -92,8 +97,8 @@ def _attn_decode_split_kernel(
     mask_h = offs_h < GROUP
     mask_d = offs_d < D
     heads = kv_head * GROUP + offs_h  # the GQA query heads of this KV head
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [BH, BD]
+    q = as_compute(tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                           mask=mask_h[:, None] & mask_d[None, :], other=0.0), k_cache_ptr)  # [BH, BD]
 
     m, l, acc = attend_range(q, lo, hi, offs_h, k_cache_ptr, v_cache_ptr, kv_indices_ptr, ctx_start, kv_head,
                              stride_kc, stride_kh, stride_vc, stride_vh, scale, offs_d, mask_d,
@@ -230,15 +235,15 @@ def _prefill_sequence(cu_seqlens_ptr, kv_indptr_ptr, seq):
 @triton.jit
 def _load_query_block(q_ptr, k_cache_ptr, stride_qt, stride_qh, head, q_start, n_new, ctx_len, q_block,
                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Query rows q_block·BLOCK_M.. of a sequence's new tokens, in the KV pool's dtype (q [BM, BD]),
+    """Query rows q_block·BLOCK_M.. of a sequence's new tokens, in the dtype of the dots (q [BM, BD]),
     with their row offsets, row / channel masks and context positions (new tokens end the context)."""
     offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < n_new
     mask_d = offs_d < D
     q_pos = ctx_len - n_new + offs_m  # [BM]
-    q = tl.load(q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)
+    q = as_compute(tl.load(q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
+                           mask=mask_m[:, None] & mask_d[None, :], other=0.0), k_cache_ptr)
     return q, offs_m, offs_d, mask_m, mask_d, q_pos
 
 

@@ -223,7 +223,8 @@ class PrefillBatch:
     def context(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [ctx, H_kv, d] of sequences [seg.lo, seg.hi), gathered from the pool."""
         idx = self.kv_indices[self.indptr[seg.lo]:self.indptr[seg.hi]]
-        return self.k_cache.index_select(0, idx), self.v_cache.index_select(0, idx)
+        # An FP8 pool is widened to the queries' dtype (the backends take one dtype).
+        return self.k_cache.index_select(0, idx).to(self.q.dtype), self.v_cache.index_select(0, idx).to(self.q.dtype)
 
     def run_sequence(self, seg: Segment, backend: str, sequence_fn: SequenceFn, short_fn: Callable) -> None:
         """One long run through `sequence_fn`; where it raises, `backend` is recorded as refused

@@ -62,6 +62,15 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def as_compute(q, k_cache_ptr):
+    """Queries in the dtype of the dots: the KV pool's, or their own over an FP8 pool (whose keys
+    and values `attend_tile` widens to it tile by tile)."""
+    if k_cache_ptr.dtype.element_ty != tl.float8e4nv:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    return q
+
+
+@triton.jit
 def attend_tile(q, m, l, acc, n0, hi, q_pos, k_cache_ptr, v_cache_ptr, kv_indices_ptr, ctx_start, kv_head,
                 stride_kc, stride_kh, stride_vc, stride_vh, scale, offs_d, mask_d,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -75,9 +84,9 @@ def attend_tile(q, m, l, acc, n0, hi, q_pos, k_cache_ptr, v_cache_ptr, kv_indice
     slot = tl.load(kv_indices_ptr + ctx_start + offs_n, mask=mask_n, other=0).to(tl.int64)
     kv_mask = mask_n[:, None] & mask_d[None, :]
     keys = tl.load(k_cache_ptr + slot[:, None] * stride_kc + kv_head * stride_kh + offs_d[None, :],
-                   mask=kv_mask, other=0.0)  # [BN, BD]
+                   mask=kv_mask, other=0.0).to(q.dtype)  # [BN, BD]
     values = tl.load(v_cache_ptr + slot[:, None] * stride_vc + kv_head * stride_vh + offs_d[None, :],
-                     mask=kv_mask, other=0.0)  # [BN, BD]
+                     mask=kv_mask, other=0.0).to(q.dtype)  # [BN, BD]
     scores = _dot(q, tl.trans(keys), DOT_PRECISION) * scale  # [R, BN]
     visible = mask_n[None, :]
     if CAUSAL:
@@ -172,8 +181,8 @@ def _shared_prefix_kernel(
     mask_r = (head_in_group < GROUP) & (rows < batch)
     mask_d = offs_d < D
     heads = kv_head * GROUP + head_in_group
-    q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [RH, BD]
+    q = as_compute(tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                           mask=mask_r[:, None] & mask_d[None, :], other=0.0), k_cache_ptr)  # [RH, BD]
 
     m, l, acc = attend_range(q, lo, hi, offs_r, k_cache_ptr, v_cache_ptr, kv_indices_ptr, ctx_start, kv_head,
                              stride_kc, stride_kh, stride_vc, stride_vh, scale, offs_d, mask_d,

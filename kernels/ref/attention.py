@@ -10,12 +10,27 @@ import torch
 import torch.nn.functional as F
 
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)  # KV pools stored in FP8 (EngineConfig.kv_cache_dtype)
+
+
+def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a KV pool's dtype. FP8 has no scale here (1.0, as the peers' default without
+    calibrated scales) and saturates at its largest finite value: a plain cast overflows to NaN."""
+    if dtype in FP8_KV_DTYPES:
+        top = torch.finfo(dtype).max
+        return x.clamp(-top, top).to(dtype)
+    return x.to(dtype)
+
+
 def store_kv(k, v, k_cache, v_cache, out_slots) -> None:
     """Scatter new keys/values [T, H_kv, d] into the pools [S_kv, H_kv, d] at out_slots [T]."""
     slots = out_slots.long()
-    # index_copy_ rather than advanced indexing: much cheaper on CPU.
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    for new, pool in ((k, k_cache), (v, v_cache)):
+        rows = to_pool_dtype(new, pool.dtype)
+        if pool.dtype in FP8_KV_DTYPES:  # index_copy_ has no FP8 kernel on the CPU: copy the bytes
+            pool, rows = pool.view(torch.uint8), rows.view(torch.uint8)
+        # index_copy_ rather than advanced indexing: much cheaper on CPU.
+        pool.index_copy_(0, slots, rows)
 
 
 def _gather_context(k_cache, v_cache, idx, n_heads: int):

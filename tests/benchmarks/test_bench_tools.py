@@ -106,6 +106,8 @@ def test_generation_spec_parses_batch_and_engine_overrides_and_names_a_wrong_fie
     assert (count, length, output, running) == (96, 8192, 1024, 96)
     assert overrides == {"track_interval": 256, "cuda_graphs": False}
     assert type(overrides["cuda_graphs"]) is bool
+    assert parse_generation("8x64x8/max_batch_tokens=32768/kv_cache_dtype=fp8_e4m3")[4] == {
+        "max_batch_tokens": 32768, "kv_cache_dtype": "fp8_e4m3"}
     with pytest.raises(AttributeError, match="no_such_field"):
         parse_generation("1x8x8/no_such_field=1")
 

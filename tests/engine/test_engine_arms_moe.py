@@ -41,3 +41,11 @@ def test_decode_flops_count_k_experts_per_sequence(monkeypatch):
     with_experts = decode_flops(model, 3, 0)
     monkeypatch.setattr(arms, "_expert_stacks", lambda _model: [])
     assert with_experts - decode_flops(model, 3, 0) == pytest.approx(2 * 3 * k * per_expert)
+
+
+def test_decode_bytes_count_an_fp8_kv_pool_at_one_byte_a_value():
+    model = _moe_model()
+    c = model.config
+    per_token = len(c.attn_layer_ids) * 2 * c.num_kv_heads * c.head_dim  # K and V values a context token
+    bf16, fp8 = decode_bytes(model, True, 8, 1000), decode_bytes(model, True, 8, 1000, kv_itemsize=1)
+    assert bf16 - fp8 == pytest.approx(per_token * 1000)

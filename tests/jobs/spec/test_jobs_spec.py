@@ -67,7 +67,7 @@ jobs:
     assert b.output.path == Path("/elsewhere") and b.output.flush_rows == 7
 
 
-def test_null_step_and_row_settings_leave_them_to_the_model():
+def test_null_step_and_row_settings_leave_them_to_the_model_and_the_kv_pool_may_be_fp8():
     text = """
 defaults:
   model: demo
@@ -76,10 +76,11 @@ jobs:
   - name: a
     input: /abs/a.parquet
     prompt: {column: text}
-    engine: {max_running: null, max_batch_tokens: null}
+    engine: {max_running: null, max_batch_tokens: null, kv_cache_dtype: fp8_e4m3}
 """
     (a,) = parse(text).jobs
     assert (a.engine.max_running, a.engine.max_batch_tokens) == (None, None)
+    assert a.engine.kv_cache_dtype == "fp8_e4m3"
 
 
 @pytest.mark.parametrize("snippet, where, what", [
@@ -93,6 +94,7 @@ jobs:
     ("    sampling: {stop: [1, 2]}", "jobs.rag.sampling.stop", "list of non-empty strings"),
     ("    engine: {state_cache: big_buffer}", "jobs.rag.engine.state_cache", "comparison arm"),
     ("    engine: {device: tpu}", "jobs.rag.engine.device", "cuda:N"),
+    ("    engine: {kv_cache_dtype: fp4}", "jobs.rag.engine.kv_cache_dtype", "fp8_e4m3"),
     ("    engine: {memory_fraction: 1.5}", "jobs.rag.engine.memory_fraction", "must be in"),
     ("    limit: 0", "jobs.rag.limit", "must be >= 1"),
     *[(f"    {section}: {{{key}: {value}}}", f"jobs.rag.{section}.{key}", f"must be a finite number, got {shown}")
