@@ -26,6 +26,9 @@ NEAR_BEST = 0.05  # per-token costs this close count as equal (the larger step w
 # One H200 (SXM): HBM bytes/s and dense bf16 FLOP/s at the rates kernels reach (~85% / ~70% of peak).
 HBM_BYTES_PER_S = 4.8e12 * 0.85
 BF16_FLOPS = 989e12 * 0.7
+# A step with prompt chunks pays its prefill launches over its compute: 7.4 ms for the 16-layer
+# 27B on the H200 (the fit of docs/BENCHMARKS.md, "The mixed step's cost model"), per layer.
+PREFILL_OVERHEAD_MS_PER_LAYER = 7.4 / 16
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,14 @@ class StepCost:
                              f"{err}") from None
 
     @classmethod
-    def from_model(cls, weight_bytes: int, active_params: int, row_bytes: int,
+    def from_model(cls, weight_bytes: int, active_params: int, row_bytes: int, layers: int = 0,
                    bytes_per_s: float = HBM_BYTES_PER_S, flops: float = BF16_FLOPS) -> "StepCost":
         """From the bytes a step reads (`weight_bytes`; `row_bytes` per decode row: its KV at the
-        expected context and its state) and the FLOPs per token (2 × `active_params`)."""
+        expected context and its state), the FLOPs per token (2 × `active_params`) and the prefill
+        launches of `layers` layers. Without that overhead a MoE model (all experts' bytes, few
+        active parameters) chose 768–2,560-token chunks, 3–10× the steps (docs/BENCHMARKS.md)."""
         return cls(weight_ms=1e3 * weight_bytes / bytes_per_s, row_ms=1e3 * row_bytes / bytes_per_s,
-                   token_ms=1e3 * 2 * active_params / flops)
+                   token_ms=1e3 * 2 * active_params / flops, prefill_overhead_ms=PREFILL_OVERHEAD_MS_PER_LAYER * layers)
 
 
 def active_params(model) -> int:
@@ -102,7 +107,7 @@ def engine_step_cost(model, kv_bytes_per_token: int, state_bytes_per_slot: int,
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # A decode row reads its KV and its state and writes the state back.
     row_bytes = kv_bytes_per_token * context_tokens + 2 * state_bytes_per_slot
-    return StepCost.from_model(weight_bytes, active_params(model), row_bytes)
+    return StepCost.from_model(weight_bytes, active_params(model), row_bytes, layers=model.config.num_hidden_layers)
 
 
 def fit(samples: Sequence[tuple[int, int, float]]) -> StepCost:

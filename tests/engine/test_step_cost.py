@@ -92,3 +92,18 @@ def test_the_scheduler_cuts_mixed_steps_prompt_tokens_by_the_model(monkeypatch):
     assert beside and max(beside) == 256  # cut by the model (the constant allowed 1,024 less the rows)
     alone = [sum(n for _, n in plan.prefill) for plan in steps if plan.prefill and not plan.decode]
     assert alone and max(alone) > 256  # without decode rows a step takes what the budget allows
+
+
+def test_the_estimate_from_the_model_keeps_whole_chunks_where_the_measurements_do():
+    """From bytes, FLOPs and the per-layer prefill overhead: the 16-layer 27B (bf16, 96 rows at 9k)
+    gets a chunk the H200 measurements do not call costly, and a MoE model (all experts' bytes,
+    3 B active parameters) whole chunks, not the 768–2,560 tokens it got without the overhead."""
+    row_bytes = 16 // 4 * 2 * 4 * 256 * 2 * 9216 + 2 * 48 * 16 * 128 * 128 * 2  # 27B/4: KV at 9k + its state
+    dense = StepCost.from_model(int(27e9 * 2 / 4), int(27e9 / 4), row_bytes, layers=16)
+    measured = {p: (ms - 9.618) / p for p, ms in H200_MIXED_96.items()}
+    chosen = dense.prefill_budget(96, 8192)
+    assert measured[min(measured, key=lambda p: abs(p - chosen))] <= 1.05 * min(measured.values()), chosen
+    moe = StepCost.from_model(int(37e9), int(3.3e9), 20480 * 9216, layers=40)
+    for rows in (1, 64, 256):
+        assert moe.prefill_budget(rows, 8192 - rows) >= 8192 - rows - 256, rows
+    assert StepCost.from_model(int(37e9), int(3.3e9), 20480 * 9216).prefill_budget(64, 8128) <= 2560  # the old estimate
