@@ -21,7 +21,8 @@ copy bandwidth measured in the same run (a large device-to-device copy, read + w
 
 GEMM timings are medians of `reps` after warm-up (CUDA events, L2 emptied by writing a large
 buffer before each rep; on the CPU perf_counter). MoE experts run as one grouped GEMM of the B·top_k routed rows spread
-evenly over the experts (random routing touches nearly all of them at B = 256); the router is
+evenly over the experts (random routing touches nearly all of them at B = 256; an FP8 model's as
+its grouped FP8 GEMMs, `ops.moe_fp8`, gate_up and down in one call); the router is
 timed in fp32 as the model runs it. Not in the floor: kernel launch gaps, the attention's split
 partials and merge, and host work — what the step spends beyond the floor is those plus each
 kernel's distance from copy bandwidth.
@@ -248,14 +249,39 @@ def matmul_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> Callabl
     return lambda: torch.matmul(x, w.t())  # [m, n]
 
 
+def fp8_experts(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
+    """An FP8 model's routed experts as it runs them: `ops.moe_fp8`, the gate_up and down grouped
+    FP8 GEMMs in one call (activation quantization, SiLU·mul and its requantization fused), over
+    the m rows spread evenly over the experts. Timed under `moe.experts_gate_up` (k = hidden,
+    n = 2·intermediate); `moe.experts_down` is inside it and times nothing."""
+    from batchinfer.kernels import ops
+    from batchinfer.kernels.fp8_gemm import block_quantize
+
+    if gemm.name == "moe.experts_down":
+        return lambda: None
+    E, hidden, inter = gemm.groups, gemm.k, gemm.n // 2
+    x = torch.randn(gemm.m, hidden, dtype=dtype, device=device)  # [m, H]: one token a row
+    w13, s13 = block_quantize(torch.randn(E, 2 * inter, hidden, device=device))  # e4m3 [E, 2I, H]
+    w2, s2 = block_quantize(torch.randn(E, hidden, inter, device=device))  # e4m3 [E, H, I]
+    counts = torch.tensor([gemm.m // E + (e < gemm.m % E) for e in range(E)])
+    ends = counts.cumsum(0).to(device)
+    token_of = torch.arange(gemm.m, device=device)
+    op = lambda: ops.moe_fp8(x, token_of, ends, w13, s13, w2, s2)  # noqa: E731
+    return graphed(op) if device.type == "cuda" else op
+
+
 def fp8_gemm_builder(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
     """The `gemm_fn` of an FP8 model: each dense projection as the FP8 block GEMM (activation
-    quantization included, as the model runs it) over its 128-aligned output rows; what the
-    model keeps in `dtype` (lm_head, router, the GDN b|a rows, the MoE experts' grouped GEMM,
-    which it runs in bf16 on dequantized weights) through `matmul_gemm`."""
+    quantization included, as the model runs it) over its 128-aligned output rows; the routed
+    experts as the model's grouped FP8 GEMMs (`fp8_experts`); what the model keeps in `dtype`
+    (lm_head, router, the GDN b|a rows) through `matmul_gemm`."""
     from batchinfer.kernels.fp8_gemm import block_quantize, fp8_gemm
 
     fp8_rows = gemm.n - gemm.n % 128
+    if gemm.groups > 1 and gemm.name in ("moe.experts_gate_up", "moe.experts_down"):
+        intermediate = gemm.n // 2 if gemm.name == "moe.experts_gate_up" else gemm.k
+        if intermediate % 128 == 0:  # the FP8 experts' block scales (models/layers/fp8_linear.block_aligned)
+            return fp8_experts(gemm, dtype, device)
     if gemm.fp32 or gemm.out_fp32 or gemm.groups > 1 or gemm.k % 128 or not fp8_rows:
         return matmul_gemm(gemm, dtype, device)
     x = torch.randn(gemm.m, gemm.k, dtype=dtype, device=device)  # [m, k]

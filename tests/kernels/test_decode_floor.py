@@ -178,7 +178,8 @@ def test_engine_arms_prints_the_floor_and_frees_the_engine_first(monkeypatch):
 
 def test_fp8_floor_times_the_fp8_gemm_for_dense_projections_only(monkeypatch):
     """An FP8 model's floor: aligned dense projections through the FP8 block GEMM (their unaligned
-    tail rows, e.g. GDN b|a, in the model dtype); lm_head and grouped experts stay matmuls."""
+    tail rows, e.g. GDN b|a, in the model dtype); lm_head stays a matmul, the experts are not
+    fp8_gemm calls (next test)."""
     import batchinfer.kernels.fp8_gemm as fp8
     from benchmarks.decode_floor import Gemm, fp8_gemm_builder
 
@@ -191,6 +192,25 @@ def test_fp8_floor_times_the_fp8_gemm_for_dense_projections_only(monkeypatch):
     assert tuple(fp8_gemm_builder(Gemm("lm_head", 4, 256, 300, out_fp32=True), torch.float32, cpu)().shape) == (4, 300)
     fp8_gemm_builder(Gemm("moe.experts_down", 8, 128, 128, groups=4), torch.float32, cpu)()
     assert len(calls) == 1
+
+
+def test_fp8_floor_times_the_experts_as_the_models_grouped_fp8_gemms_once(monkeypatch):
+    """gate_up and down of an FP8 model's experts are one `ops.moe_fp8` call, timed under gate_up
+    with the m rows spread evenly over the experts; down times nothing. Unaligned intermediates
+    (no FP8 experts in the model) stay grouped matmuls."""
+    from batchinfer.kernels import ops
+    from benchmarks.decode_floor import Gemm, fp8_gemm_builder
+
+    calls = []
+    real = ops.moe_fp8
+    monkeypatch.setattr(ops, "moe_fp8", lambda x, token_of, ends, w13, *a: calls.append(
+        (tuple(x.shape), ends.tolist(), tuple(w13.shape))) or real(x, token_of, ends, w13, *a))
+    cpu = torch.device("cpu")
+    out = fp8_gemm_builder(Gemm("moe.experts_gate_up", 10, 256, 256, groups=4), torch.float32, cpu)()
+    assert calls == [((10, 256), [3, 6, 8, 10], (4, 256, 256))] and tuple(out.shape) == (10, 256)
+    assert fp8_gemm_builder(Gemm("moe.experts_down", 10, 128, 256, groups=4), torch.float32, cpu)() is None
+    unaligned = fp8_gemm_builder(Gemm("moe.experts_gate_up", 8, 64, 96, groups=4), torch.float32, cpu)()
+    assert len(calls) == 1 and unaligned is not None
 
 
 def test_in_order_check_multiplies_by_exactly_the_dense_step_gemms_in_layer_order():
