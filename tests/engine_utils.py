@@ -19,6 +19,18 @@ def tiny_model(seed: int = 0):
     return random_model(preset_config("tiny"), torch.float32, "cpu", seed=seed)
 
 
+def tiny_moe_model(dtype: torch.dtype = torch.float32, seed: int = 0):
+    """The 35B-A3B preset's MoE layout at toy sizes (4 layers, 16 experts, top-2) on the CPU."""
+    from batchinfer.models.config import model_config_from_dict
+    from batchinfer.models.presets import PRESETS
+
+    raw = dict(PRESETS["qwen3.5-35b-a3b"], vocab_size=256, hidden_size=64, num_hidden_layers=4, head_dim=32,
+               num_attention_heads=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=16, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)
+    return random_model(model_config_from_dict(raw), dtype, "cpu", seed=seed)
+
+
 def make_engine(model, **settings) -> Engine:
     base = dict(device="cpu", dtype="fp32", memory_budget_bytes=16 << 20, ring_len=4, track_interval=32)
     return Engine(model, EngineConfig(**{**base, **settings}))

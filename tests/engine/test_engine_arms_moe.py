@@ -2,17 +2,12 @@
 import pytest
 import torch
 
-from batchinfer.models.config import model_config_from_dict
-from batchinfer.models.presets import PRESETS, random_model
 from benchmarks.engine_arms import decode_bytes, decode_flops, expected_unique_experts
+from tests.engine_utils import tiny_moe_model
 
 
 def _moe_model():
-    raw = dict(PRESETS["qwen3.5-35b-a3b"], vocab_size=256, hidden_size=64, num_hidden_layers=4, head_dim=32,
-               num_attention_heads=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-               linear_value_head_dim=16, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
-               shared_expert_intermediate_size=32)
-    return random_model(model_config_from_dict(raw), torch.bfloat16, "cpu")
+    return tiny_moe_model(torch.bfloat16)
 
 
 def test_expected_unique_experts():

@@ -7,7 +7,7 @@ import torch
 from batchinfer.engine.startup import max_running_shortfall
 from batchinfer.models.config import model_config_from_dict
 from batchinfer.models.presets import PRESETS, random_model
-from tests.engine_utils import make_engine
+from tests.engine_utils import make_engine, tiny_moe_model
 
 
 def test_the_default_max_running_is_sized_to_the_cpu_budget_silently(caplog):
@@ -39,14 +39,6 @@ def test_the_default_max_running_suits_the_model():
     assert EngineConfig(max_running=48).resolved_max_running(moe) == 48
 
 
-def _tiny_moe():
-    raw = dict(PRESETS["qwen3.5-35b-a3b"], vocab_size=256, hidden_size=64, num_hidden_layers=4, head_dim=32,
-               num_attention_heads=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-               linear_value_head_dim=16, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
-               shared_expert_intermediate_size=32)
-    return random_model(model_config_from_dict(raw), torch.float32, "cpu", seed=0)
-
-
 def test_the_default_step_size_suits_the_model():
     from batchinfer.engine.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_MOE, EngineConfig
     dense, moe = (model_config_from_dict(PRESETS[name]) for name in ("qwen3.5-27b", "qwen3.5-35b-a3b"))
@@ -59,6 +51,6 @@ def test_the_default_step_size_suits_the_model():
 def test_the_engine_steps_by_the_models_default_unless_the_job_sets_it():
     dense = random_model(model_config_from_dict(PRESETS["tiny"]), torch.float32, "cpu", seed=0)
     assert make_engine(dense).scheduler.max_batch_tokens == 8192
-    assert make_engine(_tiny_moe()).scheduler.max_batch_tokens == 32768
-    assert make_engine(_tiny_moe(), max_batch_tokens=64).scheduler.max_batch_tokens == 64
-    assert make_engine(_tiny_moe()).settings()["max_batch_tokens"] == 32768  # stats.json says what ran
+    assert make_engine(tiny_moe_model()).scheduler.max_batch_tokens == 32768
+    assert make_engine(tiny_moe_model(), max_batch_tokens=64).scheduler.max_batch_tokens == 64
+    assert make_engine(tiny_moe_model()).settings()["max_batch_tokens"] == 32768  # stats.json says what ran
