@@ -78,7 +78,8 @@ class StepCost:
         launches of `layers` layers. Without that overhead a MoE model (all experts' bytes, few
         active parameters) chose 768–2,560-token chunks, 3–10× the steps (docs/BENCHMARKS.md)."""
         return cls(weight_ms=1e3 * weight_bytes / bytes_per_s, row_ms=1e3 * row_bytes / bytes_per_s,
-                   token_ms=1e3 * 2 * active_params / flops, prefill_overhead_ms=PREFILL_OVERHEAD_MS_PER_LAYER * layers)
+                   token_ms=1e3 * 2 * active_params / flops,
+                   prefill_overhead_ms=PREFILL_OVERHEAD_MS_PER_LAYER * layers)
 
 
 def active_params(model) -> int:

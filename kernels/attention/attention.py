@@ -21,10 +21,9 @@ import triton
 import triton.language as tl
 
 from batchinfer.kernels._common import LOOP_AS_WHILE
-from batchinfer.kernels.ref.attention import FP8_KV_DTYPES
-from batchinfer.kernels.ref.attention import store_kv as reference_store_kv
 from batchinfer.kernels.attention.shared_prefix import (SharedPrefixLaunch, as_compute, attend_range, block_shared_len,
                                                        num_shared_splits, run_shared_prefix_stage, softmax_partial)
+from batchinfer.kernels.ref.attention import FP8_KV_DTYPES, store_kv as reference_store_kv
 
 
 @triton.jit
