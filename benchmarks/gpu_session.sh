@@ -9,6 +9,7 @@
 set -u
 out=${OUT:-gpu-logs}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+GEN='x8192x1024@auto/row_tokens=9216'  # the 8k / 1k job of SGLang's published rows, max_running the engine's
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   local t0=$SECONDS
@@ -71,6 +72,17 @@ for part in "$@"; do
     floor_check) step floor_check96 90 python3 -m benchmarks.decode_floor --batch 96 --context 8704 --check-gemms
              step floor_check256 90 python3 -m benchmarks.decode_floor --batch 256 --context 2208 --check-gemms ;;
     long_track) step long_track 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --track-intervals 256,8192 --json "$out/long_track.json" ;;
+    # 8k in / 1k out at the engine's defaults against one setting changed (docs/BENCHMARKS.md, "Next on the GPU")
+    fp8kv_tests) step fp8kv_tests 150 python3 -m pytest -q --tb=short tests/kernels/test_attention_fp8_kv.py tests/engine/test_engine_gpu.py ;;
+    steps27) step steps27 560 python3 -m benchmarks.long_context --preset qwen3.5-27b --prefill '' --policies sdpa-cudnn:split \
+               --track-intervals 8192 --gemm-reps 1 --json "$out/steps27.json" \
+               --gen "96$GEN,96$GEN/max_batch_tokens=32768,96$GEN/kv_cache_dtype=fp8_e4m3" ;;
+    steps35fp8) step steps35fp8 560 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
+               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/steps35fp8.json" \
+               --gen "256$GEN,256$GEN/max_batch_tokens=65536,256$GEN/kv_cache_dtype=fp8_e4m3" ;;
+    steps35) step steps35 560 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b --prefill '' \
+               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/steps35.json" \
+               --gen "256$GEN/max_batch_tokens=8192,256$GEN" ;;
   esac
 done
 for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done

@@ -68,7 +68,7 @@ def generation_row(model, policy: PrefillPolicy, count: int, length: int, output
     with prefill_policy(policy):
         row = run_arm(model, "replay+extra_buffer", prompts, output, args,
                       {"track_interval": track_interval, **(overrides or {})})
-    settings = "".join(f" {k}={int(v)}" for k, v in (overrides or {}).items())
+    settings = "".join(f" {k}={v if isinstance(v, str) else int(v)}" for k, v in (overrides or {}).items())
     return {"workload": f"{count}x{length} → {output}{settings}", "policy": f"{label(policy)}, track {track_interval}",
             "max_running": row["max_running"], "preemptions": row["preemptions"],
             "wall_s": row["wall_s"],

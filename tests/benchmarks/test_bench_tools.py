@@ -119,3 +119,14 @@ def test_print_table_rules_the_header_and_time_ms_counts_its_cpu_calls(capsys):
     assert capsys.readouterr().out == "a   b\n-----\n1   2\n3   4\n"
     calls = []
     assert time_ms(lambda: calls.append(1), "cpu", cpu_calls=3) >= 0 and len(calls) == 4  # one untimed first
+
+
+def test_a_generation_row_runs_with_a_string_engine_field_and_names_it():
+    from benchmarks.engine_arms import build_model
+    from benchmarks.long_context import generation_row, parse_generation, parse_policy
+
+    model, _ = build_model("tiny", 4, "cpu")
+    count, length, output, running, overrides = parse_generation("2x48x4/kv_cache_dtype=fp8_e4m3")
+    row = generation_row(model, parse_policy("triton", 1024), count, length, output, "cpu", "tiny", 32,
+                         running, overrides)
+    assert row["workload"] == "2x48 → 4 kv_cache_dtype=fp8_e4m3" and row["total_tps"] > 0
