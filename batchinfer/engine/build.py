@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from batchinfer.engine.activations import decode_graph_bytes, step_activation_bytes
-from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.pipeline_pools import build_pipeline_pools, plan_pipeline_pools
@@ -32,20 +32,30 @@ _CPU_DEFAULT_BUDGET_BYTES = 256 << 20  # no free-memory query on the CPU: a mode
 _GRAPH_CTX_CAP = 32768  # context slots per row in the decode graphs' buffer; longer steps run eagerly
 # Reserved over the activation estimate for the caching allocator's rounding and fragmentation.
 ACTIVATION_MARGIN = 1.25
+# A MoE model's larger default step gives way to DEFAULT_MAX_BATCH_TOKENS where its activations would
+# take more than this share of the pools (a model that nearly fills its GPU, as the FP8 122B-A10B one H200).
+STEP_POOL_SHARE = 0.1
 
 
-def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: int) -> int:
-    """Memory the pools must leave free on CUDA: the largest eager step plus the decode graphs,
-    with ACTIVATION_MARGIN for the allocator. The fraction alone left 10% of the free memory,
-    less than one prefill step needs on a nearly full device (docs/BENCHMARKS.md, "Memory budget:
-    the activation reserve")."""
+def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: int,
+                             max_batch_tokens: Optional[int] = None) -> int:
+    """Memory the pools must leave free on CUDA: the largest eager step (of `max_batch_tokens`,
+    default the config's) plus the decode graphs, with ACTIVATION_MARGIN for the allocator. The
+    fraction alone left 10% of the free memory, less than one prefill step needs on a nearly full
+    device (docs/BENCHMARKS.md, "Memory budget: the activation reserve")."""
     dtype = config.resolved_dtype()
-    reserve = step_activation_bytes(model_config, dtype, config.resolved_max_batch_tokens(model_config),
-                                    config.resolved_max_running(model_config))
+    tokens = max_batch_tokens or config.resolved_max_batch_tokens(model_config)
+    reserve = step_activation_bytes(model_config, dtype, tokens, config.resolved_max_running(model_config))
     if config.cuda_graphs:
         reserve += decode_graph_bytes(model_config, dtype, bucket_sizes(config.resolved_max_running(model_config)),
                                       min(max_model_len, _GRAPH_CTX_CAP))
     return int(reserve * ACTIVATION_MARGIN)
+
+
+def larger_step_fits(pools_at_default: int, pools_at_larger: int) -> bool:
+    """Whether the larger step's activations leave the pools at least 1 − STEP_POOL_SHARE of what
+    they get beside a DEFAULT_MAX_BATCH_TOKENS step (where the memory fraction binds, they lose nothing)."""
+    return pools_at_larger >= (1 - STEP_POOL_SHARE) * pools_at_default
 
 
 def load_model(model: str, config: EngineConfig, seed: int, loaded: dict[str, float]):
@@ -116,12 +126,13 @@ class EngineBuilder:
         # that tracking borrows from (a tracked state goes to the tree at once) and eviction
         # refills: tree states are never pinned by running requests, only during admission.
         self.pipelined = isinstance(model, PipelinedModel)
+        self.max_batch_tokens = self._step_tokens()  # the scheduler's, the reserve's and the trace's
         if self.pipelined:  # each stage priced against its own device (engine/pipeline_pools.py)
             requested = config.resolved_max_running(model.config)
             self.pool_plan = plan_pipeline_pools(
                 model, self.kv_shape, self.state_shape, max_running=requested, cpu_budget=_CPU_DEFAULT_BUDGET_BYTES,
                 fraction=config.memory_fraction, budget_bytes=config.memory_budget_bytes,
-                reserve_bytes=activation_reserve_bytes(model.config, config, max_model_len))
+                reserve_bytes=activation_reserve_bytes(model.config, config, max_model_len, self.max_batch_tokens))
         else:  # sized from the job's row figure when it posted one (config.row_tokens)
             budget = self._budget_bytes()
             requested = config.resolved_max_running(
@@ -179,7 +190,7 @@ class EngineBuilder:
 
         shapes = StepShapes(decode_buckets=bucket_sizes(self.pool_plan.max_running),
                             graph_ctx_cap=min(self.max_model_len, _GRAPH_CTX_CAP), decode_hint=True,
-                            max_batch_tokens=self.config.resolved_max_batch_tokens(self.model.config),
+                            max_batch_tokens=self.max_batch_tokens,
                             max_running=self.pool_plan.max_running,
                             max_model_len=self.max_model_len, replay=self.config.replayssm,
                             mixed_step=self.mixed_step)
@@ -212,10 +223,31 @@ class EngineBuilder:
             return None
         return graphs
 
-    def _budget_bytes(self) -> int:
+    def _budget_bytes(self, max_batch_tokens: Optional[int] = None) -> int:
+        """The pools' bytes beside steps of `max_batch_tokens` (default: the engine's)."""
         if self.config.memory_budget_bytes is not None:
             return self.config.memory_budget_bytes
         if self.device.type == "cuda":
-            reserve = activation_reserve_bytes(self.model.config, self.config, self.max_model_len)
+            reserve = activation_reserve_bytes(self.model.config, self.config, self.max_model_len,
+                                               max_batch_tokens or self.max_batch_tokens)
             return memory_budget(self.device, self.config.memory_fraction, reserve_bytes=reserve)
         return memory_budget(self.device, self.config.memory_fraction, cpu_total_bytes=_CPU_DEFAULT_BUDGET_BYTES)
+
+    def _step_tokens(self) -> int:
+        """Tokens per step: the config's, else the model's default; a MoE model's larger default
+        only where `larger_step_fits` the device's free memory (CUDA, one stage, no fixed budget),
+        else DEFAULT_MAX_BATCH_TOKENS (logged)."""
+        chosen = self.config.resolved_max_batch_tokens(self.model.config)
+        if (self.config.max_batch_tokens is not None or chosen <= DEFAULT_MAX_BATCH_TOKENS or self.pipelined
+                or self.device.type != "cuda" or self.config.memory_budget_bytes is not None):
+            return chosen
+        at_default = self._budget_bytes(DEFAULT_MAX_BATCH_TOKENS)
+        try:
+            at_larger = self._budget_bytes(chosen)
+        except ValueError:  # its activations alone exceed the free memory
+            at_larger = 0
+        if larger_step_fits(at_default, at_larger):
+            return chosen
+        log.info("max_batch_tokens %d: %d-token steps would take %.1f of the pools' %.1f GiB", DEFAULT_MAX_BATCH_TOKENS,
+                 chosen, (at_default - at_larger) / 2**30, at_default / 2**30)
+        return DEFAULT_MAX_BATCH_TOKENS

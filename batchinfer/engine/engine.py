@@ -73,7 +73,7 @@ class Engine:
         self.tally = StatsTally()
         self.scheduler = Scheduler(
             self.cache, max_running=self.pool_plan.max_running,
-            max_batch_tokens=config.resolved_max_batch_tokens(model_config),
+            max_batch_tokens=builder.max_batch_tokens,
             track_interval=config.track_interval, wait_for_leaders=builder.cache_config.tracks, tally=self.tally,
             state_slots=self.pool_plan.state_slots, branch_state_capacity=self.pool_plan.cache_state_slots,
             max_model_len=self.max_model_len, decode_rows_in_budget=self.mixed_step,
