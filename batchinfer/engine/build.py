@@ -33,7 +33,7 @@ _GRAPH_CTX_CAP = 32768  # context slots per row in the decode graphs' buffer; lo
 # Reserved over the activation estimate for the caching allocator's rounding and fragmentation.
 ACTIVATION_MARGIN = 1.25
 # A MoE model's larger default step gives way to DEFAULT_MAX_BATCH_TOKENS where its activations would
-# take more than this share of the pools (a model that nearly fills its GPU, as the FP8 122B-A10B one H200).
+# take more than this share of the pools (a model that nearly fills its GPU: the FP8 122B-A10B on one H200).
 STEP_POOL_SHARE = 0.1
 
 

@@ -96,8 +96,7 @@ class EngineConfig:
         state bytes a slot) are given."""
         if self.max_running is not None:
             return self.max_running
-        moe = model_config is not None and getattr(model_config, "num_experts", 0) > 0
-        cap = DEFAULT_MAX_RUNNING_MOE if moe else DEFAULT_MAX_RUNNING
+        cap = DEFAULT_MAX_RUNNING_MOE if _is_moe(model_config) else DEFAULT_MAX_RUNNING
         if self.row_tokens is None or pools is None:
             return cap
         budget, kv_token, state_slot = pools
@@ -111,8 +110,7 @@ class EngineConfig:
         `batchinfer.models.config.ModelConfig`; None: a dense model's)."""
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
-        moe = model_config is not None and getattr(model_config, "num_experts", 0) > 0
-        return DEFAULT_MAX_BATCH_TOKENS_MOE if moe else DEFAULT_MAX_BATCH_TOKENS
+        return DEFAULT_MAX_BATCH_TOKENS_MOE if _is_moe(model_config) else DEFAULT_MAX_BATCH_TOKENS
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -140,6 +138,11 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _is_moe(model_config) -> bool:
+    """A `batchinfer.models.config.ModelConfig` with routed experts (None: no model, a dense default)."""
+    return model_config is not None and getattr(model_config, "num_experts", 0) > 0
 
 
 def dtype_name(dtype: torch.dtype) -> str:
