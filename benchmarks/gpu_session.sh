@@ -83,6 +83,15 @@ for part in "$@"; do
     steps35) step steps35 560 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b --prefill '' \
                --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/steps35.json" \
                --gen "256$GEN/max_batch_tokens=8192,256$GEN" ;;
+    # The prefill forward on a second stream beside the decode forward (EngineConfig.concurrent_prefill):
+    # first each step pair alone, in turn and at once, then whole jobs with more rows than run at once
+    # (so prefill keeps coming while rows decode), 16 of the 27B's 64 layers; the first job pays the compiles
+    overlap16) step concurrent_tests 150 python3 -m pytest -q --tb=short tests/engine/test_engine_concurrent_prefill.py
+             step overlap16 200 python3 -m benchmarks.step_cost --layers 16 --concurrent --tokens 512,1024,2048,4096,8192 \
+               --rows 32,96 --mixed-rows 96 --reps 5 ;;
+    concurrent16) step concurrent16 560 python3 -m benchmarks.long_context --layers 16 --prefill '' \
+               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/concurrent16.json" \
+               --gen "288x8192x1024@96/concurrent_prefill=1,288x8192x1024@96,288x8192x1024@96/concurrent_prefill=1,288x8192x1024@96/concurrent_prefill=1/max_batch_tokens=2048" ;;
   esac
 done
 for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done

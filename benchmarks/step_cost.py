@@ -3,6 +3,7 @@
     python -m benchmarks.step_cost                                      # qwen3.5-27b, all 64 layers, bf16, one GPU
     python -m benchmarks.step_cost --preset qwen3.5-35b-a3b --context 9216 --rows 64,128,256,512
     python -m benchmarks.step_cost --preset tiny --device cpu --tokens 64,128 --rows 4,8 --context 64 --reps 1
+    python -m benchmarks.step_cost --layers 16 --concurrent                # also: the two forwards at once
 
 Times, through the engine's own `ModelRunner` on its pools (random weights at the preset's shapes):
 decode-only steps at `--rows` rows of `--context` positions each (CUDA graphs where the engine
@@ -12,12 +13,19 @@ pools (garbage values: only the bytes and FLOPs matter). Each figure is the medi
 after a warm-up (CUDA events). Prints the fitted constants (`step_cost.fit`), the line to put in
 `BATCHINFER_STEP_COST`, and a table of every step measured against the model's prediction, with
 the prompt tokens the model would carry beside each decode batch size.
+
+`--concurrent` adds, for each chunk size beside `--mixed-rows` decode rows, the two forwards in
+turn against the same two at once (`EngineConfig.concurrent_prefill`: the decode forward on the
+caller's stream, the prefill on a second one), and how much of the shorter one the overlap hid:
+(in turn − at once) / min(prefill, decode). The chunk and the rows share pool slots here (garbage
+values: only the time counts), which the engine never lets two forwards of one step do.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,6 +33,7 @@ import torch
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.model_runner import DecodeRows, SequenceChunk
+from batchinfer.engine.side_stream import SideStream
 from batchinfer.engine.step_cost import StepCost, fit
 from benchmarks.engine_arms import build_model
 
@@ -72,6 +81,21 @@ class Steps:
                           state_slots=[i % (self.state_slots - 1) for i in range(count)], kv_indices=kv,
                           shared_with_prev=[0] * count)
 
+    def in_turn(self, tokens: int, rows: int, concurrent: bool) -> Callable[[], object]:
+        """A decode forward of `rows`, then (`concurrent`: at the same time, on a side stream) a
+        prefill forward of one `tokens`-token chunk, as `EngineStep._concurrent` runs them."""
+        runner, chunks, batch = self.engine.runner, [self.chunk(tokens)], self.rows(rows)
+        side = SideStream(self.engine.device) if concurrent else None
+
+        def step():
+            runner.decode(batch)
+            if side is None:
+                return runner.prefill(chunks)
+            with side.launch():
+                logits = runner.prefill(chunks)
+            return side.join(logits)
+        return step
+
     def run(self, tokens: int, rows: int) -> Callable[[], object]:
         runner = self.engine.runner
         if rows == 0:
@@ -84,7 +108,7 @@ class Steps:
         return lambda: runner.mixed(chunks, batch)
 
 
-def measure(args: argparse.Namespace) -> tuple[list[tuple[int, int, float]], StepCost]:
+def measure(args: argparse.Namespace) -> tuple[list[tuple[int, int, float]], StepCost, list["OverlapSample"]]:
     config = EngineConfig(device=args.device, max_running=max(_ints(args.rows) + [args.mixed_rows]),
                           max_batch_tokens=max(_ints(args.tokens)), max_model_len=max(args.context, max(_ints(args.tokens))) + 1,
                           memory_budget_bytes=args.pool_gib * 2**30 if args.pool_gib else None)
@@ -100,7 +124,41 @@ def measure(args: argparse.Namespace) -> tuple[list[tuple[int, int, float]], Ste
             samples.append((tokens, 0, timed(steps.run(tokens, 0), device, args.reps)))
         for tokens in _ints(args.tokens):
             samples.append((tokens, args.mixed_rows, timed(steps.run(tokens, args.mixed_rows), device, args.reps)))
-    return samples, fit(samples)
+    concurrent = []
+    if args.concurrent:
+        rows = args.mixed_rows
+        with torch.inference_mode():
+            decode_ms = timed(steps.run(0, rows), device, args.reps)
+            for tokens in _ints(args.tokens):
+                prefill_ms = timed(steps.run(tokens, 0), device, args.reps)
+                turn_ms = timed(steps.in_turn(tokens, rows, False), device, args.reps)
+                once_ms = timed(steps.in_turn(tokens, rows, True), device, args.reps)
+                concurrent.append(OverlapSample(tokens, rows, prefill_ms, decode_ms, turn_ms, once_ms))
+    return samples, fit(samples), concurrent
+
+
+@dataclass(frozen=True)
+class OverlapSample:
+    """One chunk size beside one decode batch: each forward alone, in turn, and at once (ms)."""
+    tokens: int
+    rows: int
+    prefill_ms: float
+    decode_ms: float
+    in_turn_ms: float
+    at_once_ms: float
+
+    @property
+    def hidden(self) -> float:
+        """The share of the shorter forward the overlap hid (0: none, 1: all of it)."""
+        return (self.in_turn_ms - self.at_once_ms) / min(self.prefill_ms, self.decode_ms)
+
+
+def overlap_report(samples: list[OverlapSample]) -> str:
+    lines = ["| prompt tokens | decode rows | prefill ms | decode ms | in turn ms | at once ms | at once / in turn "
+             "| shorter one hidden |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {s.tokens} | {s.rows} | {s.prefill_ms:.3f} | {s.decode_ms:.3f} | {s.in_turn_ms:.3f} | "
+              f"{s.at_once_ms:.3f} | {s.at_once_ms / s.in_turn_ms:.3f} | {s.hidden:.2f} |" for s in samples]
+    return "\n".join(lines)
 
 
 def report(samples: list[tuple[int, int, float]], cost: StepCost, rows: list[int], most: int) -> str:
@@ -127,10 +185,14 @@ def main(argv=None) -> str:
     parser.add_argument("--context", type=int, default=9216, help="KV positions each decode row reads")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--pool-gib", type=float, default=0.0, help="pool budget (0: the engine's own)")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="also time each chunk beside --mixed-rows decode rows in turn and at once")
     parser.add_argument("--layers", type=int, default=0, help="0: the preset's (16: as docs/BENCHMARKS.md's 16-layer rows)")
     args = parser.parse_args(argv)
-    samples, cost = measure(args)
+    samples, cost, overlap = measure(args)
     text = report(samples, cost, _ints(args.rows) + [args.mixed_rows], max(_ints(args.tokens)))
+    if overlap:
+        text += "\n\n" + overlap_report(overlap)
     print(text)
     return text
 

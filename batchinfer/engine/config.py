@@ -64,11 +64,18 @@ class EngineConfig:
     # shapes are compiled, and compiles them mid-run (docs/BENCHMARKS.md, "One forward per step");
     # BATCHINFER_MIXED_STEP=1 / 0 overrides.
     mixed_step: bool = False
+    # The prefill forward on a second CUDA stream beside the step's decode forward (engine/side_stream.py):
+    # the compute-bound prefill and the memory-bound decode share the GPU instead of taking turns. Off
+    # by default until measured on the GPU; not with mixed_step (one forward) or pipeline stages.
+    concurrent_prefill: bool = False
     # Layers split over this many stages (models/pipeline.py): on CUDA stage s on cuda:s (or all on
     # a pinned cuda:K), on the CPU all in one process; 1: the whole model as one.
     pipeline_stages: int = 1
 
     def __post_init__(self) -> None:
+        if self.concurrent_prefill and (self.mixed_step or self.pipeline_stages > 1):
+            raise ValueError("concurrent_prefill runs the prefill and decode forwards side by side; it does not "
+                             "combine with mixed_step (one forward) or pipeline_stages > 1")
         if self.state_cache not in get_args(StateCacheMode):
             raise ValueError(f"state_cache must be 'extra_buffer' or 'no_buffer', not {self.state_cache!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

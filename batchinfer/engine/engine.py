@@ -84,7 +84,8 @@ class Engine:
         self.post = Postprocessor(stop_rules, self.scheduler, self.tally)
         self._stats_origin: Optional[EngineStats] = None  # where `stats` counts from (None: the start)
         self.stepper = EngineStep(self.scheduler, self.runner, self.cache, self.post, self.overlap, self.tally,
-                                  self.device, mixed_step=self.mixed_step, overlap_decode=config.overlap_decode)
+                                  self.device, mixed_step=self.mixed_step, overlap_decode=config.overlap_decode,
+                                  concurrent_prefill=config.concurrent_prefill)
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig(), seed: int = 0,
@@ -249,6 +250,7 @@ class Engine:
             "max_model_len": self.max_model_len,
             "max_batch_tokens": self.scheduler.max_batch_tokens,  # the config's, else the model's default
             "mixed_step": self.mixed_step,  # the config's, unless BATCHINFER_MIXED_STEP=0 turned it off
+            "concurrent_prefill": self.stepper.side is not None,
             "max_running_effective": plan.max_running,
             "kv_slots": plan.kv_slots,
             "state_slots": plan.state_slots,

@@ -29,9 +29,11 @@ class EngineStats:
     decode_shared_kv_tokens: int = 0      # of those, KV positions shared with the row before (read once)
     mixed_steps: int = 0                  # forwards over prefill chunks and decode rows together (not in decode_steps)
     mixed_seq_steps: int = 0              # Σ decode rows over those forwards
+    concurrent_steps: int = 0             # steps whose prefill forward ran beside their decode forward (in decode_steps)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     mixed_seconds: float = 0.0            # wall time of mixed steps (no device sync: the GPU's with overlap)
+    concurrent_seconds: float = 0.0       # wall time of concurrent steps, both forwards (no device sync, as mixed_seconds)
     wall_seconds: float = 0.0
     peak_memory_bytes: int = 0            # CUDA: torch's max_memory_allocated; CPU: peak_rss_bytes
     peak_rss_bytes: int = 0               # the process's peak resident set (its whole life, not one job)

@@ -20,6 +20,7 @@ from batchinfer.engine.model_runner import DecodeRows, ModelRunner
 from batchinfer.engine.overlap import DecodeOverlap
 from batchinfer.engine.postprocess import Postprocessor, draws_from_host_tokens
 from batchinfer.engine.scheduler import Scheduler
+from batchinfer.engine.side_stream import SideStream
 from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.stats import StatsTally
 from batchinfer.engine.step_batch import logits_rows, sequence_chunk
@@ -29,7 +30,7 @@ from batchinfer.cache.state_cache import StateCache
 class EngineStep:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, cache: StateCache, post: Postprocessor,
                  overlap: DecodeOverlap, tally: StatsTally, device: torch.device, *, mixed_step: bool,
-                 overlap_decode: bool) -> None:
+                 overlap_decode: bool, concurrent_prefill: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.cache = cache  # mirrors each decode row's ReplaySSM ring cursor
@@ -39,6 +40,8 @@ class EngineStep:
         self.device = device
         self.mixed_step = mixed_step            # one forward per step over prefill and decode
         self.overlap_decode = overlap_decode    # leave each decode step's tokens in flight
+        # the prefill forward on a second stream beside the decode forward (None: one after the other)
+        self.side = SideStream(device) if concurrent_prefill and not mixed_step else None
 
     def run(self) -> list[Sequence]:
         """One step; returns the sequences it finished. The scheduler plans it, the model runs
@@ -56,6 +59,11 @@ class EngineStep:
             done += self._mixed(plan.prefill, plan.decode)
             # No device sync: with steps in flight the step's wall time is the GPU's.
             self.tally.add(mixed_seconds=time.perf_counter() - started)
+            return done
+        if self.side is not None and plan.prefill and plan.decode:
+            done += self._concurrent(plan.prefill, plan.decode)
+            # No device sync: the decode rows' tokens stay in flight as after `_decode`.
+            self.tally.add(concurrent_steps=1, concurrent_seconds=time.perf_counter() - started)
             return done
         prefill_seconds = 0.0
         if plan.prefill:
@@ -88,6 +96,10 @@ class EngineStep:
         its sequence's tokens, score where a chunk holds a scoring sequence's continuation."""
         chunks = [sequence_chunk(seq, n) for seq, n in items]
         logits = self.runner.prefill(chunks)  # [N, V]: num_logits rows per chunk
+        return self._after_prefill(items, chunks, logits)
+
+    def _after_prefill(self, items: list[tuple[Sequence, int]], chunks: list, logits: torch.Tensor) -> list[Sequence]:
+        """Advance the prefilled sequences; score and draw where their chunks want logits."""
         self.scheduler.advance(items)
         rows = logits_rows(items, chunks)
         done = self.post.score(rows.scored, logits) if rows.scored else []
@@ -112,6 +124,23 @@ class EngineStep:
         if step.scored and step.sampled:
             logits = logits[upload(torch.tensor(step.sample_rows, dtype=torch.int64), logits.device)]
         return done + self.launch_draw(step.sampled, logits)
+
+    def _concurrent(self, items: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
+        """The decode forward on this stream and the prefill forward on the side stream, at the
+        same time (`SideStream` states why that is as correct as one after the other); joined
+        before the prefill's tokens are drawn. The decode forward goes first: its graph replay
+        takes one launch, so its kernels hold the SMs while the prefill's are still being issued.
+        The decode rows' tokens then stay in flight as after `_decode`."""
+        decode = sorted(decode, key=lambda seq: seq.priority)  # plan (DFS) order: sharers adjacent
+        rows = decode_rows(decode, self.overlap.step)
+        decode_logits = self.runner.decode(rows)  # [B, V]
+        self._count_decode(decode, rows)
+        chunks = [sequence_chunk(seq, n) for seq, n in items]
+        with self.side.launch():
+            prefill_logits = self.runner.prefill(chunks)  # [N, V]
+        done = self._after_prefill(items, chunks, self.side.join(prefill_logits))
+        self.scheduler.advance([(seq, 1) for seq in decode])
+        return done + self.launch_draw(decode, decode_logits)
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         """Run one decode step and draw its tokens on the device (`launch_draw`)."""

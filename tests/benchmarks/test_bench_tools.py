@@ -130,3 +130,16 @@ def test_a_generation_row_runs_with_a_string_engine_field_and_names_it():
     row = generation_row(model, parse_policy("triton", 1024), count, length, output, "cpu", "tiny", 32,
                          running, overrides)
     assert row["workload"] == "2x48 → 4 kv_cache_dtype=fp8_e4m3" and row["total_tps"] > 0
+
+
+def test_step_cost_times_the_two_forwards_in_turn_and_at_once_on_the_cpu():
+    from benchmarks.step_cost import OverlapSample, main
+
+    text = main(["--preset", "tiny", "--device", "cpu", "--tokens", "16,32", "--rows", "2,4", "--mixed-rows", "4",
+                 "--context", "40", "--reps", "1", "--concurrent"])
+    rows = [line for line in text.splitlines() if line.startswith("| 32 | 4 |")]
+    assert len(rows) == 2  # the fit's mixed sample and the overlap table's row
+    cells = [float(c) for c in rows[1].strip("|").split("|")[2:]]
+    assert len(cells) == 6 and all(c > 0 for c in cells[:5])
+    # hidden = (in turn − at once) / the shorter forward
+    assert OverlapSample(8, 96, prefill_ms=20.0, decode_ms=10.0, in_turn_ms=30.0, at_once_ms=24.0).hidden == 0.6
