@@ -13,6 +13,7 @@ import torch
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.side_stream import SideStream
 from batchinfer.engine.types import Request, SamplingParams
+from batchinfer.models.presets import preset_config, random_model
 from tests.engine.test_engine_mixed_step import _assert_same_outputs, _staggered_requests
 from tests.engine_utils import make_engine, run, tiny_model
 
@@ -86,9 +87,10 @@ def test_side_stream_results_are_ordered_after_the_caller_and_before_its_reads()
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_concurrent_steps_on_cuda_give_the_tokens_of_forwards_in_turn():
     """Two real streams: the same greedy tokens as the forwards in turn (fp32, graphs on)."""
-    model = tiny_model(seed=3).to("cuda")
+    model = random_model(preset_config("tiny"), torch.float32, "cuda", seed=3)
     requests = _staggered_requests(model.config.vocab_size, seed=11, rows=24)
-    settings = dict(device="cuda", dtype="fp32", max_running=6, max_batch_tokens=32, track_interval=16)
+    settings = dict(device="cuda", dtype="fp32", memory_budget_bytes=64 << 20, max_running=6, max_batch_tokens=32,
+                    track_interval=16)
     expected = run(make_engine(model, **settings), requests)
     engine = make_engine(model, concurrent_prefill=True, **settings)
     _assert_same_outputs(run(engine, requests), expected)
