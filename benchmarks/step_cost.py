@@ -17,7 +17,9 @@ the prompt tokens the model would carry beside each decode batch size.
 `--concurrent` adds, for each chunk size beside `--mixed-rows` decode rows, the two forwards in
 turn against the same two at once (`EngineConfig.concurrent_prefill`: the decode forward on the
 caller's stream, the prefill on a second one), and how much of the shorter one the overlap hid:
-(in turn − at once) / min(prefill, decode). The chunk and the rows share pool slots here (garbage
+(in turn − at once) / min(prefill, decode); then two variants of "at once" for the engine to pick
+from: the prefill issued first, and the decode on a high-priority stream (its pending blocks
+dispatched ahead of the prefill's as SMs free up). The chunk and the rows share pool slots here (garbage
 values: only the time counts), which the engine never lets two forwards of one step do.
 """
 from __future__ import annotations
@@ -81,19 +83,39 @@ class Steps:
                           state_slots=[i % (self.state_slots - 1) for i in range(count)], kv_indices=kv,
                           shared_with_prev=[0] * count)
 
-    def in_turn(self, tokens: int, rows: int, concurrent: bool) -> Callable[[], object]:
+    def in_turn(self, tokens: int, rows: int, concurrent: bool, decode_first: bool = True,
+                urgent_decode: bool = False) -> Callable[[], object]:
         """A decode forward of `rows`, then (`concurrent`: at the same time, on a side stream) a
-        prefill forward of one `tokens`-token chunk, as `EngineStep._concurrent` runs them."""
+        prefill forward of one `tokens`-token chunk, as `EngineStep._concurrent` runs them;
+        `decode_first=False` issues the prefill first (its kernels then queue ahead of the decode's);
+        `urgent_decode`: the decode on a high-priority stream, the prefill on the caller's."""
         runner, chunks, batch = self.engine.runner, [self.chunk(tokens)], self.rows(rows)
+        if urgent_decode:
+            urgent = SideStream(self.engine.device, priority=-1)
+
+            def urgent_step():
+                with urgent.launch():
+                    decoded = runner.decode(batch)
+                prefilled = runner.prefill(chunks)  # on the caller's stream, beside the decode
+                return prefilled, urgent.join(decoded)
+            return urgent_step
         side = SideStream(self.engine.device) if concurrent else None
 
-        def step():
-            runner.decode(batch)
+        def prefill():
             if side is None:
                 return runner.prefill(chunks)
             with side.launch():
                 logits = runner.prefill(chunks)
-            return side.join(logits)
+            return logits
+
+        def step():
+            if decode_first:
+                runner.decode(batch)
+                logits = prefill()
+            else:
+                logits = prefill()
+                runner.decode(batch)
+            return logits if side is None else side.join(logits)
         return step
 
     def run(self, tokens: int, rows: int) -> Callable[[], object]:
@@ -133,7 +155,10 @@ def measure(args: argparse.Namespace) -> tuple[list[tuple[int, int, float]], Ste
                 prefill_ms = timed(steps.run(tokens, 0), device, args.reps)
                 turn_ms = timed(steps.in_turn(tokens, rows, False), device, args.reps)
                 once_ms = timed(steps.in_turn(tokens, rows, True), device, args.reps)
-                concurrent.append(OverlapSample(tokens, rows, prefill_ms, decode_ms, turn_ms, once_ms))
+                prefill_first_ms = timed(steps.in_turn(tokens, rows, True, decode_first=False), device, args.reps)
+                urgent_ms = timed(steps.in_turn(tokens, rows, True, urgent_decode=True), device, args.reps)
+                concurrent.append(OverlapSample(tokens, rows, prefill_ms, decode_ms, turn_ms, once_ms,
+                                                prefill_first_ms, urgent_ms))
     return samples, fit(samples), concurrent
 
 
@@ -145,7 +170,9 @@ class OverlapSample:
     prefill_ms: float
     decode_ms: float
     in_turn_ms: float
-    at_once_ms: float
+    at_once_ms: float               # the decode forward issued first, as the engine does
+    prefill_first_ms: float = 0.0   # at once, the prefill issued first
+    urgent_decode_ms: float = 0.0   # at once, the decode on a high-priority stream
 
     @property
     def hidden(self) -> float:
@@ -155,9 +182,12 @@ class OverlapSample:
 
 def overlap_report(samples: list[OverlapSample]) -> str:
     lines = ["| prompt tokens | decode rows | prefill ms | decode ms | in turn ms | at once ms | at once / in turn "
-             "| shorter one hidden |", "|---|---|---|---|---|---|---|---|"]
+             "| shorter one hidden | at once, prefill issued first ms | at once, urgent decode ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {s.tokens} | {s.rows} | {s.prefill_ms:.3f} | {s.decode_ms:.3f} | {s.in_turn_ms:.3f} | "
-              f"{s.at_once_ms:.3f} | {s.at_once_ms / s.in_turn_ms:.3f} | {s.hidden:.2f} |" for s in samples]
+              f"{s.at_once_ms:.3f} | {s.at_once_ms / s.in_turn_ms:.3f} | {s.hidden:.2f} | {s.prefill_first_ms:.3f} | "
+              f"{s.urgent_decode_ms:.3f} |"
+              for s in samples]
     return "\n".join(lines)
 
 

@@ -25,9 +25,12 @@ class SideStream:
     """`launch()` runs its block's GPU work on the side stream; `join(t)` makes the caller's stream
     wait for it and returns `t`, safe to read on the caller's stream."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, priority: int = 0) -> None:
+        """`priority`: CUDA's, where lower is more urgent (0, the default stream's, is the least):
+        pending blocks of a more urgent stream's kernels are dispatched first as SMs free up."""
         self.device = device
-        self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream: Optional[torch.cuda.Stream] = \
+            torch.cuda.Stream(device, priority=priority) if device.type == "cuda" else None
 
     @contextlib.contextmanager
     def launch(self) -> Iterator[None]:

@@ -140,6 +140,6 @@ def test_step_cost_times_the_two_forwards_in_turn_and_at_once_on_the_cpu():
     rows = [line for line in text.splitlines() if line.startswith("| 32 | 4 |")]
     assert len(rows) == 2  # the fit's mixed sample and the overlap table's row
     cells = [float(c) for c in rows[1].strip("|").split("|")[2:]]
-    assert len(cells) == 6 and all(c > 0 for c in cells[:5])
+    assert len(cells) == 8 and all(c > 0 for c in cells[:5]) and min(cells[6:]) > 0
     # hidden = (in turn − at once) / the shorter forward
     assert OverlapSample(8, 96, prefill_ms=20.0, decode_ms=10.0, in_turn_ms=30.0, at_once_ms=24.0).hidden == 0.6
