@@ -128,9 +128,10 @@ class EngineStep:
     def _concurrent(self, items: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
         """The decode forward on this stream and the prefill forward on the side stream, at the
         same time (`SideStream` states why that is as correct as one after the other); joined
-        before the prefill's tokens are drawn. The decode forward goes first: its graph replay
-        takes one launch, so its kernels hold the SMs while the prefill's are still being issued.
-        The decode rows' tokens then stay in flight as after `_decode`."""
+        before the prefill's tokens are drawn. The decode forward is issued first: its graph
+        replay is one launch, so its kernels are queued before the prefill's (which order the GPU
+        prefers is for `benchmarks/step_cost.py --concurrent` to measure). The decode rows' tokens
+        then stay in flight as after `_decode`."""
         decode = sorted(decode, key=lambda seq: seq.priority)  # plan (DFS) order: sharers adjacent
         rows = decode_rows(decode, self.overlap.step)
         decode_logits = self.runner.decode(rows)  # [B, V]
