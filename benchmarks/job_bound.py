@@ -36,7 +36,7 @@ from batchinfer.cache.budget import pool_budget
 from batchinfer.cache.shapes import shapes_from_model_config
 from batchinfer.engine.build import activation_reserve_bytes, larger_step_fits
 from batchinfer.engine.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig, KV_CACHE_DTYPES
-from batchinfer.models.config import ModelConfig
+from batchinfer.models.config import ModelConfig, model_config_from_dict
 from batchinfer.models.fp8_model import written_fp8_params
 from batchinfer.models.presets import PRESETS, preset_config
 from batchinfer.models.qwen3_hybrid import HybridModel
@@ -74,8 +74,10 @@ class ModelCosts:
     total_bytes: int            # everything the device holds, the input embedding included
 
     @classmethod
-    def of(cls, preset: str) -> "ModelCosts":
-        config = preset_config(preset)
+    def of(cls, preset: str, layers: int | None = None) -> "ModelCosts":
+        """`layers`: the preset cut to its first `layers` layers (as the benchmarks' `--layers`)."""
+        raw = dict(PRESETS[preset], **({"num_hidden_layers": layers} if layers else {}))
+        config = model_config_from_dict(raw) if layers else preset_config(preset)
         fp8 = written_fp8_params(config) if "quantization_config" in PRESETS[preset] else None
         model = HybridModel(config, torch.bfloat16, "meta", fp8)
         experts = max(config.num_experts, 1)
@@ -171,11 +173,13 @@ def engine_rows(costs: ModelCosts, row_tokens: int, kv_cache_dtype: str, device_
 
 
 def job_bound(preset: str, prompts: int, prompt_tokens: int, output_tokens: int, *, kv_cache_dtype: str = "auto",
-              rows: int | None = None, ceilings: Ceilings = Ceilings(), device_gib: float = H200_GIB) -> JobBound:
-    costs = ModelCosts.of(preset)
+              rows: int | None = None, step_tokens: int | None = None, layers: int | None = None,
+              ceilings: Ceilings = Ceilings(), device_gib: float = H200_GIB) -> JobBound:
+    """`rows` / `step_tokens`: what ran (None: the engine's sizing); `layers`: a cut preset."""
+    costs = ModelCosts.of(preset, layers)
     c = costs.config
-    sized, step_tokens = engine_rows(costs, prompt_tokens + output_tokens, kv_cache_dtype, device_gib)
-    batch = min(prompts, rows or sized)
+    sized, sized_step = engine_rows(costs, prompt_tokens + output_tokens, kv_cache_dtype, device_gib)
+    batch, step_tokens = min(prompts, rows or sized), step_tokens or sized_step
     bf16_tok, fp8_tok = costs.token_gemm_flops()
     head = 2.0 * costs.lm_head_params
 

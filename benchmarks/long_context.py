@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 from benchmarks.attention_e2e import STEP_TOKENS, gemm_floor, label, parse_workload, prefill_rate
 from benchmarks.engine_arms import Workload, _free, build_model, run_arm
+from benchmarks.job_bound import job_bound
 from batchinfer.engine.config import EngineConfig
 from benchmarks.attention_arms.policy import PrefillPolicy
 from benchmarks.attention_arms.switch import prefill_policy
@@ -59,7 +60,7 @@ def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
 
 def generation_row(model, policy: PrefillPolicy, count: int, length: int, output: int, device: str,
                    preset: str, track_interval: int, max_running: int | None = None,
-                   overrides: dict | None = None, temperature: float = 0.0) -> dict:
+                   overrides: dict | None = None, temperature: float = 0.0, layers: int | None = None) -> dict:
     prompts = Workload("long", count, 1, 0, length).prompts(model.config.vocab_size, seed=7)
     running = None if max_running == AUTO else max_running or count
     args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=running,
@@ -69,6 +70,9 @@ def generation_row(model, policy: PrefillPolicy, count: int, length: int, output
         row = run_arm(model, "replay+extra_buffer", prompts, output, args,
                       {"track_interval": track_interval, **(overrides or {})})
     settings = "".join(f" {k}={v if isinstance(v, str) else int(v)}" for k, v in (overrides or {}).items())
+    # The job's bound on one H200 from FLOPs and bytes, at the rows and step size that ran
+    bound = job_bound(preset, count, length, output, kv_cache_dtype=(overrides or {}).get("kv_cache_dtype", "auto"),
+                      rows=row["max_running"], step_tokens=(overrides or {}).get("max_batch_tokens"), layers=layers)
     return {"workload": f"{count}x{length} → {output}{settings}", "policy": f"{label(policy)}, track {track_interval}",
             "max_running": row["max_running"], "preemptions": row["preemptions"],
             "wall_s": row["wall_s"],
@@ -77,7 +81,7 @@ def generation_row(model, policy: PrefillPolicy, count: int, length: int, output
             # the full-batch median is the figure to hold against the floor of the same steps
             "decode_ms": row.get("decode_ms"), "full_batch": row.get("full_batch"),
             "full_batch_ms": row.get("full_batch_median_ms"), "floor_ms": row.get("floor_ms"),
-            "peak_gib": row["peak_gib"]}
+            "peak_gib": row["peak_gib"], "bound_tps": bound.in_turn_tok_s, "overlapped_bound_tps": bound.overlapped_tok_s}
 
 
 def main(argv=None) -> None:
@@ -124,7 +128,7 @@ def main(argv=None) -> None:
     for spec in (s for s in args.gen.split(",") if s):
         count, length, output, running, overrides = parse_generation(spec)
         gen_rows.append(generation_row(model, best["_policy"], count, length, output, device, preset,
-                                       best["_interval"], running, overrides, args.temperature))
+                                       best["_interval"], running, overrides, args.temperature, args.layers))
         print(f"{gen_rows[-1]['workload']:<18} {gen_rows[-1]['policy']:<40} {gen_rows[-1]['total_tps']:10,.0f} total tok/s",
               flush=True)
     gemms = gemm_floor(model, device, 256 if args.quick else STEP_TOKENS, args.gemm_reps)
@@ -143,7 +147,8 @@ def main(argv=None) -> None:
               f"(prompt {r['prompt_tps']:,.0f}, output {r['output_tps']:,.0f}), wall {r['wall_s']:.1f} s, decode "
               f"{r['decode_ms'] or float('nan'):.1f} ms/step (full batch {r['full_batch'] or 0:.0f}: "
               f"{r['full_batch_ms'] or float('nan'):.1f} ms, floor {r['floor_ms'] or float('nan'):.1f}), "
-              f"{r['preemptions']} preemptions, peak {r['peak_gib']:.1f} GiB")
+              f"{r['preemptions']} preemptions, peak {r['peak_gib']:.1f} GiB; H200 bound {r['bound_tps']:,.0f} "
+              f"({r['total_tps'] / r['bound_tps']:.0%}), overlapped {r['overlapped_bound_tps']:,.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"prefill": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], "generate": gen_rows, "gemms": gemms, "gemm_floor_ms": floor}, f, indent=2)

@@ -49,3 +49,12 @@ def test_the_table_names_each_target():
     text = main(["--presets", "qwen3.5-27b", "--prompts", "96", "--kv-cache-dtype", "auto"])
     row = [line for line in text.splitlines() if line.startswith("| qwen3.5-27b |")]
     assert len(row) == 1 and "| 10,600 |" in row[0]
+
+
+def test_a_cut_preset_and_the_settings_that_ran_move_the_bound():
+    """16 of 64 layers: ~4x the rate (the LM head and embedding stay); a smaller step size only adds
+    weight reads; the rows that ran replace the sizing."""
+    whole, cut = job_bound("qwen3.5-27b", 96, 8192, 1024), job_bound("qwen3.5-27b", 96, 8192, 1024, layers=16)
+    assert 3.5 < cut.in_turn_tok_s / whole.in_turn_tok_s < 4.0
+    assert job_bound("qwen3.5-27b", 96, 8192, 1024, step_tokens=1024).in_turn_tok_s <= whole.in_turn_tok_s
+    assert job_bound("qwen3.5-27b", 288, 8192, 1024, rows=96).rows == 96
