@@ -5,10 +5,12 @@
     python -m benchmarks.bench_moe_fp8 --sm90     # no GPU: compile both kernels for sm_90a, print resources
 
 Per token count T (routed top-k over E experts by a random router, as `SparseMoE.route` does):
-CUDA-graph replay milliseconds of `SparseMoE._fp8_expert_rows` (activation quant, tile table,
-gate|up with SiLU·mul and re-quantization fused, down) and of `SparseMoE._expert_rows` on the same
-FP8 block (both stacks dequantized to bf16, gather, `_grouped_mm`, silu_mul, `_grouped_mm`: the
-path before the grouped FP8 kernel). Both produce the same [T·k, hidden] rows. The byte floor is
+CUDA-graph replay milliseconds of `SparseMoE._run_experts` with the grouped FP8 kernel (the
+layout `ops.moe_align` with its row tiles, activation quant, gate|up with SiLU·mul and
+re-quantization fused, down) and of `SparseMoE._expert_rows` on the same FP8 block over a layout
+made beforehand (both stacks dequantized to bf16, gather, `_grouped_mm`, silu_mul, `_grouped_mm`:
+the path before the grouped FP8 kernel). Both produce the same [T·k, hidden] rows, each in its
+layout's order (compared per assignment). The byte floor is
 the experts the batch routes to (their e4m3 weights and scales read once) plus the activations
 (x read, the rows written, bf16); "GB/s" is that floor's bytes over the measured time and
 "x floor" the time over the floor at copy bandwidth. The last column is the FP8 path's max error
@@ -80,17 +82,18 @@ def measure(block: SparseMoE, tokens: int, device: str) -> dict:
     generator = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, H, device=device, generator=generator).bfloat16()
     experts, _ = block.route(x)
-    flat = experts.reshape(-1)
-    token_of = torch.argsort(flat, stable=True) // block.top_k
-    counts = torch.zeros(block.num_experts, dtype=torch.int64, device=device).index_add_(0, flat, torch.ones_like(flat))
     from batchinfer.kernels import ops
     from batchinfer.models.layers import mlp
+    layout = ops.moe_align(experts, block.num_experts)
+    counts = torch.diff(layout.ends.long(), prepend=layout.ends.new_zeros(1).long())  # [E]
     kernel = ops.implementation("moe_fp8", True)
-    fp8_path = lambda: block._fp8_expert_rows(x, token_of, counts)  # noqa: E731
-    dequant_path = lambda: block._expert_rows(x, token_of, counts)  # noqa: E731
+    fp8_path = lambda: block._run_experts(x, experts)  # noqa: E731
+    dequant_path = lambda: block._expert_rows(x, layout.token_of, layout.ends)  # noqa: E731
     original, mlp._grouped_fp8_op = mlp._grouped_fp8_op, (lambda _: kernel)  # the kernel on the CPU too
     try:
-        fp8_rows, dequant_rows = fp8_path().float(), dequant_path().float()
+        rows, slot = fp8_path()
+        fp8_rows = rows.float()[slot.reshape(-1)]  # per assignment (t, j)
+        dequant_rows = dequant_path().float()[layout.slot.reshape(-1)]
         fp8_ms, dequant_ms = graph_time_ms(fp8_path, device), graph_time_ms(dequant_path, device)
     finally:
         mlp._grouped_fp8_op = original

@@ -35,6 +35,7 @@ OPS: dict[str, tuple[str, str]] = {
     "moe_fp8": ("batchinfer.kernels.moe_fp8", "batchinfer.kernels.ref.moe_fp8"),
     "moe_combine": ("batchinfer.kernels.moe_combine", "batchinfer.kernels.ref.moe_combine"),
     "moe_route": ("batchinfer.kernels.moe_route", "batchinfer.kernels.ref.moe_route"),
+    "moe_align": ("batchinfer.kernels.moe_align", "batchinfer.kernels.ref.moe_align"),
 }
 
 
@@ -92,3 +93,4 @@ attention_decode = _dispatch("attention_decode")
 moe_fp8 = _dispatch("moe_fp8")
 moe_combine = _dispatch("moe_combine")
 moe_route = _dispatch("moe_route")
+moe_align = _dispatch("moe_align")

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP
 from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3, quantize_act
-from batchinfer.kernels.moe_fp8.tiles import expert_tiles
+from batchinfer.kernels.moe_fp8.tiles import ExpertTiles, expert_tiles, tile_capacity
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -133,11 +133,12 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, tile_expert_ptr, tile_sta
 
 def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
             w2: torch.Tensor, s2: torch.Tensor, launch: MoeFp8Launch | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, tiles: ExpertTiles | None = None) -> torch.Tensor:
     """x [T, H] (unit column stride); token_of [M] (sorted row → token); ends [E] (cumulative rows
     per expert, int); w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I],
     s2 fp32 [E, ceil(H/128), I/128] → [M, H] in x's dtype (into `out`, unit column stride, when
-    given), rows in sorted order. No host sync."""
+    given), rows in sorted order; `tiles`: the row tiles of `launch.block_m` rows when the caller
+    has them (`ops.moe_align`), else built here. No host sync."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
@@ -153,7 +154,9 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     launch = launch or default_launch(M, E)
     assert GROUP % launch.block_n_down == 0
     xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
-    tiles = expert_tiles(ends, M, launch.block_m)
+    if tiles is None:
+        tiles = expert_tiles(ends, M, launch.block_m)
+    assert tiles.capacity == tile_capacity(M, E, launch.block_m), "tiles of another row-tile size"
     token_of = token_of.to(torch.int32)
     hq = torch.empty((M, I), dtype=FP8_DTYPE, device=x.device)
     hs = torch.empty((M, I // GROUP), dtype=torch.float32, device=x.device)

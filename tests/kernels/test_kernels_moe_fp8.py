@@ -147,7 +147,7 @@ def test_tiny_fp8_moe_logits_grouped_fp8_vs_dequantized(monkeypatch):
 
     calls = []
     kernel = ops.implementation("moe_fp8", True)
-    monkeypatch.setattr(mlp, "_grouped_fp8_op", lambda x: lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(mlp, "_grouped_fp8_op", lambda x: lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     grouped = _logits(model)
     monkeypatch.setattr(mlp, "_grouped_fp8_op", lambda x: ops.implementation("moe_fp8", False))
     reference = _logits(model)
@@ -184,7 +184,8 @@ def test_fp8_moe_layer_runs_the_grouped_kernel_in_a_cuda_graph():
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(block.num_experts, dtype=torch.int64, device="cuda").index_add_(0, flat, torch.ones_like(flat))
-    dequantized = block._expert_rows(x, order // block.top_k, counts).float() * weights.reshape(-1)[order, None]
+    ends = counts.cumsum(0).to(torch.int32)
+    dequantized = block._expert_rows(x, order // block.top_k, ends).float() * weights.reshape(-1)[order, None]
     unquantized = torch.zeros_like(out).index_add_(0, order // block.top_k, dequantized)
     original, mlp._grouped_fp8_op = mlp._grouped_fp8_op, (lambda _: reference_moe_fp8)
     try:  # the same math in fp32 torch: the activations quantized to e4m3 the same way

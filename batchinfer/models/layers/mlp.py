@@ -28,6 +28,7 @@ from batchinfer.models.config import ModelConfig
 from batchinfer.models.layers.fp8_linear import Fp8Weight, block_aligned, dense_weight, linear, projection
 from batchinfer.models.layers.params import empty_param
 from batchinfer.kernels import ops
+from batchinfer.kernels.moe_fp8.grouped_gemm import default_launch
 from batchinfer.kernels.public import cuda_capability
 
 
@@ -119,49 +120,41 @@ class SparseMoE(nn.Module):
         """Each assignment's expert output, sorted by expert [T·k, hidden], and where token t's
         j-th assignment landed in that order [T, k]."""
         T, k = experts.shape
-        flat_experts = experts.reshape(-1)  # [T·k]
-        order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert
-        token_of = order // k  # [T·k] source token of each sorted assignment
-        slot = torch.empty_like(order)
-        slot[order] = torch.arange(T * k, device=x.device)  # [T·k] the inverse permutation
-        # Fixed-size count (bincount's output size depends on the data: a host sync, which
-        # would break CUDA-graph capture of decode steps).
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts.index_add_(0, flat_experts, torch.ones_like(flat_experts))  # [E]
-        y = self._fp8_expert_rows(x, token_of, counts)
-        if y is None:
-            y = self._expert_rows(x, token_of, counts)
-        return y, slot.view(T, k)
+        fp8 = self._grouped_fp8(x)
+        # The grouped FP8 GEMM's row tiles come with the layout (one pass, no host sync).
+        block_m = default_launch(T * k, self.num_experts).block_m if fp8 is not None else 0
+        layout = ops.moe_align(experts, self.num_experts, block_m)
+        if fp8 is not None:
+            gate_up, down = self.experts_gate_up, self.experts_down
+            y = fp8(x.contiguous(), layout.token_of, layout.ends, gate_up.weight, gate_up.scale_inv, down.weight,
+                    down.scale_inv, tiles=layout.tiles)
+        else:
+            y = self._expert_rows(x, layout.token_of, layout.ends)
+        return y, layout.slot
 
-    def _fp8_expert_rows(self, x: torch.Tensor, token_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
-        """Expert outputs of the sorted rows [T·k, hidden] by the grouped FP8 kernel (the tokens
-        gathered inside it), or None where it does not run (unquantized experts, or no kernel)."""
-        gate_up, down = self.experts_gate_up, self.experts_down
-        if not (isinstance(gate_up, Fp8Weight) and isinstance(down, Fp8Weight)):
+    def _grouped_fp8(self, x: torch.Tensor):
+        """The grouped FP8 kernel for these experts (the tokens gathered inside it), or None where
+        it does not run (unquantized experts, or no kernel): they are then dequantized."""
+        if not (isinstance(self.experts_gate_up, Fp8Weight) and isinstance(self.experts_down, Fp8Weight)):
             return None
-        op = _grouped_fp8_op(x)
-        if op is None:
-            return None
-        ends = counts.cumsum(0).to(torch.int32)  # end of each expert's rows
-        return op(x.contiguous(), token_of, ends, gate_up.weight, gate_up.scale_inv, down.weight, down.scale_inv)
+        return _grouped_fp8_op(x)
 
-    def _expert_rows(self, x: torch.Tensor, token_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _expert_rows(self, x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Expert outputs of the sorted rows [T·k, hidden] by grouped (or per-expert) matmuls in
-        the model dtype, FP8 experts dequantized first."""
+        the model dtype, FP8 experts dequantized first; expert e owns rows [ends[e-1], ends[e])."""
         x_sorted = x[token_of]  # [T·k, hidden]
         experts_gate_up = dense_weight(self.experts_gate_up, self.dtype)  # [E, 2I, hidden]
         experts_down = dense_weight(self.experts_down, self.dtype)  # [E, hidden, I]
         if _grouped_mm_supported(x):
-            offsets = counts.cumsum(0).to(torch.int32)  # end of each expert's group
-            gate_up = torch._grouped_mm(x_sorted, experts_gate_up.transpose(1, 2), offs=offsets)  # [T·k, 2I]
+            gate_up = torch._grouped_mm(x_sorted, experts_gate_up.transpose(1, 2), offs=ends)  # [T·k, 2I]
             # silu_mul's output is contiguous, as the grouped GEMM wants its operand.
-            y = torch._grouped_mm(ops.silu_mul(gate_up), experts_down.transpose(1, 2), offs=offsets)
+            y = torch._grouped_mm(ops.silu_mul(gate_up), experts_down.transpose(1, 2), offs=ends)
         else:
             y = torch.empty_like(x_sorted)
             start = 0
-            for expert, count in enumerate(counts.tolist()):
-                if count:
-                    rows = slice(start, start + count)
+            for expert, end in enumerate(ends.tolist()):
+                if end > start:
+                    rows = slice(start, end)
                     y[rows] = swiglu(x_sorted[rows], experts_gate_up[expert], experts_down[expert])
-                    start += count
+                    start = end
         return y
