@@ -92,6 +92,12 @@ for part in "$@"; do
     concurrent16) step concurrent16 560 python3 -m benchmarks.long_context --layers 16 --prefill '' \
                --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/concurrent16.json" \
                --gen "288x8192x1024@96/concurrent_prefill=1,288x8192x1024@96,288x8192x1024@96/concurrent_prefill=1,288x8192x1024@96/concurrent_prefill=1/max_batch_tokens=2048" ;;
+    # The MoE layout as a counting sort (kernels/moe_align): its GPU tests, then where an FP8 MoE decode step
+    # goes at 8 layers (the profile before it: argsort 0.233, index_add 0.206 ms per step of 8 layers)
+    moe_layout) step moe_layout_tests 150 python3 -m pytest -q --tb=short tests/kernels/test_kernels_moe_align.py \
+               tests/kernels/test_kernels_moe_fp8.py tests/kernels/test_kernels_moe_combine.py
+             step moe_decode_profile 150 python3 -m benchmarks.decode_profile --preset qwen3.5-35b-a3b-fp8 --layers 8 \
+               --batch 256 --prompt-len 8192 --output-tokens 12 ;;
   esac
 done
 for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done
