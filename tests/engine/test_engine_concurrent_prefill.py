@@ -95,3 +95,24 @@ def test_concurrent_steps_on_cuda_give_the_tokens_of_forwards_in_turn():
     engine = make_engine(model, concurrent_prefill=True, **settings)
     _assert_same_outputs(run(engine, requests), expected)
     assert engine.stats.concurrent_steps > 0
+
+
+def test_constrained_rows_give_the_tokens_of_forwards_in_turn(tmp_path_factory):
+    """Grammar rows draw from host-side matcher state: the prefill's draws, then the decode's, in
+    the same order as with the forwards in turn."""
+    pytest.importorskip("jsonschema")
+    from tests.engine.test_structured_engine import _engine, _requests
+    from tests.engine.test_structured_engine import grammars as grammars_fixture
+    from tests.engine.test_structured_engine import model as model_fixture
+    from tests.engine.test_structured_engine import tokenizer as tokenizer_fixture
+
+    # the structured-output tests' fixtures, called directly (another module's fixtures)
+    tokenizer = tokenizer_fixture.__wrapped__(tmp_path_factory)
+    grammars, model = grammars_fixture.__wrapped__(tokenizer), model_fixture.__wrapped__()
+    requests = _requests(grammars, ("json_schema", "regex", "choice"), rows=3, max_tokens=40)
+    settings = dict(max_running=3, max_batch_tokens=16)
+    engine = _engine(model, tokenizer, concurrent_prefill=True, **settings)
+    got = {(o.request_id, o.sample_index): o.token_ids for o in engine.generate(requests)}
+    expected = {(o.request_id, o.sample_index): o.token_ids
+                for o in _engine(model, tokenizer, **settings).generate(requests)}
+    assert got == expected and len(got) == 18 and engine.stats.concurrent_steps > 0
