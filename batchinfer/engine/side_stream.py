@@ -11,6 +11,9 @@ the GPU instead of taking turns. The contract that keeps this as correct as two 
 - the caller joins the side stream before anything reads a result, and the tensors handed back
   are marked as used by the caller's stream, so the caching allocator does not give their memory
   to the side stream while the caller still reads them.
+The engine then runs every prefill forward on the side stream, with decode rows beside it or not:
+the caching allocator keeps each stream's freed blocks for that stream, so prefills alternating
+between two streams would hold their activations' memory twice.
 On the CPU (no streams) the forwards simply run in turn.
 """
 from __future__ import annotations

@@ -95,8 +95,16 @@ class EngineStep:
         """Run one prefill forward over (sequence, new tokens) chunks; sample where a chunk ends
         its sequence's tokens, score where a chunk holds a scoring sequence's continuation."""
         chunks = [sequence_chunk(seq, n) for seq, n in items]
-        logits = self.runner.prefill(chunks)  # [N, V]: num_logits rows per chunk
-        return self._after_prefill(items, chunks, logits)
+        return self._after_prefill(items, chunks, self._prefill_forward(chunks))
+
+    def _prefill_forward(self, chunks: list) -> torch.Tensor:
+        """Logits [N, V] of a prefill forward: on the side stream when there is one, for every prefill
+        (its activations then always come from that stream's memory, not from both streams' in turn)."""
+        if self.side is None:
+            return self.runner.prefill(chunks)
+        with self.side.launch():
+            logits = self.runner.prefill(chunks)
+        return self.side.join(logits)
 
     def _after_prefill(self, items: list[tuple[Sequence, int]], chunks: list, logits: torch.Tensor) -> list[Sequence]:
         """Advance the prefilled sequences; score and draw where their chunks want logits."""
@@ -137,9 +145,7 @@ class EngineStep:
         decode_logits = self.runner.decode(rows)  # [B, V]
         self._count_decode(decode, rows)
         chunks = [sequence_chunk(seq, n) for seq, n in items]
-        with self.side.launch():
-            prefill_logits = self.runner.prefill(chunks)  # [N, V]
-        done = self._after_prefill(items, chunks, self.side.join(prefill_logits))
+        done = self._after_prefill(items, chunks, self._prefill_forward(chunks))
         self.scheduler.advance([(seq, 1) for seq in decode])
         return done + self.launch_draw(decode, decode_logits)
 
