@@ -34,8 +34,8 @@ import torch
 
 from batchinfer.cache.budget import pool_budget
 from batchinfer.cache.shapes import shapes_from_model_config
-from batchinfer.engine.build import activation_reserve_bytes, larger_step_fits
-from batchinfer.engine.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig, KV_CACHE_DTYPES
+from batchinfer.engine.build import activation_reserve_bytes, default_step_tokens
+from batchinfer.engine.config import EngineConfig, KV_CACHE_DTYPES
 from batchinfer.models.config import ModelConfig, model_config_from_dict
 from batchinfer.models.fp8_model import written_fp8_params
 from batchinfer.models.presets import PRESETS, preset_config
@@ -166,9 +166,7 @@ def engine_rows(costs: ModelCosts, row_tokens: int, kv_cache_dtype: str, device_
     def pools(tokens: int) -> int:
         return pool_budget(free, engine.memory_fraction,
                            activation_reserve_bytes(config, engine, row_tokens + 16, tokens))
-    tokens = engine.resolved_max_batch_tokens(config)
-    if tokens != DEFAULT_MAX_BATCH_TOKENS and not larger_step_fits(pools(DEFAULT_MAX_BATCH_TOKENS), pools(tokens)):
-        tokens = DEFAULT_MAX_BATCH_TOKENS
+    tokens = default_step_tokens(config, engine, pools)
     return engine.resolved_max_running(config, (pools(tokens), kv.bytes_per_token, state.bytes_per_slot)), tokens
 
 

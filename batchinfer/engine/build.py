@@ -58,6 +58,25 @@ def larger_step_fits(pools_at_default: int, pools_at_larger: int) -> bool:
     return pools_at_larger >= (1 - STEP_POOL_SHARE) * pools_at_default
 
 
+def default_step_tokens(model_config, config: EngineConfig, pools_beside: Callable[[int], int]) -> int:
+    """The model's default tokens per step (`config.resolved_max_batch_tokens`), stepped down to
+    DEFAULT_MAX_BATCH_TOKENS unless the larger default `larger_step_fits`; `pools_beside(tokens)`:
+    the pools' bytes beside steps of that many tokens (ValueError: its activations alone do not fit)."""
+    chosen = config.resolved_max_batch_tokens(model_config)
+    if chosen <= DEFAULT_MAX_BATCH_TOKENS:
+        return chosen
+    at_default = pools_beside(DEFAULT_MAX_BATCH_TOKENS)
+    try:
+        at_larger = pools_beside(chosen)
+    except ValueError:
+        at_larger = 0
+    if larger_step_fits(at_default, at_larger):
+        return chosen
+    log.info("max_batch_tokens %d: %d-token steps would take %.1f of the pools' %.1f GiB", DEFAULT_MAX_BATCH_TOKENS,
+             chosen, (at_default - at_larger) / 2**30, at_default / 2**30)
+    return DEFAULT_MAX_BATCH_TOKENS
+
+
 def load_model(model: str, config: EngineConfig, seed: int, loaded: dict[str, float]):
     """→ (model, fill): a preset built with random weights drawn from `seed` (fill None), or a
     model checkpoint's model allocated only, `fill` loading its weights (the engine calls it while
@@ -237,17 +256,7 @@ class EngineBuilder:
         """Tokens per step: the config's, else the model's default; a MoE model's larger default
         only where `larger_step_fits` the device's free memory (CUDA, one stage, no fixed budget),
         else DEFAULT_MAX_BATCH_TOKENS (logged)."""
-        chosen = self.config.resolved_max_batch_tokens(self.model.config)
-        if (self.config.max_batch_tokens is not None or chosen <= DEFAULT_MAX_BATCH_TOKENS or self.pipelined
-                or self.device.type != "cuda" or self.config.memory_budget_bytes is not None):
-            return chosen
-        at_default = self._budget_bytes(DEFAULT_MAX_BATCH_TOKENS)
-        try:
-            at_larger = self._budget_bytes(chosen)
-        except ValueError:  # its activations alone exceed the free memory
-            at_larger = 0
-        if larger_step_fits(at_default, at_larger):
-            return chosen
-        log.info("max_batch_tokens %d: %d-token steps would take %.1f of the pools' %.1f GiB", DEFAULT_MAX_BATCH_TOKENS,
-                 chosen, (at_default - at_larger) / 2**30, at_default / 2**30)
-        return DEFAULT_MAX_BATCH_TOKENS
+        if (self.config.max_batch_tokens is not None or self.pipelined or self.device.type != "cuda"
+                or self.config.memory_budget_bytes is not None):
+            return self.config.resolved_max_batch_tokens(self.model.config)
+        return default_step_tokens(self.model.config, self.config, self._budget_bytes)

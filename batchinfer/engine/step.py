@@ -140,10 +140,7 @@ class EngineStep:
         replay is one launch, so its kernels are queued before the prefill's (which order the GPU
         prefers is for `benchmarks/step_cost.py --concurrent` to measure). The decode rows' tokens
         then stay in flight as after `_decode`."""
-        decode = sorted(decode, key=lambda seq: seq.priority)  # plan (DFS) order: sharers adjacent
-        rows = decode_rows(decode, self.overlap.step)
-        decode_logits = self.runner.decode(rows)  # [B, V]
-        self._count_decode(decode, rows)
+        decode, decode_logits = self._decode_forward(decode)
         chunks = [sequence_chunk(seq, n) for seq, n in items]
         done = self._after_prefill(items, chunks, self._prefill_forward(chunks))
         self.scheduler.advance([(seq, 1) for seq in decode])
@@ -151,12 +148,17 @@ class EngineStep:
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         """Run one decode step and draw its tokens on the device (`launch_draw`)."""
-        seqs = sorted(seqs, key=lambda seq: seq.priority)  # plan (DFS) order: sharers adjacent
+        seqs, logits = self._decode_forward(seqs)
+        self.scheduler.advance([(seq, 1) for seq in seqs])
+        return self.launch_draw(seqs, logits)
+
+    def _decode_forward(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
+        """The decode forward over `seqs` in plan (DFS) order, sharers adjacent: (that order, logits [B, V])."""
+        seqs = sorted(seqs, key=lambda seq: seq.priority)
         rows = decode_rows(seqs, self.overlap.step)
         logits = self.runner.decode(rows)  # [B, V]
         self._count_decode(seqs, rows)
-        self.scheduler.advance([(seq, 1) for seq in seqs])
-        return self.launch_draw(seqs, logits)
+        return seqs, logits
 
     def launch_draw(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
         """Draw `seqs`' tokens from their logits rows on the device and read the step in flight
