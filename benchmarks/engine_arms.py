@@ -113,9 +113,11 @@ def expected_unique_experts(num_experts: int, top_k: int, batch: float) -> float
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
-def _expert_stacks(model) -> list:
-    """The routed experts' stacked weights [E, ...] (MoE layers only)."""
-    return [p for name, p in model.named_parameters() if name.rsplit(".", 1)[-1].startswith("experts_")]
+def _expert_stacks(model, scales: bool = True) -> list:
+    """The routed experts' stacked tensors [E, ...] (MoE layers only): a bf16 stack, or an FP8
+    stack's e4m3 weight (`experts_gate_up.weight`) and, with `scales`, its block scales."""
+    return [p for name, p in model.named_parameters()
+            if ".experts_" in name and (scales or not name.endswith("scale_inv"))]
 
 
 def decode_flops(model, batch: float, context: float) -> float:
@@ -126,7 +128,7 @@ def decode_flops(model, batch: float, context: float) -> float:
     matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2 and min(p.shape) > 16)
     if model.lm_head is not None:
         matrices -= model.embed.numel()
-    routed = sum(p[0].numel() for p in _expert_stacks(model)) * (c.num_experts_per_tok or 0)  # k experts a token
+    routed = sum(p[0].numel() for p in _expert_stacks(model, scales=False)) * (c.num_experts_per_tok or 0)  # k a token
     attention = len(c.attn_layer_ids) * 4 * c.num_attention_heads * c.head_dim * context
     heads = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     return 2 * batch * (matrices + routed) + attention + len(c.gdn_layer_ids) * 6 * heads * batch
