@@ -166,7 +166,7 @@ def engine_rows(costs: ModelCosts, row_tokens: int, kv_cache_dtype: str, device_
     def pools(tokens: int) -> int:
         return pool_budget(free, engine.memory_fraction,
                            activation_reserve_bytes(config, engine, row_tokens + 16, tokens))
-    tokens = default_step_tokens(config, engine, pools)
+    tokens = default_step_tokens(engine, pools)
     return engine.resolved_max_running(config, (pools(tokens), kv.bytes_per_token, state.bytes_per_slot)), tokens
 
 

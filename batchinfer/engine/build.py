@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from batchinfer.engine.activations import decode_graph_bytes, step_activation_bytes
-from batchinfer.engine.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
+from batchinfer.engine.config import FALLBACK_MAX_BATCH_TOKENS, EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.pipeline_pools import build_pipeline_pools, plan_pipeline_pools
@@ -32,7 +32,7 @@ _CPU_DEFAULT_BUDGET_BYTES = 256 << 20  # no free-memory query on the CPU: a mode
 _GRAPH_CTX_CAP = 32768  # context slots per row in the decode graphs' buffer; longer steps run eagerly
 # Reserved over the activation estimate for the caching allocator's rounding and fragmentation.
 ACTIVATION_MARGIN = 1.25
-# A MoE model's larger default step gives way to DEFAULT_MAX_BATCH_TOKENS where its activations would
+# The default step gives way to FALLBACK_MAX_BATCH_TOKENS where its activations would
 # take more than this share of the pools (a model that nearly fills its GPU: the FP8 122B-A10B on one H200).
 STEP_POOL_SHARE = 0.1
 
@@ -44,7 +44,7 @@ def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: 
     fraction alone left 10% of the free memory, less than one prefill step needs on a nearly full
     device (docs/BENCHMARKS.md, "Memory budget: the activation reserve")."""
     dtype = config.resolved_dtype()
-    tokens = max_batch_tokens or config.resolved_max_batch_tokens(model_config)
+    tokens = max_batch_tokens or config.resolved_max_batch_tokens()
     reserve = step_activation_bytes(model_config, dtype, tokens, config.resolved_max_running(model_config))
     if config.cuda_graphs:
         reserve += decode_graph_bytes(model_config, dtype, bucket_sizes(config.resolved_max_running(model_config)),
@@ -54,27 +54,27 @@ def activation_reserve_bytes(model_config, config: EngineConfig, max_model_len: 
 
 def larger_step_fits(pools_at_default: int, pools_at_larger: int) -> bool:
     """Whether the larger step's activations leave the pools at least 1 − STEP_POOL_SHARE of what
-    they get beside a DEFAULT_MAX_BATCH_TOKENS step (where the memory fraction binds, they lose nothing)."""
+    they get beside a FALLBACK_MAX_BATCH_TOKENS step (where the memory fraction binds, they lose nothing)."""
     return pools_at_larger >= (1 - STEP_POOL_SHARE) * pools_at_default
 
 
-def default_step_tokens(model_config, config: EngineConfig, pools_beside: Callable[[int], int]) -> int:
-    """The model's default tokens per step (`config.resolved_max_batch_tokens`), stepped down to
-    DEFAULT_MAX_BATCH_TOKENS unless the larger default `larger_step_fits`; `pools_beside(tokens)`:
+def default_step_tokens(config: EngineConfig, pools_beside: Callable[[int], int]) -> int:
+    """The default tokens per step (`config.resolved_max_batch_tokens`), stepped down to
+    FALLBACK_MAX_BATCH_TOKENS unless the larger default `larger_step_fits`; `pools_beside(tokens)`:
     the pools' bytes beside steps of that many tokens (ValueError: its activations alone do not fit)."""
-    chosen = config.resolved_max_batch_tokens(model_config)
-    if chosen <= DEFAULT_MAX_BATCH_TOKENS:
+    chosen = config.resolved_max_batch_tokens()
+    if chosen <= FALLBACK_MAX_BATCH_TOKENS:
         return chosen
-    at_default = pools_beside(DEFAULT_MAX_BATCH_TOKENS)
+    at_default = pools_beside(FALLBACK_MAX_BATCH_TOKENS)
     try:
         at_larger = pools_beside(chosen)
     except ValueError:
         at_larger = 0
     if larger_step_fits(at_default, at_larger):
         return chosen
-    log.info("max_batch_tokens %d: %d-token steps would take %.1f of the pools' %.1f GiB", DEFAULT_MAX_BATCH_TOKENS,
+    log.info("max_batch_tokens %d: %d-token steps would take %.1f of the pools' %.1f GiB", FALLBACK_MAX_BATCH_TOKENS,
              chosen, (at_default - at_larger) / 2**30, at_default / 2**30)
-    return DEFAULT_MAX_BATCH_TOKENS
+    return FALLBACK_MAX_BATCH_TOKENS
 
 
 def load_model(model: str, config: EngineConfig, seed: int, loaded: dict[str, float]):
@@ -253,10 +253,10 @@ class EngineBuilder:
         return memory_budget(self.device, self.config.memory_fraction, cpu_total_bytes=_CPU_DEFAULT_BUDGET_BYTES)
 
     def _step_tokens(self) -> int:
-        """Tokens per step: the config's, else the model's default; a MoE model's larger default
-        only where `larger_step_fits` the device's free memory (CUDA, one stage, no fixed budget),
-        else DEFAULT_MAX_BATCH_TOKENS (logged)."""
+        """Tokens per step: the config's, else the default, which on CUDA (one stage, no fixed
+        budget) gives way to FALLBACK_MAX_BATCH_TOKENS (logged) unless it `larger_step_fits` the
+        device's free memory."""
         if (self.config.max_batch_tokens is not None or self.pipelined or self.device.type != "cuda"
                 or self.config.memory_budget_bytes is not None):
-            return self.config.resolved_max_batch_tokens(self.model.config)
-        return default_step_tokens(self.model.config, self.config, self._budget_bytes)
+            return self.config.resolved_max_batch_tokens()
+        return default_step_tokens(self.config, self._budget_bytes)

@@ -23,10 +23,12 @@ DEFAULT_MAX_RUNNING = 256
 # MoE: a decode step reads every routed expert's weights for a few rows each, so more rows amortise them
 # (the peer runs Qwen3.5-35B-A3B at 1,024 concurrent); the memory budget caps it where it fits fewer.
 DEFAULT_MAX_RUNNING_MOE = 1024
-DEFAULT_MAX_BATCH_TOKENS = 8192
-# MoE: every prefill step reads all routed experts' weights and runs a decode forward beside it, so
-# larger steps amortise both (35B-A3B FP8, 8k in / 1k out on the H200: 1.17x the total tok/s at 8,192)
-DEFAULT_MAX_BATCH_TOKENS_MOE = 32768
+# Every prefill step runs a decode forward beside it (and a MoE's reads all its routed experts), so
+# larger steps amortise both: 8k in / 1k out on the H200 at 32,768 against 8,192 tokens a step,
+# 27B bf16 and FP8 1.03x, 35B-A3B bf16 1.16x, FP8 1.17x the total tok/s (docs/BENCHMARKS.md)
+DEFAULT_MAX_BATCH_TOKENS = 32768
+# The step the default gives way to where its activations would crowd the pools (build.larger_step_fits)
+FALLBACK_MAX_BATCH_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,8 @@ class EngineConfig:
     # max_tokens; the job's plan knows them): with max_running unset, the rows are sized so that
     # that many fit the KV pool (cache.budget.size_max_running), capped by the default above
     row_tokens: Optional[int] = None
-    # tokens per step: prefill tokens, plus the decode rows with mixed_step; None: DEFAULT_MAX_BATCH_TOKENS
-    # (DEFAULT_MAX_BATCH_TOKENS_MOE for a MoE model)
+    # tokens per step: prefill tokens, plus the decode rows with mixed_step; None: DEFAULT_MAX_BATCH_TOKENS,
+    # or FALLBACK_MAX_BATCH_TOKENS on a GPU where its activations would crowd the pools
     max_batch_tokens: Optional[int] = None
     max_model_len: Optional[int] = None  # None → the model's max_position_embeddings
     memory_fraction: float = 0.9         # share of the free device memory for the pools (at most free − a step's activations)
@@ -112,12 +114,10 @@ class EngineConfig:
                  "%.0f MiB a state slot)", rows, self.row_tokens, cap, budget / 2**30, kv_token, state_slot / 2**20)
         return rows
 
-    def resolved_max_batch_tokens(self, model_config=None) -> int:
-        """Tokens per step: the config's, else the default for the model (`model_config`, a
-        `batchinfer.models.config.ModelConfig`; None: a dense model's)."""
-        if self.max_batch_tokens is not None:
-            return self.max_batch_tokens
-        return DEFAULT_MAX_BATCH_TOKENS_MOE if _is_moe(model_config) else DEFAULT_MAX_BATCH_TOKENS
+    def resolved_max_batch_tokens(self) -> int:
+        """Tokens per step asked for: the config's, else DEFAULT_MAX_BATCH_TOKENS (the engine may
+        step a default down: `build.default_step_tokens`)."""
+        return DEFAULT_MAX_BATCH_TOKENS if self.max_batch_tokens is None else self.max_batch_tokens
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

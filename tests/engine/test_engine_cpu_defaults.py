@@ -39,18 +39,17 @@ def test_the_default_max_running_suits_the_model():
     assert EngineConfig(max_running=48).resolved_max_running(moe) == 48
 
 
-def test_the_default_step_size_suits_the_model():
-    from batchinfer.engine.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_MOE, EngineConfig
-    dense, moe = (model_config_from_dict(PRESETS[name]) for name in ("qwen3.5-27b", "qwen3.5-35b-a3b"))
-    assert EngineConfig().resolved_max_batch_tokens(dense) == DEFAULT_MAX_BATCH_TOKENS == 8192
-    assert EngineConfig().resolved_max_batch_tokens(moe) == DEFAULT_MAX_BATCH_TOKENS_MOE == 32768
-    assert EngineConfig().resolved_max_batch_tokens() == 8192  # no model: a dense model's
-    assert EngineConfig(max_batch_tokens=4096).resolved_max_batch_tokens(moe) == 4096
+def test_the_default_step_size_is_the_large_one_and_a_set_one_wins():
+    from batchinfer.engine.config import DEFAULT_MAX_BATCH_TOKENS, FALLBACK_MAX_BATCH_TOKENS, EngineConfig
+    assert EngineConfig().resolved_max_batch_tokens() == DEFAULT_MAX_BATCH_TOKENS == 32768
+    assert FALLBACK_MAX_BATCH_TOKENS == 8192
+    assert EngineConfig(max_batch_tokens=4096).resolved_max_batch_tokens() == 4096
 
 
-def test_the_engine_steps_by_the_models_default_unless_the_job_sets_it():
+def test_the_engine_steps_by_the_default_unless_the_job_sets_it():
     dense = random_model(model_config_from_dict(PRESETS["tiny"]), torch.float32, "cpu", seed=0)
-    assert make_engine(dense).scheduler.max_batch_tokens == 8192
+    assert make_engine(dense).scheduler.max_batch_tokens == 32768
+    assert make_engine(dense, max_batch_tokens=8192).scheduler.max_batch_tokens == 8192
     assert make_engine(tiny_moe_model()).scheduler.max_batch_tokens == 32768
     assert make_engine(tiny_moe_model(), max_batch_tokens=64).scheduler.max_batch_tokens == 64
     assert make_engine(tiny_moe_model()).settings()["max_batch_tokens"] == 32768  # stats.json says what ran

@@ -55,4 +55,9 @@ def test_the_builder_steps_down_only_a_default_that_crowds_the_pools(caplog):
     assert "max_batch_tokens 8192" in caplog.text
     assert _builder(moe, EngineConfig(), {8192: 18 << 30})._step_tokens() == 8192  # 32,768 does not fit at all
     assert _builder(moe, EngineConfig(max_batch_tokens=32768), tight)._step_tokens() == 32768  # the job's own
+    assert _builder(dense, EngineConfig(), ample)._step_tokens() == 32768  # one default for dense and MoE
     assert _builder(dense, EngineConfig(), tight)._step_tokens() == 8192
+    cpu = _builder(dense, EngineConfig(), {})
+    cpu.device = torch.device("cpu")  # no free-memory query there: the default as asked
+    assert cpu._step_tokens() == 32768
+    assert _builder(moe, EngineConfig(memory_budget_bytes=1 << 30), {})._step_tokens() == 32768  # a fixed budget
