@@ -236,6 +236,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=1, help="distinct shared prefixes")
     parser.add_argument("--replayssm", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                        help="the KV pool's dtype (EngineConfig.kv_cache_dtype)")
     parser.add_argument("--trace", default="/tmp/decode_graph_trace.json", help="the profiler's chrome trace")
     parser.add_argument("--trace-steps", type=int, default=0, help="profile this many overlapped engine steps")
     parser.add_argument("--engine-trace", default="/tmp/decode_engine_trace.json")
@@ -245,7 +247,8 @@ def main() -> None:
 
     model, _ = build_model(args.preset, args.layers, args.device)
     engine = Engine(model, EngineConfig(device=args.device, max_running=args.batch, replayssm=args.replayssm,
-                                        cuda_graphs=cuda), model_name=args.preset)
+                                        cuda_graphs=cuda, kv_cache_dtype=args.kv_cache_dtype), model_name=args.preset)
+    kv_itemsize = engine.config.resolved_kv_dtype().itemsize
     if engine.pool_plan.max_running < args.batch:
         raise SystemExit(f"the memory budget fits {engine.pool_plan.max_running} running requests, not {args.batch}")
     vocab = model.config.vocab_size
@@ -274,14 +277,14 @@ def main() -> None:
 
     own = args.batch * (args.prompt_len + args.output_tokens / 2)
     context = own + args.batch * args.shared_prefix  # KV tokens read per step (per sequence), on average
-    byte_ms = 1e3 * decode_bytes(model, args.replayssm, args.batch, context) / COPY_BANDWIDTH
+    byte_ms = 1e3 * decode_bytes(model, args.replayssm, args.batch, context, kv_itemsize=kv_itemsize) / COPY_BANDWIDTH
     # The same with each shared prefix's KV counted once: what a step must read at the least.
-    unique_ms = 1e3 * decode_bytes(model, args.replayssm, args.batch, own + args.groups * args.shared_prefix) \
-        / COPY_BANDWIDTH
+    unique_ms = 1e3 * decode_bytes(model, args.replayssm, args.batch, own + args.groups * args.shared_prefix,
+                                   kv_itemsize=kv_itemsize) / COPY_BANDWIDTH
     flop_ms = 1e3 * decode_flops(model, args.batch, context) / MATMUL_RATE
     layers = len(model.config.attn_layer_ids) + len(model.config.gdn_layer_ids)
     print(f"\n{args.preset}, {layers} layers, batch {args.batch}, context ~{context / args.batch:.0f} per sequence, "
-          f"replayssm={args.replayssm}")
+          f"replayssm={args.replayssm}, KV {args.kv_cache_dtype}")
     print(f"floors: bytes {byte_ms:.2f} ms at {COPY_BANDWIDTH / 1e12:.2f} TB/s; FLOPs {flop_ms:.2f} ms at "
           f"{MATMUL_RATE / 1e12:.0f} TFLOP/s" + (f"; bytes with shared KV counted once {unique_ms:.2f} ms"
                                                  if args.shared_prefix else ""))

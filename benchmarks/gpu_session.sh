@@ -98,6 +98,22 @@ for part in "$@"; do
                tests/kernels/test_kernels_moe_fp8.py tests/kernels/test_kernels_moe_combine.py
              step moe_decode_profile 150 python3 -m benchmarks.decode_profile --preset qwen3.5-35b-a3b-fp8 --layers 8 \
                --batch 256 --prompt-len 8192 --output-tokens 12 ;;
+    # The FP8 KV pool's decode (attention dots in fp16 over it): its GPU tests, the decode step profiled with
+    # the model-dtype pool and the FP8 one side by side (8-layer FP8 35B-A3B at 256 rows, 16-layer 27B at 96),
+    # then the 8k / 1k jobs at the defaults against FP8 KV
+    fp8kv_decode) step fp8kv_tests 150 python3 -m pytest -q --tb=short tests/kernels/test_attention_fp8_kv.py tests/engine/test_engine_gpu.py
+             for kv in auto fp8_e4m3; do
+               step kv_moe_$kv 150 python3 -m benchmarks.decode_profile --preset qwen3.5-35b-a3b-fp8 --layers 8 \
+                 --batch 256 --prompt-len 8192 --output-tokens 12 --kv-cache-dtype $kv
+               step kv_27b_$kv 150 python3 -m benchmarks.decode_profile --preset qwen3.5-27b --layers 16 \
+                 --batch 96 --prompt-len 8192 --output-tokens 12 --kv-cache-dtype $kv
+             done ;;
+    fp8kv_jobs) step fp8kv_jobs35 300 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
+               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/fp8kv_jobs35.json" \
+               --gen "256$GEN,256$GEN/kv_cache_dtype=fp8_e4m3"
+             step fp8kv_jobs27 290 python3 -m benchmarks.long_context --preset qwen3.5-27b --prefill '' \
+               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/fp8kv_jobs27.json" \
+               --gen "96$GEN,96$GEN/kv_cache_dtype=fp8_e4m3" ;;
   esac
 done
 for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done

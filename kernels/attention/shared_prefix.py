@@ -63,10 +63,15 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def as_compute(q, k_cache_ptr):
-    """Queries in the dtype of the dots: the KV pool's, or their own over an FP8 pool (whose keys
-    and values `attend_tile` widens to it tile by tile)."""
+    """Queries in the dtype of the dots: the KV pool's; over an FP8 pool, fp16 for 16-bit queries
+    (fp32 ones stay fp32), to which `attend_tile` widens the keys and values tile by tile. fp16,
+    not bf16: e4m3 widens to fp16 in one instruction a pair, to bf16 in three a value, and those
+    conversions bounded the decode kernel at the bf16 pool's speed (docs/BENCHMARKS.md, "FP8 KV
+    cache"); fp16 holds every e4m3 value exactly and more of q's mantissa than bf16."""
     if k_cache_ptr.dtype.element_ty != tl.float8e4nv:
         q = q.to(k_cache_ptr.dtype.element_ty)
+    elif q.dtype != tl.float32:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # fp16's range, not bf16's
     return q
 
 

@@ -75,6 +75,25 @@ def test_triton_decode_over_an_fp8_pool_matches_reference(num_splits):
     torch.testing.assert_close(out, expected, **TOL)
 
 
+def test_bf16_queries_over_an_fp8_pool_run_the_dots_in_fp16_without_overflow():
+    """16-bit queries over an FP8 pool compute in fp16 (e4m3 widens to it in one instruction a
+    pair): still the reference's output, and a query beyond fp16's range is clamped to it rather
+    than turning the row's scores to inf and its output to NaN."""
+    batch = fp8_pools(make_batch([65, 1, 30], [1, 1, 1], heads=6, kv_heads=2, seed=4, dtype=torch.bfloat16,
+                                 device=DEVICE))
+    args = (batch.k_cache, batch.v_cache, batch.kv_indices, batch.kv_indptr, batch.scale)
+    expected = ref_attention.attention_decode(batch.q, *args).float()
+    out = triton_attention.attention_decode(batch.q, *args, out=torch.full_like(batch.q, float("nan")),
+                                            num_splits=2, block_n=16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    q = batch.q.clone()
+    q[0, 0, 0] = 1e6  # a bf16 value fp16 cannot hold
+    out = triton_attention.attention_decode(q, *args, out=torch.full_like(q, float("nan")), num_splits=2, block_n=16)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[1:].float(), expected[1:], atol=1e-2, rtol=1e-2)  # other rows untouched
+
+
 @pytest.mark.slow
 def test_shared_prefix_decode_over_an_fp8_pool_matches_reference():
     batch = make_shared_batch([(40, [3, 1, 7, 2, 5]), (9, [4, 4])], device=DEVICE, seed=5)
@@ -162,3 +181,34 @@ def test_fp8_pool_on_gpu_at_real_shapes_matches_reference():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+SM90_DECODE_CHILD = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from batchinfer.kernels.attention import attention as A
+
+fn = A._attn_decode_split_kernel
+names = fn.arg_names
+constexprs = dict(GROUP=6, D=256, BLOCK_H=16, BLOCK_D=256, BLOCK_N=64, DOT_PRECISION="tf32", SHARED_ROWS=0,
+                  LOOP_AS_WHILE=False)  # the 27B's heads (24 / 4 x 256), the default launch
+types = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "kv_indices_ptr": "*i32", "kv_indptr_ptr": "*i32",
+         "shared_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "q_ptr": "*bf16"}
+signature = {n: "constexpr" if n in constexprs else types.get(n, "fp32" if n == "scale" else "i32") for n in names}
+source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+count = lambda pattern: len(re.findall(pattern, ptx))
+print(count(r"cvt\\.rn\\.f16x2\\.e4m3x2"), count(r"cvt\\.bf16\\.f16"), count(r"mma\\.sync\\S*\\.f16\\.f16"))
+"""
+
+
+def test_fp8_decode_kernel_widens_to_fp16_on_sm90():
+    """Compiled for sm_90a offline: an FP8 pool's tiles widen with the paired e4m3 → fp16
+    instruction alone (no per-value fp16 → bf16 conversions after it, which bounded the kernel),
+    and the dots run as fp16 tensor-core MMAs."""
+    from tests.sm90_child import sm90_child_output
+
+    pairs, to_bf16, fp16_mmas = map(int, sm90_child_output(SM90_DECODE_CHILD, timeout=600).split())
+    assert pairs > 0 and to_bf16 == 0 and fp16_mmas > 0
