@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_replay_attn [--quick]
     python -m benchmarks.bench_replay_attn --shared    # only case 5 (< 1 min)
+    python -m benchmarks.bench_replay_attn --fp8-kv    # only case 6 (~1 min)
 
 1. Correctness at the benchmark shapes (small batch) against kernels/ref, for every ReplaySSM
    launch config that will be timed; aborts on mismatch.
@@ -22,6 +23,10 @@
    prefix streamed once per row block), as bytes-once bandwidth (KV bytes with each group's
    prefix counted once / time) and the speedup; the shared stage's launch knobs are swept, every
    config checked against the reference first.
+6. `--fp8-kv`: attention decode over a bf16 pool against an FP8 (e4m3) pool at the 8k / 1k jobs'
+   full batches (the 27B's 24 / 4 heads at 96 rows, the 35B-A3B's 16 / 2 at 256; 8,704
+   positions a row), each checked against the fp32 reference over its pool first, the launch
+   configs swept: the pool's bytes / time, and the FP8 pool's time against the bf16 pool's.
 
 Without --quick, attention decode is also swept over a few launch configs (default and best shown).
 """
@@ -284,11 +289,13 @@ def bench_replay(shape: GdnShape, batch: int, sweep: list = REPLAY_SWEEP, lockst
 
 # ---------------------------------------------------------------- attention
 
-def make_decode_batch(shape: AttnShape, batch: int, ctx: int, seed=0):
+def make_decode_batch(shape: AttnShape, batch: int, ctx: int, seed=0, kv_dtype: torch.dtype = torch.bfloat16):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     total = batch * ctx
-    k_cache = torch.randn(total, shape.kv_heads, shape.d, generator=gen, device="cuda").to(torch.bfloat16)
-    v_cache = torch.randn(total, shape.kv_heads, shape.d, generator=gen, device="cuda").to(torch.bfloat16)
+    k_cache = ref_attention.to_pool_dtype(torch.randn(total, shape.kv_heads, shape.d, generator=gen, device="cuda"),
+                                          kv_dtype)
+    v_cache = ref_attention.to_pool_dtype(torch.randn(total, shape.kv_heads, shape.d, generator=gen, device="cuda"),
+                                          kv_dtype)
     kv_indices = torch.randperm(total, generator=gen, device="cuda")  # shuffled: worst-case gather
     kv_indptr = torch.arange(0, total + 1, ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, shape.heads, shape.d, generator=gen, device="cuda").to(torch.bfloat16)
@@ -315,6 +322,36 @@ def bench_attention_decode(shape: AttnShape, batch: int, ctx: int, sweep: bool) 
         best_ms, best_knobs = min(timings, key=lambda t: t[0])
         rows.append(Row(f"attn decode B={batch} ctx={ctx} (best {best_knobs})", best_ms * 1e3,
                         f"{kv_bytes / (best_ms * 1e-3) / PEAK_BYTES_PER_S:.0%} of 4.28 TB/s"))
+    return rows
+
+
+def bench_fp8_kv_decode(shape: AttnShape, batch: int, ctx: int, sweep: bool) -> list[Row]:
+    """Decode over a bf16 pool and an FP8 one at the same positions: each checked, then timed."""
+    rows, best = [], {}
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        q, k_cache, v_cache, kv_indices, kv_indptr = make_decode_batch(shape, batch, ctx, kv_dtype=kv_dtype)
+        scale = shape.d ** -0.5
+        check = slice(0, 8)  # the reference gathers in fp32: a few rows suffice to catch a wrong kernel
+        ends = kv_indptr[: check.stop + 1]
+        expected = ref_attention.attention_decode(q[check], k_cache, v_cache, kv_indices[: int(ends[-1])], ends,
+                                                  scale).float()
+        got = triton_attention.attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale)[check].float()
+        if not torch.allclose(got, expected, atol=2e-2, rtol=2e-2):
+            sys.exit(f"attention decode over a {kv_dtype} pool disagrees with the reference: "
+                     f"max error {(got - expected).abs().max().item():.3g}")
+        kv_bytes = 2 * batch * ctx * shape.kv_heads * shape.d * k_cache.element_size()
+        configs = [{}] + ([{"block_n": bn, "num_warps": nw, "num_stages": ns}
+                           for bn in (32, 64, 128) for nw in (4, 8) for ns in (2, 3, 4)] if sweep else [])
+        timings = [(bench(lambda: triton_attention.attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr,
+                                                                    scale, **knobs)), knobs) for knobs in configs]
+        name = "bf16" if kv_dtype == torch.bfloat16 else "fp8"
+        label = f"attn decode {shape.heads}/{shape.kv_heads}x{shape.d} B={batch} ctx={ctx} {name} pool"
+        for ms, knobs in [timings[0]] + ([min(timings, key=lambda t: t[0])] if sweep else []):
+            tag = "default" if not knobs else f"best {knobs}"
+            rows.append(Row(f"{label} ({tag})", ms * 1e3, f"{kv_bytes / (ms * 1e-3) / 1e12:.2f} TB/s of its pool"))
+        best[name] = min(t[0] for t in timings)
+    rows.append(Row(f"  fp8 pool / bf16 pool time, B={batch} (best of each)", best["fp8"] / best["bf16"] * 1e3,
+                    "time ratio x1000 (500 = the bytes' ratio)"))
     return rows
 
 
@@ -483,10 +520,16 @@ def main() -> None:
     parser.add_argument("--replay", action="store_true",
                         help="only the ReplaySSM step at batch 128, 256 and 512, staggered and lock-step "
                              "cursors: the default and the flush-launch variants (all checked first)")
+    parser.add_argument("--fp8-kv", action="store_true",
+                        help="only attention decode over a bf16 pool against an FP8 one at the 8k / 1k full batches")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     sweep = not args.quick
+    if args.fp8_kv:
+        print_rows(bench_fp8_kv_decode(AttnShape(), 96, 8704, sweep)
+                   + bench_fp8_kv_decode(AttnShape(heads=16, kv_heads=2), 256, 8704, sweep))
+        return
     if args.replay:
         check_correctness(FLUSH_SWEEP)
         print_rows([row for batch in (128, 256, 512) for lockstep in (False, True)

@@ -98,10 +98,12 @@ for part in "$@"; do
                tests/kernels/test_kernels_moe_fp8.py tests/kernels/test_kernels_moe_combine.py
              step moe_decode_profile 150 python3 -m benchmarks.decode_profile --preset qwen3.5-35b-a3b-fp8 --layers 8 \
                --batch 256 --prompt-len 8192 --output-tokens 12 ;;
-    # The FP8 KV pool's decode (attention dots in fp16 over it): its GPU tests, the decode step profiled with
+    # The FP8 KV pool's decode (attention dots in fp16 over it): its GPU tests, the kernel against the bf16
+    # pool's with its launch configs swept, the decode step profiled with
     # the model-dtype pool and the FP8 one side by side (8-layer FP8 35B-A3B at 256 rows, 16-layer 27B at 96),
     # then the 8k / 1k jobs at the defaults against FP8 KV
     fp8kv_decode) step fp8kv_tests 150 python3 -m pytest -q --tb=short tests/kernels/test_attention_fp8_kv.py tests/engine/test_engine_gpu.py
+             step fp8kv_kernel 200 python3 -m benchmarks.bench_replay_attn --fp8-kv
              for kv in auto fp8_e4m3; do
                step kv_moe_$kv 150 python3 -m benchmarks.decode_profile --preset qwen3.5-35b-a3b-fp8 --layers 8 \
                  --batch 256 --prompt-len 8192 --output-tokens 12 --kv-cache-dtype $kv
