@@ -116,6 +116,10 @@ for part in "$@"; do
              step fp8kv_jobs27 290 python3 -m benchmarks.long_context --preset qwen3.5-27b --prefill '' \
                --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/fp8kv_jobs27.json" \
                --gen "96$GEN,96$GEN/kv_cache_dtype=fp8_e4m3" ;;
+    # The FP8 expert GEMMs at prefill shapes (~1,024 rows an expert at 32,768-token steps, ~390 TFLOP/s in the
+    # engine's 8k step profile): the row tile and warps swept (128 rows: gate|up spills 192 B at 8 warps offline)
+    moe_prefill_launches) step moe_prefill_launches 240 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b \
+               --tokens 8192,32768 --launches 64:8:3,64:4:3,64:8:4,128:8:3,128:4:3,32:4:3 ;;
   esac
 done
 for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done

@@ -28,7 +28,7 @@ from batchinfer.models.config import ModelConfig
 from batchinfer.models.layers.fp8_linear import Fp8Weight, block_aligned, dense_weight, linear, projection
 from batchinfer.models.layers.params import empty_param
 from batchinfer.kernels import ops
-from batchinfer.kernels.moe_fp8.grouped_gemm import default_launch
+from batchinfer.kernels.moe_fp8 import grouped_gemm as moe_fp8_kernels
 from batchinfer.kernels.public import cuda_capability
 
 
@@ -121,8 +121,9 @@ class SparseMoE(nn.Module):
         j-th assignment landed in that order [T, k]."""
         T, k = experts.shape
         fp8 = self._grouped_fp8(x)
-        # The grouped FP8 GEMM's row tiles come with the layout (one pass, no host sync).
-        block_m = default_launch(T * k, self.num_experts).block_m if fp8 is not None else 0
+        # The grouped FP8 GEMM's row tiles come with the layout (one pass, no host sync), of the row
+        # tile its launch will use: both read the module's default_launch (one seam for launch sweeps).
+        block_m = moe_fp8_kernels.default_launch(T * k, self.num_experts).block_m if fp8 is not None else 0
         layout = ops.moe_align(experts, self.num_experts, block_m)
         if fp8 is not None:
             gate_up, down = self.experts_gate_up, self.experts_down

@@ -1,0 +1,20 @@
+"""The FP8 expert benchmark's launch sweep (`bench_moe_fp8 --launches`), on the CPU (interpreter,
+tiny shapes): a fixed launch reaches both the layout's row tiles and the kernel, and the default
+comes back after."""
+from __future__ import annotations
+
+from batchinfer.kernels.moe_fp8 import grouped_gemm
+from tests.conftest import interpreter_only
+
+
+@interpreter_only
+def test_a_swept_launch_reaches_the_layout_and_the_kernel(capsys):
+    from benchmarks.bench_moe_fp8 import make_block, sweep_launches
+
+    default = grouped_gemm.default_launch
+    block = make_block("qwen3.5-35b-a3b", "cpu", quick=True)
+    assert default(4 * block.top_k, block.num_experts).block_m != 32  # the sweep changes the row tile
+    sweep_launches(block, [4], "cpu", "32:4:3")
+    assert grouped_gemm.default_launch is default
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("32:4:3 | ") and "x)" in line
