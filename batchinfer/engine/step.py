@@ -95,7 +95,15 @@ class EngineStep:
         """Run one prefill forward over (sequence, new tokens) chunks; sample where a chunk ends
         its sequence's tokens, score where a chunk holds a scoring sequence's continuation."""
         chunks = [sequence_chunk(seq, n) for seq, n in items]
-        return self._after_prefill(items, chunks, self._prefill_forward(chunks))
+        logits = self._prefill_forward(chunks)  # [N, V]: num_logits rows per chunk
+        self.scheduler.advance(items)
+        rows = logits_rows(items, chunks)
+        done = self.post.score(rows.scored, logits) if rows.scored else []
+        if rows.sampled:
+            if rows.scored:
+                logits = logits[upload(torch.tensor(rows.sample_rows, dtype=torch.int64), logits.device)]
+            done += self.post.accept(rows.sampled, *read_now(self.post.draw(rows.sampled, logits)))
+        return done
 
     def _prefill_forward(self, chunks: list) -> torch.Tensor:
         """Logits [N, V] of a prefill forward: on the side stream when there is one, for every prefill
@@ -105,17 +113,6 @@ class EngineStep:
         with self.side.launch():
             logits = self.runner.prefill(chunks)
         return self.side.join(logits)
-
-    def _after_prefill(self, items: list[tuple[Sequence, int]], chunks: list, logits: torch.Tensor) -> list[Sequence]:
-        """Advance the prefilled sequences; score and draw where their chunks want logits."""
-        self.scheduler.advance(items)
-        rows = logits_rows(items, chunks)
-        done = self.post.score(rows.scored, logits) if rows.scored else []
-        if rows.sampled:
-            if rows.scored:
-                logits = logits[upload(torch.tensor(rows.sample_rows, dtype=torch.int64), logits.device)]
-            done += self.post.accept(rows.sampled, *read_now(self.post.draw(rows.sampled, logits)))
-        return done
 
     def _mixed(self, items: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
         """One forward over the prefill chunks, then the decode rows (each a one-token segment).
@@ -137,12 +134,11 @@ class EngineStep:
         """The decode forward on this stream and the prefill forward on the side stream, at the
         same time (`SideStream` states why that is as correct as one after the other); joined
         before the prefill's tokens are drawn. The decode forward is issued first: its graph
-        replay is one launch, so its kernels are queued before the prefill's (which order the GPU
-        prefers is for `benchmarks/step_cost.py --concurrent` to measure). The decode rows' tokens
-        then stay in flight as after `_decode`."""
+        replay is one launch, so its kernels are queued before the prefill's (the orders compared:
+        `benchmarks/step_cost.py --concurrent`). The decode rows' tokens then stay in flight as
+        after `_decode`."""
         decode, decode_logits = self._decode_forward(decode)
-        chunks = [sequence_chunk(seq, n) for seq, n in items]
-        done = self._after_prefill(items, chunks, self._prefill_forward(chunks))
+        done = self._prefill(items)  # its forward on the side stream
         self.scheduler.advance([(seq, 1) for seq in decode])
         return done + self.launch_draw(decode, decode_logits)
 
