@@ -21,10 +21,11 @@ def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
 
 
 def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
-            w2: torch.Tensor, s2: torch.Tensor, tiles=None) -> torch.Tensor:
+            w2: torch.Tensor, s2: torch.Tensor, launch=None, tiles=None) -> torch.Tensor:
     """x [T, H]; token_of [M]; ends [E] (cumulative rows per expert); w13 e4m3 [E, 2I, H] with
     s13 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I] with s2 [E, ceil(H/128), I/128] → [M, H] in x's dtype.
-    `tiles` (the Triton kernel's row tiles) is accepted and unused: rows are taken per expert."""
+    `launch` and `tiles` (the Triton kernel's launch and row tiles) are accepted and unused: rows
+    are taken per expert."""
     M, H = token_of.shape[0], x.shape[1]
     y = torch.zeros(M, H, dtype=torch.float32, device=x.device)
     a = quantize_dequantize(x)[token_of.long()]  # [M, H]: per-row quantization commutes with the gather

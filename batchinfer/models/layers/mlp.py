@@ -121,14 +121,14 @@ class SparseMoE(nn.Module):
         j-th assignment landed in that order [T, k]."""
         T, k = experts.shape
         fp8 = self._grouped_fp8(x)
-        # The grouped FP8 GEMM's row tiles come with the layout (one pass, no host sync), of the row
-        # tile its launch will use: both read the module's default_launch (one seam for launch sweeps).
-        block_m = moe_fp8_kernels.default_launch(T * k, self.num_experts).block_m if fp8 is not None else 0
-        layout = ops.moe_align(experts, self.num_experts, block_m)
+        # The grouped FP8 GEMM's launch is chosen once, and its row tiles come with the layout (one
+        # pass, no host sync); read from the module, so that a launch sweep replaces both.
+        launch = moe_fp8_kernels.default_launch(T * k, self.num_experts) if fp8 is not None else None
+        layout = ops.moe_align(experts, self.num_experts, launch.block_m if launch is not None else 0)
         if fp8 is not None:
             gate_up, down = self.experts_gate_up, self.experts_down
             y = fp8(x.contiguous(), layout.token_of, layout.ends, gate_up.weight, gate_up.scale_inv, down.weight,
-                    down.scale_inv, tiles=layout.tiles)
+                    down.scale_inv, launch=launch, tiles=layout.tiles)
         else:
             y = self._expert_rows(x, layout.token_of, layout.ends)
         return y, layout.slot
