@@ -37,6 +37,7 @@ import torch
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.types import Request, SamplingParams
+from benchmarks.decode_attention_probe import print_probe, probe
 from benchmarks.engine_arms import COPY_BANDWIDTH, MATMUL_RATE, build_model, decode_bytes, decode_flops
 from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.host_overhead import PhaseTimer
@@ -241,6 +242,9 @@ def main() -> None:
     parser.add_argument("--trace", default="/tmp/decode_graph_trace.json", help="the profiler's chrome trace")
     parser.add_argument("--trace-steps", type=int, default=0, help="profile this many overlapped engine steps")
     parser.add_argument("--engine-trace", default="/tmp/decode_engine_trace.json")
+    parser.add_argument("--attention-probe", action="store_true",
+                        help="time the decode attention on the last step's inputs beside variants "
+                             "(benchmarks/decode_attention_probe.py)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -274,6 +278,10 @@ def main() -> None:
         pass
     report = decode_report(timer, args.batch)
     bucket = profile_bucket(engine, args.batch, args.trace) if cuda else {}
+    if args.attention_probe and cuda:
+        graphs = engine.runner.decode_graphs
+        print_probe(probe(graphs._batch(args.batch), graphs.caches.kv_k[0], graphs.caches.kv_v[0],
+                          model.config.num_attention_heads))
 
     own = args.batch * (args.prompt_len + args.output_tokens / 2)
     context = own + args.batch * args.shared_prefix  # KV tokens read per step (per sequence), on average

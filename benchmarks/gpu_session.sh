@@ -116,6 +116,14 @@ for part in "$@"; do
              step fp8kv_jobs27 290 python3 -m benchmarks.long_context --preset qwen3.5-27b --prefill '' \
                --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/fp8kv_jobs27.json" \
                --gen "96$GEN,96$GEN/kv_cache_dtype=fp8_e4m3" ;;
+    # The decode attention on the engine's own last-step inputs beside variants (why it reads its KV
+    # below the kernel benchmark's rate): FP8 35B-A3B at 8 layers with each KV dtype, 27B at 16 layers
+    attn_probe) for kv in auto fp8_e4m3; do
+               step probe_moe_$kv 150 python3 -m benchmarks.decode_profile --preset qwen3.5-35b-a3b-fp8 --layers 8 \
+                 --batch 256 --prompt-len 8192 --output-tokens 12 --kv-cache-dtype $kv --attention-probe
+             done
+             step probe_27b 150 python3 -m benchmarks.decode_profile --preset qwen3.5-27b --layers 16 \
+               --batch 96 --prompt-len 8192 --output-tokens 12 --attention-probe ;;
     # The FP8 expert GEMMs at prefill shapes (~1,024 rows an expert at 32,768-token steps, ~390 TFLOP/s in the
     # engine's 8k step profile): the row tile and warps swept (128 rows: gate|up spills 192 B at 8 warps offline)
     moe_prefill_launches) step moe_prefill_launches 240 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b \

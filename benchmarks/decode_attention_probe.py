@@ -1,0 +1,80 @@
+"""Why the engine's decode attention runs below the kernel benchmark's rate (H200).
+
+`bench_replay_attn` times `attention_decode` at ~4.28 TB/s on synthetic pools, while inside the
+engine's decode graph the same kernel has measured ~3.8 TB/s (27B shapes, 96 rows) and ~2.5 TB/s
+(35B-A3B shapes, 256 rows). `decode_profile --attention-probe` calls `probe` on the engine's own
+inputs of its last decode step (the bucket graph's static batch, the first attention layer's
+pool) and times the kernel as the engine calls it beside variants that each change one thing:
+no shared-prefix hint, compact indices, split counts, launch configs, the same rows copied to a
+fresh compact pool, and the benchmark's synthetic batch at the same shapes. Times are medians
+(triton.testing.do_bench, L2 flushed) of the whole call, split and merge kernels included.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from batchinfer.kernels import attention as triton_attention
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def probe(batch, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> list[tuple[str, float, float]]:
+    """(variant, ms, TB/s of the KV it reads) for the engine's decode inputs `batch` (a
+    ForwardBatch: kv_indices, kv_indptr, shared_with_prev) over one layer's pool."""
+    B = batch.kv_indptr.numel() - 1
+    H_kv, d = k_cache.shape[1], k_cache.shape[2]
+    used = int(batch.kv_indptr[-1])
+    kv_bytes = 2 * used * H_kv * d * k_cache.element_size()
+    gen = torch.Generator(device=k_cache.device).manual_seed(0)
+    q = torch.randn(B, heads, d, generator=gen, device=k_cache.device).to(torch.bfloat16)
+    scale = d ** -0.5
+    indices, indptr, shared = batch.kv_indices, batch.kv_indptr, batch.shared_with_prev
+    compact = indices[:used]
+    ctx = used // B
+    rows: list[tuple[str, float, float]] = []
+
+    def add(name, fn):
+        ms = _ms(fn)
+        rows.append((name, ms, kv_bytes / (ms * 1e-3) / 1e12))
+
+    def run(k=k_cache, v=v_cache, idx=indices, ptr=indptr, **kw):
+        return lambda: triton_attention.attention_decode(q, k, v, idx, ptr, scale, **kw)
+
+    add("engine call (graph view, shared hint)", run(shared_with_prev=shared))
+    add("no shared hint", run())
+    add("compact indices", run(idx=compact))
+    for splits in (1, 2, 4, 8):
+        add(f"num_splits={splits}", run(num_splits=splits))
+    for bn, nw, ns in ((32, 4, 3), (128, 4, 2), (64, 8, 3), (64, 4, 2)):
+        add(f"block_n={bn} warps={nw} stages={ns}", run(block_n=bn, num_warps=nw, num_stages=ns))
+    # The same rows, copied to a fresh pool in context order: placement in the big pool or not.
+    fresh_k, fresh_v = k_cache[compact].contiguous(), v_cache[compact].contiguous()  # [used, H_kv, d]
+    order = torch.arange(used, device=k_cache.device)
+    add("fresh pool, contiguous slots", run(k=fresh_k, v=fresh_v, idx=order))
+    add("fresh pool, shuffled slots", run(k=fresh_k, v=fresh_v, idx=torch.randperm(
+        used, generator=gen, device=k_cache.device)))
+    # The engine's pool, each row's slots in reverse: gather order within a row.
+    lengths = (indptr[1:] - indptr[:-1]).long()
+    starts = indptr[:-1].long().repeat_interleave(lengths)
+    within = torch.arange(used, device=k_cache.device) - starts
+    reversed_idx = compact[starts + lengths.repeat_interleave(lengths) - 1 - within]
+    add("engine pool, slots reversed per row", run(idx=reversed_idx))
+    ptr_uniform = torch.arange(0, B * ctx + 1, ctx, device=k_cache.device, dtype=torch.int32)
+    add(f"fresh pool, uniform ctx {ctx}", run(k=fresh_k, v=fresh_v, idx=order[:B * ctx], ptr=ptr_uniform))
+    del fresh_k, fresh_v
+    stats = (f"rows {B}, KV positions {used} (min {int(lengths.min())}, max {int(lengths.max())}), "
+             f"indices {indices.dtype} x{indices.numel()}, pool rows {k_cache.shape[0]}, "
+             f"strides k {tuple(k_cache.stride())}, shared hint nonzero {int((shared != 0).sum())}")
+    rows.append((stats, float("nan"), float("nan")))
+    return rows
+
+
+def print_probe(rows: list[tuple[str, float, float]]) -> None:
+    print("\ndecode attention on the engine's inputs (one layer, whole call):")
+    for name, ms, tbs in rows:
+        if ms != ms:
+            print(f"  {name}")
+        else:
+            print(f"  {name:<44} {ms * 1e3:9.1f} µs  {tbs:5.2f} TB/s of the KV")
