@@ -170,9 +170,16 @@ def _num_decode_splits(batch: int, kv_heads: int, total_ctx: int, device: torch.
     return max(1, min(want, triton.cdiv(avg_ctx, 256), 64))
 
 
+def _default_decode_tile(k_cache: torch.Tensor) -> tuple[int, int]:
+    """(block_n, num_stages) for the split kernel over this pool: the H200 sweeps' best. An FP8
+    pool's tile of 128 keys holds the bytes of a 16-bit pool's tile of 64 (bench_replay_attn
+    --fp8-kv: 0.81-0.84x the time of the 64-key launch at 96 and 256 rows)."""
+    return (128, 2) if k_cache.element_size() == 1 else (64, 3)
+
+
 def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, shared_with_prev=None, out=None,
-                     num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
-                     shared_launch: SharedPrefixLaunch = SharedPrefixLaunch()):
+                     num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
+                     num_stages: int | None = None, shared_launch: SharedPrefixLaunch = SharedPrefixLaunch()):
     """One query per sequence over its whole context. q [B, H, d] → o [B, H, d] in q.dtype.
 
     `shared_with_prev` (int32 [B] or None): the caller's promise that row r's first
@@ -180,7 +187,8 @@ def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, share
     sharing a prefix within a block of `shared_launch.rows` read it once. Keyword knobs
     (`num_splits`, `block_n`, `num_warps`, `num_stages`, `shared_launch`) are for
     benchmarks/tests. Defaults: the H200 sweep's best at batch 128, at about copy bandwidth
-    (docs/BENCHMARKS.md, "Kernels against fla-core" and "Shared-prefix attention").
+    (docs/BENCHMARKS.md, "Kernels against fla-core" and "Shared-prefix attention"); over an FP8
+    pool a tile of twice the keys (`_default_decode_tile`).
     """
     B, H, d = q.shape
     H_kv = k_cache.shape[1]
@@ -189,6 +197,8 @@ def attention_decode(q, k_cache, v_cache, kv_indices, kv_indptr, scale, *, share
         return o
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
     splits = num_splits or _num_decode_splits(B, H_kv, kv_indices.numel(), q.device)
+    default_block_n, default_stages = _default_decode_tile(k_cache)
+    block_n, num_stages = block_n or default_block_n, num_stages or default_stages
     shared_splits = 0
     if shared_with_prev is not None:
         shared_splits = shared_launch.num_splits or num_shared_splits(

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from batchinfer.kernels import attention as triton_attention
+from batchinfer.kernels.attention.attention import _default_decode_tile
 from batchinfer.kernels.attention.prefill import attention_prefill_with
 from batchinfer.kernels.ref import attention as ref_attention
 from tests.conftest import requires_cuda
@@ -72,6 +73,18 @@ def test_triton_decode_over_an_fp8_pool_matches_reference(num_splits):
     expected = ref_attention.attention_decode(batch.q, *args)
     out = triton_attention.attention_decode(batch.q, *args, out=torch.full_like(batch.q, float("nan")),
                                             num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+def test_decode_over_an_fp8_pool_takes_twice_the_keys_a_tile_by_default():
+    """The default launch over an FP8 pool (128 keys a tile, a 16-bit pool's 64): contexts short
+    of one tile, across two and of one key give the reference's output."""
+    batch = fp8_pools(make_batch([300, 1, 129], [1, 1, 1], heads=6, kv_heads=2, seed=6, device=DEVICE))
+    assert _default_decode_tile(batch.k_cache) == (128, 2)
+    assert _default_decode_tile(batch.k_cache.to(torch.bfloat16)) == (64, 3)
+    args = (batch.k_cache, batch.v_cache, batch.kv_indices, batch.kv_indptr, batch.scale)
+    expected = ref_attention.attention_decode(batch.q, *args)
+    out = triton_attention.attention_decode(batch.q, *args, out=torch.full_like(batch.q, float("nan")))
     torch.testing.assert_close(out, expected, **TOL)
 
 
@@ -192,13 +205,13 @@ from batchinfer.kernels.attention import attention as A
 
 fn = A._attn_decode_split_kernel
 names = fn.arg_names
-constexprs = dict(GROUP=6, D=256, BLOCK_H=16, BLOCK_D=256, BLOCK_N=64, DOT_PRECISION="tf32", SHARED_ROWS=0,
-                  LOOP_AS_WHILE=False)  # the 27B's heads (24 / 4 x 256), the default launch
+constexprs = dict(GROUP=6, D=256, BLOCK_H=16, BLOCK_D=256, BLOCK_N=128, DOT_PRECISION="tf32", SHARED_ROWS=0,
+                  LOOP_AS_WHILE=False)  # the 27B's heads (24 / 4 x 256), an FP8 pool's default launch
 types = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "kv_indices_ptr": "*i32", "kv_indptr_ptr": "*i32",
          "shared_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "q_ptr": "*bf16"}
 signature = {n: "constexpr" if n in constexprs else types.get(n, "fp32" if n == "scale" else "i32") for n in names}
 source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
-ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
 count = lambda pattern: len(re.findall(pattern, ptx))
 print(count(r"cvt\\.rn\\.f16x2\\.e4m3x2"), count(r"cvt\\.bf16\\.f16"), count(r"mma\\.sync\\S*\\.f16\\.f16"))
 """
