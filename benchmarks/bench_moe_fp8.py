@@ -122,8 +122,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tokens", default="256,512,1024")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, 4 and 16 tokens")
     parser.add_argument("--sm90", action="store_true", help="no GPU: compile for sm_90a and print resources")
-    parser.add_argument("--launches", default="", help="also time fixed launches BLOCK_M:WARPS:STAGES,... "
-                                                       "(e.g. 16:4:4,32:4:3) in place of default_launch")
+    parser.add_argument("--launches", default="", help="also time fixed launches BLOCK_M:WARPS:STAGES[:rows],... "
+                                                       "(e.g. 16:4:4,32:4:3; ':rows': programs row tile fastest) "
+                                                       "in place of default_launch")
     args = parser.parse_args(argv)
     if args.sm90:
         from benchmarks.moe_fp8_sm90 import print_sm90
@@ -143,6 +144,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def expert_flops(block: SparseMoE, tokens: int) -> float:
+    """The routed experts' matrix FLOPs for `tokens`: gate|up and down over top-k rows each."""
+    hidden, intermediate = block.experts_down.shape[1], block.experts_down.shape[2]
+    return 2.0 * tokens * block.top_k * 3 * hidden * intermediate
+
+
 def sweep_launches(block: SparseMoE, counts: list[int], device: str, launches: str) -> None:
     """The FP8 path's time per fixed launch (default_launch replaced), per token count."""
     from batchinfer.kernels.moe_fp8 import grouped_gemm
@@ -150,13 +157,16 @@ def sweep_launches(block: SparseMoE, counts: list[int], device: str, launches: s
     print("\nlaunch (block_m:warps:stages) | " + " | ".join(f"T={t} fp8 ms (x floor)" for t in counts))
     try:
         for text in launches.split(","):
-            block_m, warps, stages = (int(v) for v in text.split(":"))
-            fixed = grouped_gemm.MoeFp8Launch(block_m=block_m, num_warps=warps, num_stages=stages)
+            fields = text.split(":")
+            block_m, warps, stages = (int(v) for v in fields[:3])
+            fixed = grouped_gemm.MoeFp8Launch(block_m=block_m, num_warps=warps, num_stages=stages,
+                                              columns_fastest=fields[3:] != ["rows"])
             grouped_gemm.default_launch = lambda num_rows, num_experts, fixed=fixed: fixed
             cells = []
             for tokens in counts:
                 r = measure(block, tokens, device)
-                cells.append(f"{r['fp8_ms']:.3f} ({r['fp8_ms'] / r['floor_ms']:.2f}x)")
+                cells.append(f"{r['fp8_ms']:.3f} ({r['fp8_ms'] / r['floor_ms']:.2f}x, "
+                             f"{expert_flops(block, tokens) / r['fp8_ms'] / 1e9:.0f} TFLOP/s)")
             print(f"{text} | " + " | ".join(cells), flush=True)
     finally:
         grouped_gemm.default_launch = default

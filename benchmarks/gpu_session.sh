@@ -125,9 +125,12 @@ for part in "$@"; do
              step probe_27b 150 python3 -m benchmarks.decode_profile --preset qwen3.5-27b --layers 16 \
                --batch 96 --prompt-len 8192 --output-tokens 12 --attention-probe ;;
     # The FP8 expert GEMMs at prefill shapes (~1,024 rows an expert at 32,768-token steps, ~390 TFLOP/s in the
-    # engine's 8k step profile): the row tile and warps swept (128 rows: gate|up spills 192 B at 8 warps offline)
+    # engine's 8k step profile): the row tile and warps swept (128 rows: gate|up spills 192 B at 8 warps offline),
+    # programs column block fastest (the default) against row tile fastest (':rows')
     moe_prefill_launches) step moe_prefill_launches 240 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b \
-               --tokens 8192,32768 --launches 64:8:3,64:4:3,64:8:4,128:8:3,128:4:3,32:4:3 ;;
+               --tokens 8192,32768 --launches 64:8:3,64:8:3:rows,64:8:4,64:8:4:rows,128:8:3,128:4:3,32:4:3
+             step moe_decode_launches 120 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b \
+               --tokens 256,1024 --launches 16:4:3,16:4:3:rows,64:8:3,64:8:3:rows ;;
   esac
 done
 for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done

@@ -7,6 +7,10 @@ group) and gathered by `token_of` inside the kernel (no [T·k, H] copy), weights
 scale per 128 × 128 block; each 128-deep K step is an fp8 tensor-core dot accumulated in fp32
 with its two scales: acc += dot(a, b) · a_scale[row] · b_scale.
 
+Programs are numbered column block fastest: the programs of one row tile run together, so its
+activation rows come from HBM once and from L2 for the other column blocks (the down GEMM has 16
+of them at H = 2,048); numbered row tile fastest, every column block re-read all M rows.
+
 The gate|up program owns 128 gate and the matching 128 up columns: its epilogue forms
 silu(gate) · up in fp32 and quantizes it per (row, 128-column group), which is exactly one group
 of the down GEMM's activations, so the [T·k, 2I] intermediate is never written. Reference:
@@ -36,6 +40,7 @@ class MoeFp8Launch:
     block_n_down: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    columns_fastest: bool = True  # program order; False (row tile fastest) is kept to measure against
 
 
 def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
@@ -50,12 +55,22 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
 
 
 @triton.jit
+def _tile_and_column_block(num_tiles, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
+    """(row tile, column block) of this program in a 1-D grid of num_tiles · N_BLOCKS."""
+    pid = tl.program_id(0)
+    if COLUMNS_FASTEST:
+        return pid // N_BLOCKS, pid % N_BLOCKS
+    return pid % num_tiles, pid // num_tiles
+
+
+@triton.jit(do_not_specialize=["num_tiles"])  # one variant for every batch size
 def _gate_up_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,
                     tile_expert_ptr, tile_start_ptr, tile_end_ptr, K, I,
                     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn,
                     stride_hm, stride_hsm,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr):
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
+                    num_tiles, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                    N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
+    tile, pid_n = _tile_and_column_block(num_tiles, N_BLOCKS, COLUMNS_FASTEST)
     start = tl.load(tile_start_ptr + tile)
     end = tl.load(tile_end_ptr + tile)
     if end <= start:  # an unused tail tile of the table
@@ -98,11 +113,12 @@ def _gate_up_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,
     tl.store(hs_ptr + rows64 * stride_hsm + pid_n, scale, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])
 def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K,
                  stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr):
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
+                 num_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
+    tile, pid_n = _tile_and_column_block(num_tiles, N_BLOCKS, COLUMNS_FASTEST)
     start = tl.load(tile_start_ptr + tile)
     end = tl.load(tile_end_ptr + tile)
     if end <= start:
@@ -160,14 +176,16 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     token_of = token_of.to(torch.int32)
     hq = torch.empty((M, I), dtype=FP8_DTYPE, device=x.device)
     hs = torch.empty((M, I // GROUP), dtype=torch.float32, device=x.device)
-    knobs = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
-    _gate_up_kernel[(tiles.capacity, I // GROUP)](
+    order = dict(COLUMNS_FASTEST=launch.columns_fastest, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    up_blocks, down_blocks = I // GROUP, triton.cdiv(H, launch.block_n_down)
+    _gate_up_kernel[(tiles.capacity * up_blocks,)](
         xq, xs, token_of, w13, s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        hq.stride(0), hs.stride(0),
-        BLOCK_M=launch.block_m, BLOCK_K=GROUP, K_TILES=triton.cdiv(H, GROUP), **knobs)
-    _down_kernel[(tiles.capacity, triton.cdiv(H, launch.block_n_down))](
+        hq.stride(0), hs.stride(0), tiles.capacity,
+        BLOCK_M=launch.block_m, BLOCK_K=GROUP, K_TILES=triton.cdiv(H, GROUP), N_BLOCKS=up_blocks, **order)
+    _down_kernel[(tiles.capacity * down_blocks,)](
         hq, hs, w2, s2, y, tiles.expert, tiles.start, tiles.end, H, I,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP, K_TILES=I // GROUP, **knobs)
+        tiles.capacity, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP, K_TILES=I // GROUP,
+        N_BLOCKS=down_blocks, **order)
     return y

@@ -17,4 +17,4 @@ def test_a_swept_launch_reaches_the_layout_and_the_kernel(capsys):
     sweep_launches(block, [4], "cpu", "32:4:3")
     assert grouped_gemm.default_launch is default
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("32:4:3 | ") and "x)" in line
+    assert line.startswith("32:4:3 | ") and "x, " in line and "TFLOP/s)" in line

@@ -20,7 +20,8 @@ E, H, I = 4, 256, 128  # gate|up is [E, 256, 256]: N = K = 256
 # Rows per expert: uneven, a zero-token expert inside and at either end, tiles with padding.
 COUNTS = [[17, 0, 5, 18], [0, 9, 31, 0], [1, 1, 1, 1]]
 LAUNCHES = [MoeFp8Launch(block_m=16, block_n_down=64, num_warps=4, num_stages=1),
-            MoeFp8Launch(block_m=32, block_n_down=128, num_warps=4, num_stages=1)]
+            MoeFp8Launch(block_m=32, block_n_down=128, num_warps=4, num_stages=1),
+            MoeFp8Launch(block_m=16, block_n_down=64, num_warps=4, num_stages=1, columns_fastest=False)]
 
 
 def _inputs(counts: list[int], seed: int, T: int = 23, dtype=torch.float32):
@@ -61,7 +62,7 @@ def test_tiles_cover_every_row_once_within_one_expert(counts, block_m):
 
 
 @pytest.mark.parametrize("counts", COUNTS)
-@pytest.mark.parametrize("launch", LAUNCHES, ids=["m16n64", "m32n128"])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["m16n64", "m32n128", "m16n64-rows-fastest"])
 def test_kernel_matches_the_fp32_reference(counts, launch):
     args = _inputs(counts, seed=sum(counts) + launch.block_m)
     out = torch.full((sum(counts), H), float("nan"), device=DEVICE)
