@@ -20,9 +20,10 @@ def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def probe(batch, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> list[tuple[str, float, float]]:
-    """(variant, ms, TB/s of the KV it reads) for the engine's decode inputs `batch` (a
-    ForwardBatch: kv_indices, kv_indptr, shared_with_prev) over one layer's pool."""
+def probe(batch, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> list[tuple[str, float, float, float]]:
+    """(variant, ms, TB/s of the KV it reads, max |output - the engine call's|) for the engine's
+    decode inputs `batch` (a ForwardBatch: kv_indices, kv_indptr, shared_with_prev) over one
+    layer's pool. Every variant attends the same keys, so the last figure checks the probe."""
     B = batch.kv_indptr.numel() - 1
     H_kv, d = k_cache.shape[1], k_cache.shape[2]
     used = int(batch.kv_indptr[-1])
@@ -33,11 +34,15 @@ def probe(batch, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> li
     indices, indptr, shared = batch.kv_indices, batch.kv_indptr, batch.shared_with_prev
     compact = indices[:used]
     ctx = used // B
-    rows: list[tuple[str, float, float]] = []
+    rows: list[tuple[str, float, float, float]] = []
+    first: list[torch.Tensor] = []
 
-    def add(name, fn):
+    def add(name, fn, same_keys=True):
+        out = fn().float()  # [B, H, d]
+        first.append(first[0] if first else out)
+        diff = (out - first[0]).abs().max().item() if same_keys else float("nan")
         ms = _ms(fn)
-        rows.append((name, ms, kv_bytes / (ms * 1e-3) / 1e12))
+        rows.append((name, ms, kv_bytes / (ms * 1e-3) / 1e12, diff))
 
     def run(k=k_cache, v=v_cache, idx=indices, ptr=indptr, **kw):
         return lambda: triton_attention.attention_decode(q, k, v, idx, ptr, scale, **kw)
@@ -53,8 +58,11 @@ def probe(batch, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> li
     fresh_k, fresh_v = k_cache[compact].contiguous(), v_cache[compact].contiguous()  # [used, H_kv, d]
     order = torch.arange(used, device=k_cache.device)
     add("fresh pool, contiguous slots", run(k=fresh_k, v=fresh_v, idx=order))
-    add("fresh pool, shuffled slots", run(k=fresh_k, v=fresh_v, idx=torch.randperm(
-        used, generator=gen, device=k_cache.device)))
+    shuffle = torch.randperm(used, generator=gen, device=k_cache.device)
+    shuffled_k, shuffled_v = torch.empty_like(fresh_k), torch.empty_like(fresh_v)
+    shuffled_k[shuffle], shuffled_v[shuffle] = fresh_k, fresh_v  # position i at slot shuffle[i]
+    add("fresh pool, shuffled slots", run(k=shuffled_k, v=shuffled_v, idx=shuffle))
+    del shuffled_k, shuffled_v
     # The engine's pool, each row's slots in reverse: gather order within a row.
     lengths = (indptr[1:] - indptr[:-1]).long()
     starts = indptr[:-1].long().repeat_interleave(lengths)
@@ -62,19 +70,21 @@ def probe(batch, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> li
     reversed_idx = compact[starts + lengths.repeat_interleave(lengths) - 1 - within]
     add("engine pool, slots reversed per row", run(idx=reversed_idx))
     ptr_uniform = torch.arange(0, B * ctx + 1, ctx, device=k_cache.device, dtype=torch.int32)
-    add(f"fresh pool, uniform ctx {ctx}", run(k=fresh_k, v=fresh_v, idx=order[:B * ctx], ptr=ptr_uniform))
+    add(f"fresh pool, uniform ctx {ctx}", run(k=fresh_k, v=fresh_v, idx=order[:B * ctx], ptr=ptr_uniform),
+        same_keys=False)  # other contexts: timed only
     del fresh_k, fresh_v
     stats = (f"rows {B}, KV positions {used} (min {int(lengths.min())}, max {int(lengths.max())}), "
              f"indices {indices.dtype} x{indices.numel()}, pool rows {k_cache.shape[0]}, "
              f"strides k {tuple(k_cache.stride())}, shared hint nonzero {int((shared != 0).sum())}")
-    rows.append((stats, float("nan"), float("nan")))
+    rows.append((stats, float("nan"), float("nan"), float("nan")))
     return rows
 
 
-def print_probe(rows: list[tuple[str, float, float]]) -> None:
+def print_probe(rows: list[tuple[str, float, float, float]]) -> None:
     print("\ndecode attention on the engine's inputs (one layer, whole call):")
-    for name, ms, tbs in rows:
+    for name, ms, tbs, diff in rows:
         if ms != ms:
             print(f"  {name}")
         else:
-            print(f"  {name:<44} {ms * 1e3:9.1f} µs  {tbs:5.2f} TB/s of the KV")
+            check = "" if diff != diff else f"  max diff {diff:.1e}"
+            print(f"  {name:<44} {ms * 1e3:9.1f} µs  {tbs:5.2f} TB/s of the KV{check}")
