@@ -131,6 +131,20 @@ for part in "$@"; do
                --tokens 8192,32768 --launches 64:8:3,64:8:3:rows,64:8:4,64:8:4:rows,128:8:3,128:4:3,32:4:3
              step moe_decode_launches 120 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b \
                --tokens 256,1024 --launches 16:4:3,16:4:3:rows,64:8:3,64:8:3:rows ;;
+    # One short call for the FP8 35B-A3B: the expert GEMMs' program order (column block fastest, the
+    # default, against row tile fastest) at prefill and decode shapes, the 8k / 1k job at the defaults
+    # against FP8 KV (128-key tiles over it), then the decode attention probe over each pool
+    owed_moe) step moe_order 100 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 8192,32768 \
+               --launches 64:8:3,64:8:3:rows,64:8:4,128:8:3
+             step moe_order_decode 50 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 256,1024 \
+               --launches 16:4:3,16:4:3:rows
+             step jobs35fp8 230 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
+               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/jobs35fp8.json" \
+               --gen "256$GEN,256$GEN/kv_cache_dtype=fp8_e4m3"
+             for kv in fp8_e4m3 auto; do
+               step probe_moe_$kv 75 python3 -m benchmarks.decode_profile --preset qwen3.5-35b-a3b-fp8 --layers 8 \
+                 --batch 256 --prompt-len 8192 --output-tokens 12 --kv-cache-dtype $kv --attention-probe
+             done ;;
   esac
 done
 for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done
