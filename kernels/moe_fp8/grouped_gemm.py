@@ -47,11 +47,12 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     """By rows per expert: decode (a few to tens of rows each) wants small row tiles, so a tile
     is rarely mostly padding; wider batches want wide ones for weight reuse. Measured on the H200
     at 35B-A3B shapes (docs/BENCHMARKS.md, "FP8 experts"): 16 rows, 3 stages up to ~24 rows an
-    expert (0.274 / 0.293 ms at 256 / 512 tokens); 64 rows, 8 warps at 32 (0.361 ms at 1,024)."""
+    expert (0.274 / 0.293 ms at 256 / 512 tokens); 64 rows, 8 warps at 32 and more, with 4 stages
+    (0.95-0.99x the time of 3 at 2,048 / 8,192 / 32,768 tokens)."""
     per_expert = num_rows / max(num_experts, 1)
     if per_expert <= 24:
         return MoeFp8Launch(block_m=16, num_warps=4, num_stages=3)
-    return MoeFp8Launch(block_m=64, num_warps=8, num_stages=3)
+    return MoeFp8Launch(block_m=64, num_warps=8, num_stages=4)
 
 
 @triton.jit
