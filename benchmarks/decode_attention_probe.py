@@ -1,23 +1,22 @@
-"""Why the engine's decode attention runs below the kernel benchmark's rate (H200).
+"""Why the engine's decode attention reads its KV at another rate than the kernel benchmark (H200).
 
 `bench_replay_attn` times `attention_decode` at ~4.28 TB/s on synthetic pools, while inside the
-engine's decode graph the same kernel has measured ~3.8 TB/s (27B shapes, 96 rows) and ~2.5 TB/s
-(35B-A3B shapes, 256 rows). `decode_profile --attention-probe` calls `probe` on the engine's own
-inputs of its last decode step (the bucket graph's static batch, the first attention layer's
-pool) and times the kernel as the engine calls it beside variants that each change one thing:
+engine's decode graph the same kernel measured ~3.8 TB/s of the nominal KV (27B shapes, 96 rows)
+and, on the 35B-A3B's shapes, above the HBM's rate (so fewer positions than nominal).
+`decode_profile --attention-probe` calls `probe` on the engine's own inputs of its last decode
+step (the bucket graph's static batch, the first attention layer's pool; their real lengths
+printed) and times the kernel as the engine calls it beside variants that each change one thing:
 no shared-prefix hint, compact indices, split counts, launch configs, the same rows copied to a
-fresh compact pool, and the benchmark's synthetic batch at the same shapes. Times are medians
-(triton.testing.do_bench, L2 flushed) of the whole call, split and merge kernels included.
+fresh pool (in context order, shuffled, one uniform length), each row's slots reversed. Times
+are `bench_utils.time_ms` (do_bench means, L2 flushed) of the whole call, split and merge
+kernels included.
 """
 from __future__ import annotations
 
 import torch
-import triton
 
 from batchinfer.kernels import attention as triton_attention
-
-def _ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+from benchmarks.bench_utils import time_ms
 
 
 def probe(batch, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> list[tuple[str, float, float, float]]:
@@ -35,13 +34,13 @@ def probe(batch, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> li
     compact = indices[:used]
     ctx = used // B
     rows: list[tuple[str, float, float, float]] = []
-    first: list[torch.Tensor] = []
+    engine_out: list[torch.Tensor] = []  # the first variant's output, [B, H, d] fp32
 
     def add(name, fn, same_keys=True):
         out = fn().float()  # [B, H, d]
-        first.append(first[0] if first else out)
-        diff = (out - first[0]).abs().max().item() if same_keys else float("nan")
-        ms = _ms(fn)
+        engine_out[:] = engine_out or [out]
+        diff = (out - engine_out[0]).abs().max().item() if same_keys else float("nan")
+        ms = time_ms(fn, k_cache.device.type, warmup=10, rep=60)
         rows.append((name, ms, kv_bytes / (ms * 1e-3) / 1e12, diff))
 
     def run(k=k_cache, v=v_cache, idx=indices, ptr=indptr, **kw):

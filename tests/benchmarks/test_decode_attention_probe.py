@@ -15,7 +15,7 @@ from tests.conftest import interpreter_only
 def test_every_probe_variant_attends_the_same_keys(monkeypatch):
     from benchmarks import decode_attention_probe
 
-    monkeypatch.setattr(decode_attention_probe, "_ms", lambda fn: 1.0)
+    monkeypatch.setattr(decode_attention_probe, "time_ms", lambda fn, device, **_: 1.0)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor([5, 9, 3])
     indptr = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
