@@ -122,13 +122,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tokens", default="256,512,1024")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, 4 and 16 tokens")
     parser.add_argument("--sm90", action="store_true", help="no GPU: compile for sm_90a and print resources")
-    parser.add_argument("--launches", default="", help="also time fixed launches BLOCK_M:WARPS:STAGES[:rows],... "
-                                                       "(e.g. 16:4:4,32:4:3; ':rows': programs row tile fastest) "
-                                                       "in place of default_launch")
+    parser.add_argument("--launches", default="", help="also time fixed launches in place of default_launch: "
+                                                       "BLOCK_M:WARPS:STAGES[:rows][/BLOCK_M:WARPS:STAGES[:BLOCK_N]],... "
+                                                       "(gate|up / down; e.g. 64:8:4,128:16:3/128:8:3:128; "
+                                                       "':rows': programs row tile fastest)")
     args = parser.parse_args(argv)
     if args.sm90:
         from benchmarks.moe_fp8_sm90 import print_sm90
-        print_sm90()
+        print_sm90([parse_launch(text) for text in args.launches.split(",")] if args.launches else None)
         return 0
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     block = make_block(args.preset, device, args.quick)
@@ -150,17 +151,28 @@ def expert_flops(block: SparseMoE, tokens: int) -> float:
     return 2.0 * tokens * block.top_k * 3 * hidden * intermediate
 
 
+def parse_launch(text: str):
+    """`GATE_UP[/DOWN[:BLOCK_N]]`, each `BLOCK_M:WARPS:STAGES`; a trailing `:rows` on the gate|up
+    part numbers the programs row tile fastest. One part: both kernels on that launch."""
+    from batchinfer.kernels.moe_fp8.grouped_gemm import KernelLaunch, MoeFp8Launch
+    up_text, _, down_text = text.partition("/")
+    up_fields = up_text.split(":")
+    gate_up = KernelLaunch(*(int(v) for v in up_fields[:3]))
+    down_fields = down_text.split(":") if down_text else up_fields[:3]
+    down = KernelLaunch(*(int(v) for v in down_fields[:3]))
+    block_n = int(down_fields[3]) if len(down_fields) > 3 else 128
+    return MoeFp8Launch(gate_up, down, block_n_down=block_n, columns_fastest=up_fields[3:] != ["rows"])
+
+
 def sweep_launches(block: SparseMoE, counts: list[int], device: str, launches: str) -> None:
     """The FP8 path's time per fixed launch (default_launch replaced), per token count."""
     from batchinfer.kernels.moe_fp8 import grouped_gemm
     default = grouped_gemm.default_launch
-    print("\nlaunch (block_m:warps:stages) | " + " | ".join(f"T={t} fp8 ms (x floor)" for t in counts))
+    print("\nlaunch (gate|up block_m:warps:stages / down ...:block_n) | "
+          + " | ".join(f"T={t} fp8 ms (x floor)" for t in counts))
     try:
         for text in launches.split(","):
-            fields = text.split(":")
-            block_m, warps, stages = (int(v) for v in fields[:3])
-            fixed = grouped_gemm.MoeFp8Launch(block_m=block_m, num_warps=warps, num_stages=stages,
-                                              columns_fastest=fields[3:] != ["rows"])
+            fixed = parse_launch(text)
             grouped_gemm.default_launch = lambda num_rows, num_experts, fixed=fixed: fixed
             cells = []
             for tokens in counts:
@@ -170,7 +182,6 @@ def sweep_launches(block: SparseMoE, counts: list[int], device: str, launches: s
             print(f"{text} | " + " | ".join(cells), flush=True)
     finally:
         grouped_gemm.default_launch = default
-
 
 if __name__ == "__main__":
     sys.exit(main())

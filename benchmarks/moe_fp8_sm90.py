@@ -7,47 +7,54 @@ from __future__ import annotations
 from batchinfer.kernels.fp8_gemm.reference import GROUP
 
 
-def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: int = 512):
+def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: int = 512,
+                 launch=None):
     """Offline sm_90a compile (Triton's own ptxas, no GPU) of `gate_up` or `down` at the default
-    launch for `block_m`; integer arguments specialised as the launcher would (multiples of 16)."""
+    launch for `block_m` (or at `launch`, a `MoeFp8Launch`); integer arguments specialised as the
+    launcher would (multiples of 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from batchinfer.kernels.moe_fp8 import grouped_gemm as K
-    launch = next(K.default_launch(rows, 256) for rows in (256 * 8, 1024 * 8, 8192 * 8)
-                  if K.default_launch(rows, 256).block_m == block_m)
+    if launch is None:
+        launch = next(K.default_launch(rows, 256) for rows in (256 * 8, 1024 * 8, 8192 * 8)
+                      if K.default_launch(rows, 256).gate_up.block_m == block_m)
     fp8, fp32, i32 = "*fp8e4nv", "*fp32", "*i32"
     if kernel == "gate_up":
-        fn = K._gate_up_kernel
+        fn, kernel_launch = K._gate_up_kernel, launch.gate_up
         types = dict(xq_ptr=fp8, xs_ptr=fp32, token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, hq_ptr=fp8, hs_ptr=fp32)
-        constexprs = dict(BLOCK_M=block_m, BLOCK_K=GROUP, K_TILES=hidden // GROUP, N_BLOCKS=intermediate // GROUP,
-                          COLUMNS_FASTEST=True)
+        constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_K=GROUP, K_TILES=hidden // GROUP,
+                          N_BLOCKS=intermediate // GROUP, COLUMNS_FASTEST=True)
     else:
-        fn = K._down_kernel
+        fn, kernel_launch = K._down_kernel, launch.down
         types = dict(hq_ptr=fp8, hs_ptr=fp32, w_ptr=fp8, ws_ptr=fp32, y_ptr="*bf16")
-        constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP, K_TILES=intermediate // GROUP,
-                          N_BLOCKS=hidden // launch.block_n_down, COLUMNS_FASTEST=True)
+        constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP,
+                          K_TILES=intermediate // GROUP, N_BLOCKS=hidden // launch.block_n_down, COLUMNS_FASTEST=True)
     types.update(tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32)
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    divisible = [i for i, n in enumerate(names) if n not in constexprs]
+    divisible = [i for i, n in enumerate(names) if n not in constexprs and n != "num_tiles"]  # not specialised
     source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                        attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+                          options={"num_warps": kernel_launch.num_warps, "num_stages": kernel_launch.num_stages})
 
 
-def print_sm90() -> None:
+def print_sm90(launches: list | None = None) -> None:
+    """Resources of both kernels at the default launches' row tiles, or at each of `launches`."""
     import re
 
     from benchmarks.sm90_compile import ptxas_resources
-    for kernel in ("gate_up", "down"):
-        for block_m in (16, 64):  # the default launches' row tiles
-            compiled = compile_sm90(kernel, block_m)
-            ptx = compiled.asm["ptx"]
-            registers, spills = ptxas_resources(ptx)
-            # Below 64 rows Triton runs the dots as f16 mma.sync on e4m3 values converted exactly.
-            mma = len(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\S*", ptx))
-            print(f"{kernel:8} block_m {block_m:3d}  registers {registers:4d}  spill {spills:5d} B  "
-                  f"smem {compiled.metadata.shared:7d} B  mma {mma}")
+    cases = [(kernel, block_m, None) for kernel in ("gate_up", "down") for block_m in (16, 64)]
+    if launches:
+        cases = [(kernel, 0, launch) for launch in launches for kernel in ("gate_up", "down")]
+    for kernel, block_m, launch in cases:
+        compiled = compile_sm90(kernel, block_m, launch=launch)
+        ptx = compiled.asm["ptx"]
+        registers, spills = ptxas_resources(ptx)
+        # Below 64 rows Triton runs the dots as f16 mma.sync on e4m3 values converted exactly.
+        mma = len(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\S*", ptx))
+        shown = block_m if launch is None else getattr(launch, kernel)
+        print(f"{kernel:8} {shown}  registers {registers:4d}  spill {spills:5d} B  "
+              f"smem {compiled.metadata.shared:7d} B  mma {mma}")

@@ -33,14 +33,29 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 @dataclass(frozen=True)
-class MoeFp8Launch:
-    """Row tile (rows of one expert per program), the down GEMM's column tile, warps, stages."""
+class KernelLaunch:
+    """One grouped kernel's launch: rows of one expert per program (its row tile), warps, stages."""
 
     block_m: int
-    block_n_down: int = 128
     num_warps: int = 4
     num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeFp8Launch:
+    """The gate|up and down kernels' launches (each its own row tile), the down GEMM's column tile
+    (a multiple or a divisor of 128) and the program order."""
+
+    gate_up: KernelLaunch
+    down: KernelLaunch
+    block_n_down: int = 128
     columns_fastest: bool = True  # program order; False (row tile fastest) is kept to measure against
+
+    @classmethod
+    def same(cls, block_m: int, num_warps: int = 4, num_stages: int = 3, **kwargs) -> "MoeFp8Launch":
+        """Both kernels on one launch (one row-tile table)."""
+        launch = KernelLaunch(block_m, num_warps, num_stages)
+        return cls(launch, launch, **kwargs)
 
 
 def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
@@ -51,8 +66,8 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     (0.95-0.99x the time of 3 at 2,048 / 8,192 / 32,768 tokens)."""
     per_expert = num_rows / max(num_experts, 1)
     if per_expert <= 24:
-        return MoeFp8Launch(block_m=16, num_warps=4, num_stages=3)
-    return MoeFp8Launch(block_m=64, num_warps=8, num_stages=4)
+        return MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3)
+    return MoeFp8Launch.same(block_m=64, num_warps=8, num_stages=4)
 
 
 @triton.jit
@@ -133,14 +148,19 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, tile_expert_ptr, tile_sta
     a_ptrs = hq_ptr + rows[:, None] * stride_hm + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     hs_ptrs = hs_ptr + rows * stride_hsm
-    ws_ptr_n = ws_ptr + expert * stride_wse + ((pid_n * BLOCK_N) // BLOCK_K) * stride_wsn  # BLOCK_N divides 128
+    ws_base = ws_ptr + expert * stride_wse
+    ws_cols = ws_base + (cols // BLOCK_K) * stride_wsn  # [BN]: wider tiles span several weight blocks
+    ws_tile = ws_base + ((pid_n * BLOCK_N) // BLOCK_K) * stride_wsn  # narrower ones sit in one
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, K_TILES):  # K = I, a whole number of 128-column groups
         a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
         a_s = tl.load(hs_ptrs + kb, mask=row_ok, other=0.0)
-        acc += tl.dot(a, b) * (a_s * tl.load(ws_ptr_n + kb))[:, None]
+        if BLOCK_N > BLOCK_K:
+            acc += tl.dot(a, b) * a_s[:, None] * tl.load(ws_cols + kb, mask=col_ok, other=0.0)[None, :]
+        else:
+            acc += tl.dot(a, b) * (a_s * tl.load(ws_tile + kb))[:, None]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -154,8 +174,8 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     """x [T, H] (unit column stride); token_of [M] (sorted row → token); ends [E] (cumulative rows
     per expert, int); w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I],
     s2 fp32 [E, ceil(H/128), I/128] → [M, H] in x's dtype (into `out`, unit column stride, when
-    given), rows in sorted order; `tiles`: the row tiles of `launch.block_m` rows when the caller
-    has them (`ops.moe_align`), else built here. No host sync."""
+    given), rows in sorted order; `tiles`: the row tiles of `launch.gate_up.block_m` rows when the
+    caller has them (`ops.moe_align`), else built here. No host sync."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
@@ -169,24 +189,28 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     if M == 0:
         return y
     launch = launch or default_launch(M, E)
-    assert GROUP % launch.block_n_down == 0
+    assert GROUP % launch.block_n_down == 0 or launch.block_n_down % GROUP == 0
     xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
     if tiles is None:
-        tiles = expert_tiles(ends, M, launch.block_m)
-    assert tiles.capacity == tile_capacity(M, E, launch.block_m), "tiles of another row-tile size"
+        tiles = expert_tiles(ends, M, launch.gate_up.block_m)
+    assert tiles.capacity == tile_capacity(M, E, launch.gate_up.block_m), "tiles of another row-tile size"
+    # The down kernel's own row tiles where its launch differs (a few small launches, no host sync).
+    down_tiles = tiles if launch.down.block_m == launch.gate_up.block_m else expert_tiles(ends, M, launch.down.block_m)
     token_of = token_of.to(torch.int32)
     hq = torch.empty((M, I), dtype=FP8_DTYPE, device=x.device)
     hs = torch.empty((M, I // GROUP), dtype=torch.float32, device=x.device)
-    order = dict(COLUMNS_FASTEST=launch.columns_fastest, num_warps=launch.num_warps, num_stages=launch.num_stages)
     up_blocks, down_blocks = I // GROUP, triton.cdiv(H, launch.block_n_down)
     _gate_up_kernel[(tiles.capacity * up_blocks,)](
         xq, xs, token_of, w13, s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         hq.stride(0), hs.stride(0), tiles.capacity,
-        BLOCK_M=launch.block_m, BLOCK_K=GROUP, K_TILES=triton.cdiv(H, GROUP), N_BLOCKS=up_blocks, **order)
-    _down_kernel[(tiles.capacity * down_blocks,)](
-        hq, hs, w2, s2, y, tiles.expert, tiles.start, tiles.end, H, I,
+        BLOCK_M=launch.gate_up.block_m, BLOCK_K=GROUP, K_TILES=triton.cdiv(H, GROUP), N_BLOCKS=up_blocks,
+        COLUMNS_FASTEST=launch.columns_fastest, num_warps=launch.gate_up.num_warps,
+        num_stages=launch.gate_up.num_stages)
+    _down_kernel[(down_tiles.capacity * down_blocks,)](
+        hq, hs, w2, s2, y, down_tiles.expert, down_tiles.start, down_tiles.end, H, I,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        tiles.capacity, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP, K_TILES=I // GROUP,
-        N_BLOCKS=down_blocks, **order)
+        down_tiles.capacity, BLOCK_M=launch.down.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP,
+        K_TILES=I // GROUP, N_BLOCKS=down_blocks, COLUMNS_FASTEST=launch.columns_fastest,
+        num_warps=launch.down.num_warps, num_stages=launch.down.num_stages)
     return y

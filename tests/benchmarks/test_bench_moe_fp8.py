@@ -13,8 +13,18 @@ def test_a_swept_launch_reaches_the_layout_and_the_kernel(capsys):
 
     default = grouped_gemm.default_launch
     block = make_block("qwen3.5-35b-a3b", "cpu", quick=True)
-    assert default(4 * block.top_k, block.num_experts).block_m != 32  # the sweep changes the row tile
+    assert default(4 * block.top_k, block.num_experts).gate_up.block_m != 32  # the sweep changes the row tile
     sweep_launches(block, [4], "cpu", "32:4:3")
     assert grouped_gemm.default_launch is default
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("32:4:3 | ") and "x, " in line and "TFLOP/s)" in line
+
+
+def test_launch_text_names_each_kernel():
+    from benchmarks.bench_moe_fp8 import parse_launch
+    from batchinfer.kernels.moe_fp8.grouped_gemm import KernelLaunch, MoeFp8Launch
+
+    assert parse_launch("64:8:4") == MoeFp8Launch.same(64, 8, 4)
+    assert parse_launch("64:8:4:rows") == MoeFp8Launch.same(64, 8, 4, columns_fastest=False)
+    assert parse_launch("128:16:3/64:8:3:256") == MoeFp8Launch(KernelLaunch(128, 16, 3), KernelLaunch(64, 8, 3),
+                                                                block_n_down=256)

@@ -8,7 +8,7 @@ import torch
 
 from batchinfer.kernels import ops
 from batchinfer.kernels.fp8_gemm.reference import block_dequantize, block_quantize
-from batchinfer.kernels.moe_fp8.grouped_gemm import MoeFp8Launch, default_launch
+from batchinfer.kernels.moe_fp8.grouped_gemm import KernelLaunch, MoeFp8Launch, default_launch
 from batchinfer.kernels.moe_fp8.grouped_gemm import moe_fp8 as triton_moe_fp8
 from batchinfer.kernels.moe_fp8.tiles import expert_tiles
 from batchinfer.kernels.ref.moe_fp8 import moe_fp8 as reference_moe_fp8
@@ -19,9 +19,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E, H, I = 4, 256, 128  # gate|up is [E, 256, 256]: N = K = 256
 # Rows per expert: uneven, a zero-token expert inside and at either end, tiles with padding.
 COUNTS = [[17, 0, 5, 18], [0, 9, 31, 0], [1, 1, 1, 1]]
-LAUNCHES = [MoeFp8Launch(block_m=16, block_n_down=64, num_warps=4, num_stages=1),
-            MoeFp8Launch(block_m=32, block_n_down=128, num_warps=4, num_stages=1),
-            MoeFp8Launch(block_m=16, block_n_down=64, num_warps=4, num_stages=1, columns_fastest=False)]
+LAUNCHES = [MoeFp8Launch.same(block_m=16, block_n_down=64, num_warps=4, num_stages=1),
+            MoeFp8Launch.same(block_m=32, block_n_down=128, num_warps=4, num_stages=1),
+            MoeFp8Launch.same(block_m=16, block_n_down=64, num_warps=4, num_stages=1, columns_fastest=False),
+            # Each kernel its own row tiles (the down kernel's table built inside), a down tile over two weight blocks.
+            MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256)]
 
 
 def _inputs(counts: list[int], seed: int, T: int = 23, dtype=torch.float32):
@@ -62,9 +64,9 @@ def test_tiles_cover_every_row_once_within_one_expert(counts, block_m):
 
 
 @pytest.mark.parametrize("counts", COUNTS)
-@pytest.mark.parametrize("launch", LAUNCHES, ids=["m16n64", "m32n128", "m16n64-rows-fastest"])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["m16n64", "m32n128", "m16n64-rows-fastest", "m32-down-m16n256"])
 def test_kernel_matches_the_fp32_reference(counts, launch):
-    args = _inputs(counts, seed=sum(counts) + launch.block_m)
+    args = _inputs(counts, seed=sum(counts) + launch.gate_up.block_m)
     out = torch.full((sum(counts), H), float("nan"), device=DEVICE)
     result = triton_moe_fp8(*args, launch=launch, out=out)
     assert result is out and out.isfinite().all()  # every routed row written
@@ -95,9 +97,9 @@ def test_no_routed_rows_launches_nothing():
 
 def test_default_launch_tiles_decode_rows_small():
     # Qwen3.5-35B-A3B decode: 256 / 1024 tokens x top-8 over 256 experts; a prefill chunk.
-    assert default_launch(256 * 8, 256).block_m == 16
-    assert default_launch(1024 * 8, 256).block_m == 64  # measured fastest at 32 rows an expert
-    assert default_launch(8192 * 8, 256).block_m == 64
+    assert default_launch(256 * 8, 256).gate_up.block_m == 16
+    assert default_launch(1024 * 8, 256).gate_up.block_m == 64  # measured fastest at 32 rows an expert
+    assert default_launch(8192 * 8, 256).gate_up.block_m == 64
 
 
 def test_ops_dispatches_moe_fp8():
