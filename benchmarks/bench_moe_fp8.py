@@ -37,11 +37,12 @@ from batchinfer.models.presets import PRESETS  # noqa: E402
 from benchmarks.bench_utils import print_table, time_ms  # noqa: E402
 
 COPY_BANDWIDTH = 4.28e12  # B/s, device-to-device copy measured on the H200 (as benchmarks.engine_arms)
-FP8_EXPERTS = frozenset({"experts_gate_up", "experts_down"})
+FP8_EXPERTS = frozenset({"experts_gate_up", "experts_down", "shared_expert.gate_up", "shared_expert.down"})
 
 
 def make_block(preset: str, device: str, quick: bool) -> SparseMoE:
-    """The preset's MoE block with FP8 routed experts (random weights, block-quantized here)."""
+    """The preset's MoE block with FP8 routed and shared experts, as an FP8 checkpoint has them
+    (random weights, block-quantized here)."""
     raw = dict(PRESETS[preset])
     if quick:
         raw.update(hidden_size=256, num_experts=8, moe_intermediate_size=128, shared_expert_intermediate_size=128)
@@ -58,6 +59,10 @@ def make_block(preset: str, device: str, quick: bool) -> SparseMoE:
                 sub.quantize_from_(w)
                 weight.weight[e].copy_(sub.weight)
                 weight.scale_inv[e].copy_(sub.scale_inv)
+        for weight in (block.shared_expert.gate_up, block.shared_expert.down):
+            weight.quantize_from_(torch.randn(weight.shape, device=device, generator=generator) * weight.shape[-1] ** -0.5)
+        block.shared_expert_gate.copy_(torch.randn(block.shared_expert_gate.shape, device=device, generator=generator)
+                                       * block.shared_expert_gate.shape[-1] ** -0.5)
     return block
 
 
@@ -126,6 +131,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                        "BLOCK_M:WARPS:STAGES[:rows][/BLOCK_M:WARPS:STAGES[:BLOCK_N]],... "
                                                        "(gate|up / down; e.g. 64:8:4,128:16:3/128:8:3:128; "
                                                        "':rows': programs row tile fastest)")
+    parser.add_argument("--shared-in-grouped", action="store_true",
+                        help="also time the whole MoE block with the shared expert separate and in the grouped kernel")
     args = parser.parse_args(argv)
     if args.sm90:
         from benchmarks.moe_fp8_sm90 import print_sm90
@@ -142,7 +149,42 @@ def main(argv: Optional[list[str]] = None) -> int:
     print_table(HEADER, map(row_line, rows))
     if args.launches:
         sweep_launches(block, counts, device, args.launches)
+    if args.shared_in_grouped:
+        print("\nthe whole MoE block (router, experts, shared expert, combine), graph replays:")
+        print_table(BLOCK_HEADER, (block_line(measure_block(block, t, device)) for t in counts))
     return 0
+
+
+BLOCK_HEADER = f"{'T':>6} | {'shared separate ms':>18} | {'shared in grouped ms':>20} | {'ratio':>6} | {'rel diff':>8}"
+
+
+def block_line(r: dict) -> str:
+    return (f"{r['tokens']:>6} | {r['separate_ms']:18.3f} | {r['grouped_ms']:20.3f} | "
+            f"{r['grouped_ms'] / r['separate_ms']:6.3f} | {r['rel_diff']:8.1e}")
+
+
+@torch.inference_mode()
+def measure_block(block: SparseMoE, tokens: int, device: str) -> dict:
+    """The MoE block's forward with its shared expert as separate dense FP8 GEMMs against the same
+    expert as one more expert of the grouped kernel (BATCHINFER_MOE_SHARED_IN_GROUPED), side by side."""
+    from benchmarks.long_context import environment_set
+    from batchinfer.kernels import ops
+    from batchinfer.models.layers import mlp
+    H = block.experts_down.shape[1]
+    x = torch.randn(tokens, H, device=device, generator=torch.Generator(device=device).manual_seed(tokens)).bfloat16()
+    kernel = ops.implementation("moe_fp8", True)
+    original, mlp._grouped_fp8_op = mlp._grouped_fp8_op, (lambda _: kernel)  # the kernel on the CPU too
+    try:
+        separate = block(x).float()
+        separate_ms = graph_time_ms(lambda: block(x), device)
+        with environment_set({"BATCHINFER_MOE_SHARED_IN_GROUPED": "1"}):
+            assert block._shared_in_grouped(x) is not None, "the shared expert cannot ride in the grouped kernel"
+            grouped = block(x).float()
+            grouped_ms = graph_time_ms(lambda: block(x), device)
+    finally:
+        mlp._grouped_fp8_op = original
+    return {"tokens": tokens, "separate_ms": separate_ms, "grouped_ms": grouped_ms,
+            "rel_diff": ((grouped - separate).norm() / separate.norm()).item()}
 
 
 def expert_flops(block: SparseMoE, tokens: int) -> float:

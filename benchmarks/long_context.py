@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 from benchmarks.attention_e2e import STEP_TOKENS, gemm_floor, label, parse_workload, prefill_rate
@@ -41,13 +43,18 @@ def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
     """"NxLxO[@R][/field=int...]": N prompts of L tokens, O output tokens each, max_running R
     (default: N, everything admitted at once; `@auto`: the engine's default for the model),
     EngineConfig integer / boolean / string fields set after
-    the slashes (e.g. `/track_interval=256`, `/kv_cache_dtype=fp8_e4m3`)."""
+    the slashes (e.g. `/track_interval=256`, `/kv_cache_dtype=fp8_e4m3`), and environment variables
+    set for that job alone (`/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1`: A/B of a model-level switch
+    in one process)."""
     spec, *settings = text.split("/")
     spec, _, running = spec.partition("@")
     count, length, output = (int(v) for v in spec.lower().split("x"))
     overrides = {}
     for item in settings:
         key, _, value = item.partition("=")
+        if key.startswith("env."):
+            overrides[key] = value
+            continue
         default = getattr(EngineConfig(), key)  # AttributeError names a wrong field
         if isinstance(default, str):  # e.g. /kv_cache_dtype=fp8_e4m3
             overrides[key] = value
@@ -58,6 +65,21 @@ def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
     return count, length, output, int(running) if running else None, overrides
 
 
+@contextmanager
+def environment_set(values: dict[str, str]):
+    """os.environ with `values` set, restored after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def generation_row(model, policy: PrefillPolicy, count: int, length: int, output: int, device: str,
                    preset: str, track_interval: int, max_running: int | None = None,
                    overrides: dict | None = None, temperature: float = 0.0, layers: int | None = None) -> dict:
@@ -66,9 +88,11 @@ def generation_row(model, policy: PrefillPolicy, count: int, length: int, output
     args = SimpleNamespace(device=device, no_graphs=device != "cuda", max_running=running,
                            max_batch_tokens=None, budget_bytes=None, preset=preset, floor=device == "cuda",
                            temperature=temperature)
-    with prefill_policy(policy):
+    engine_overrides = {k: v for k, v in (overrides or {}).items() if not k.startswith("env.")}
+    environment = {k.removeprefix("env."): v for k, v in (overrides or {}).items() if k.startswith("env.")}
+    with prefill_policy(policy), environment_set(environment):
         row = run_arm(model, "replay+extra_buffer", prompts, output, args,
-                      {"track_interval": track_interval, **(overrides or {})})
+                      {"track_interval": track_interval, **engine_overrides})
     settings = "".join(f" {k}={v if isinstance(v, str) else int(v)}" for k, v in (overrides or {}).items())
     # The job's bound on one H200 from FLOPs and bytes, at the rows and step size that ran
     bound = job_bound(preset, count, length, output, kv_cache_dtype=(overrides or {}).get("kv_cache_dtype", "auto"),

@@ -23,18 +23,20 @@ def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: in
     fp8, fp32, i32 = "*fp8e4nv", "*fp32", "*i32"
     if kernel == "gate_up":
         fn, kernel_launch = K._gate_up_kernel, launch.gate_up
-        types = dict(xq_ptr=fp8, xs_ptr=fp32, token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, hq_ptr=fp8, hs_ptr=fp32)
+        types = dict(xq_ptr=fp8, xs_ptr=fp32, token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, hq_ptr=fp8, hs_ptr=fp32,
+                     shared_w_ptr=fp8, shared_ws_ptr=fp32)
         constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_K=GROUP, K_TILES=hidden // GROUP,
                           N_BLOCKS=intermediate // GROUP, COLUMNS_FASTEST=True)
     else:
         fn, kernel_launch = K._down_kernel, launch.down
-        types = dict(hq_ptr=fp8, hs_ptr=fp32, w_ptr=fp8, ws_ptr=fp32, y_ptr="*bf16")
+        types = dict(hq_ptr=fp8, hs_ptr=fp32, w_ptr=fp8, ws_ptr=fp32, y_ptr="*bf16", shared_w_ptr=fp8,
+                     shared_ws_ptr=fp32)
         constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP,
                           K_TILES=intermediate // GROUP, N_BLOCKS=hidden // launch.block_n_down, COLUMNS_FASTEST=True)
     types.update(tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32)
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    divisible = [i for i, n in enumerate(names) if n not in constexprs and n != "num_tiles"]  # not specialised
+    divisible = [i for i, n in enumerate(names) if n not in constexprs and n not in fn.do_not_specialize]
     source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                        attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),

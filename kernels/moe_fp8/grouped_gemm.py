@@ -27,6 +27,7 @@ import triton.language as tl
 from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP
 from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3, quantize_act
 from batchinfer.kernels.moe_fp8.tiles import ExpertTiles, expert_tiles, tile_capacity
+from batchinfer.kernels.ref.moe_fp8 import SharedExpert
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -71,38 +72,59 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
 
 
 @triton.jit
-def _tile_and_column_block(num_tiles, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
-    """(row tile, column block) of this program in a 1-D grid of num_tiles · N_BLOCKS."""
+def _tile_and_column_block(total_tiles, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
+    """(row tile, column block) of this program in a 1-D grid of total_tiles · N_BLOCKS."""
     pid = tl.program_id(0)
     if COLUMNS_FASTEST:
         return pid // N_BLOCKS, pid % N_BLOCKS
-    return pid % num_tiles, pid // num_tiles
+    return pid % total_tiles, pid // total_tiles
 
 
-@triton.jit(do_not_specialize=["num_tiles"])  # one variant for every batch size
-def _gate_up_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,
+@triton.jit
+def _tile_rows_and_weights(tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                           w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M: tl.constexpr):
+    """A row tile's first row, its end, and its expert's weights and scales: a tile of the table,
+    or past the table a tile of the shared expert (rows num_rows + t for every token t)."""
+    if tile < num_tiles:
+        start = tl.load(tile_start_ptr + tile)
+        end = tl.load(tile_end_ptr + tile)
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        w_base = w_ptr + expert * stride_we
+        ws_base = ws_ptr + expert * stride_wse
+    else:
+        start = num_rows + (tile - num_tiles) * BLOCK_M
+        end = num_rows + num_tokens
+        w_base = shared_w_ptr
+        ws_base = shared_ws_ptr
+    return start, end, w_base, ws_base
+
+
+# Batch-size arguments are not specialised: one compiled variant serves every step.
+@triton.jit(do_not_specialize=["num_tiles", "total_tiles", "num_rows", "num_tokens"])
+def _gate_up_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, hq_ptr, hs_ptr,
                     tile_expert_ptr, tile_start_ptr, tile_end_ptr, K, I,
                     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn,
                     stride_hm, stride_hsm,
-                    num_tiles, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-                    N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
-    tile, pid_n = _tile_and_column_block(num_tiles, N_BLOCKS, COLUMNS_FASTEST)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
+                    num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
+    tile, pid_n = _tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
+    start, end, w_base, ws_base = _tile_rows_and_weights(
+        tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+        w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
     if end <= start:  # an unused tail tile of the table
         return
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < end
-    tokens = tl.load(token_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    routed = tile < num_tiles
+    # A routed row gathers its token; the shared expert's row num_rows + t is token t.
+    tokens = tl.where(routed, tl.load(token_ptr + rows, mask=row_ok & routed, other=0), rows - num_rows).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     cols = pid_n * BLOCK_K + tl.arange(0, BLOCK_K)  # this program's gate rows of w; up rows are I below
     a_ptrs = xq_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
-    w_base = w_ptr + expert * stride_we
     g_ptrs = w_base + cols[None, :] * stride_wn + offs_k[:, None]  # [BK, BN] view of the [2I, K] weight
     u_ptrs = g_ptrs + I * stride_wn
     xs_ptrs = xs_ptr + tokens * stride_xsm
-    gs_ptr = ws_ptr + expert * stride_wse + pid_n * stride_wsn
+    gs_ptr = ws_base + pid_n * stride_wsn
     us_ptr = gs_ptr + (I // BLOCK_K) * stride_wsn
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -129,26 +151,26 @@ def _gate_up_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,
     tl.store(hs_ptr + rows64 * stride_hsm + pid_n, scale, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
-def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K,
+@triton.jit(do_not_specialize=["num_tiles", "total_tiles", "num_rows", "num_tokens"])
+def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_ptr,
+                 tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K,
                  stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
-                 num_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
-    tile, pid_n = _tile_and_column_block(num_tiles, N_BLOCKS, COLUMNS_FASTEST)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
+                 num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
+    tile, pid_n = _tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
+    start, end, w_base, ws_base = _tile_rows_and_weights(
+        tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+        w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
     if end <= start:
         return
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < end
     offs_k = tl.arange(0, BLOCK_K)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     a_ptrs = hq_ptr + rows[:, None] * stride_hm + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    w_ptrs = w_base + cols[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     hs_ptrs = hs_ptr + rows * stride_hsm
-    ws_base = ws_ptr + expert * stride_wse
     ws_cols = ws_base + (cols // BLOCK_K) * stride_wsn  # [BN]: wider tiles span several weight blocks
     ws_tile = ws_base + ((pid_n * BLOCK_N) // BLOCK_K) * stride_wsn  # narrower ones sit in one
 
@@ -170,12 +192,15 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, tile_expert_ptr, tile_sta
 
 def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
             w2: torch.Tensor, s2: torch.Tensor, launch: MoeFp8Launch | None = None,
-            out: torch.Tensor | None = None, tiles: ExpertTiles | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, tiles: ExpertTiles | None = None,
+            shared: SharedExpert | None = None) -> torch.Tensor:
     """x [T, H] (unit column stride); token_of [M] (sorted row → token); ends [E] (cumulative rows
     per expert, int); w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I],
     s2 fp32 [E, ceil(H/128), I/128] → [M, H] in x's dtype (into `out`, unit column stride, when
     given), rows in sorted order; `tiles`: the row tiles of `launch.gate_up.block_m` rows when the
-    caller has them (`ops.moe_align`), else built here. No host sync."""
+    caller has them (`ops.moe_align`), else built here. With `shared` (an expert of the same
+    shapes that every token takes) → [M + T, H]: row M + t is token t's shared expert output,
+    computed in the same two launches. No host sync."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
@@ -184,9 +209,15 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I) and ends.shape == (E,)
     assert s13.shape == (E, 2 * I // GROUP, triton.cdiv(H, GROUP)) and s2.shape == (E, triton.cdiv(H, GROUP), I // GROUP)
     assert w13.stride(2) == 1 and w2.stride(2) == 1 and s13.stride(2) == 1 and s2.stride(2) == 1
-    y = torch.empty((M, H), dtype=x.dtype, device=x.device) if out is None else out
-    assert y.shape == (M, H) and y.stride(1) == 1
-    if M == 0:
+    shared_rows = T if shared is not None else 0
+    if shared is not None:  # read with the routed experts' strides
+        assert shared.w13.shape == w13.shape[1:] and shared.w2.shape == w2.shape[1:]
+        assert shared.s13.shape == s13.shape[1:] and shared.s2.shape == s2.shape[1:]
+        assert (shared.w13.stride(), shared.w2.stride()) == (w13.stride()[1:], w2.stride()[1:])
+        assert (shared.s13.stride(), shared.s2.stride()) == (s13.stride()[1:], s2.stride()[1:])
+    y = torch.empty((M + shared_rows, H), dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (M + shared_rows, H) and y.stride(1) == 1
+    if M + shared_rows == 0:
         return y
     launch = launch or default_launch(M, E)
     assert GROUP % launch.block_n_down == 0 or launch.block_n_down % GROUP == 0
@@ -197,20 +228,23 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     # The down kernel's own row tiles where its launch differs (a few small launches, no host sync).
     down_tiles = tiles if launch.down.block_m == launch.gate_up.block_m else expert_tiles(ends, M, launch.down.block_m)
     token_of = token_of.to(torch.int32)
-    hq = torch.empty((M, I), dtype=FP8_DTYPE, device=x.device)
-    hs = torch.empty((M, I // GROUP), dtype=torch.float32, device=x.device)
+    hq = torch.empty((M + shared_rows, I), dtype=FP8_DTYPE, device=x.device)
+    hs = torch.empty((M + shared_rows, I // GROUP), dtype=torch.float32, device=x.device)
+    shared_w13, shared_s13, shared_w2, shared_s2 = shared if shared is not None else (w13, s13, w2, s2)
+    up_tiles = tiles.capacity + triton.cdiv(shared_rows, launch.gate_up.block_m)  # the shared expert's tiles last
+    down_tiles_all = down_tiles.capacity + triton.cdiv(shared_rows, launch.down.block_m)
     up_blocks, down_blocks = I // GROUP, triton.cdiv(H, launch.block_n_down)
-    _gate_up_kernel[(tiles.capacity * up_blocks,)](
-        xq, xs, token_of, w13, s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
+    _gate_up_kernel[(up_tiles * up_blocks,)](
+        xq, xs, token_of, w13, s13, shared_w13, shared_s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        hq.stride(0), hs.stride(0), tiles.capacity,
+        hq.stride(0), hs.stride(0), tiles.capacity, up_tiles, M, shared_rows,
         BLOCK_M=launch.gate_up.block_m, BLOCK_K=GROUP, K_TILES=triton.cdiv(H, GROUP), N_BLOCKS=up_blocks,
         COLUMNS_FASTEST=launch.columns_fastest, num_warps=launch.gate_up.num_warps,
         num_stages=launch.gate_up.num_stages)
-    _down_kernel[(down_tiles.capacity * down_blocks,)](
-        hq, hs, w2, s2, y, down_tiles.expert, down_tiles.start, down_tiles.end, H, I,
+    _down_kernel[(down_tiles_all * down_blocks,)](
+        hq, hs, w2, s2, shared_w2, shared_s2, y, down_tiles.expert, down_tiles.start, down_tiles.end, H, I,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        down_tiles.capacity, BLOCK_M=launch.down.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP,
-        K_TILES=I // GROUP, N_BLOCKS=down_blocks, COLUMNS_FASTEST=launch.columns_fastest,
-        num_warps=launch.down.num_warps, num_stages=launch.down.num_stages)
+        down_tiles.capacity, down_tiles_all, M, shared_rows, BLOCK_M=launch.down.block_m,
+        BLOCK_N=launch.block_n_down, BLOCK_K=GROUP, K_TILES=I // GROUP, N_BLOCKS=down_blocks,
+        COLUMNS_FASTEST=launch.columns_fastest, num_warps=launch.down.num_warps, num_stages=launch.down.num_stages)
     return y

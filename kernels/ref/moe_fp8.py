@@ -8,6 +8,8 @@ group again; times the dequantized down block. Products in fp32, output rounded 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -20,21 +22,44 @@ def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
     return q.float() * s.repeat_interleave(GROUP, dim=1)[:, :x.shape[1]]
 
 
+class SharedExpert(NamedTuple):
+    """An expert every token takes (the MoE block's shared expert), in one routed expert's shapes:
+    w13 e4m3 [2I, H] with s13 [2I/128, ceil(H/128)], w2 e4m3 [H, I] with s2 [ceil(H/128), I/128]."""
+
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+
+
+def _expert(a: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """Quantized-dequantized rows a [rows, H] through one FP8 expert → [rows, H] in fp32."""
+    gate, up = (a @ block_dequantize(w13, s13).t()).chunk(2, dim=-1)
+    h = quantize_dequantize(F.silu(gate) * up)  # [rows, I]
+    return h @ block_dequantize(w2, s2).t()
+
+
 def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
-            w2: torch.Tensor, s2: torch.Tensor, launch=None, tiles=None) -> torch.Tensor:
+            w2: torch.Tensor, s2: torch.Tensor, launch=None, tiles=None, shared: SharedExpert | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H]; token_of [M]; ends [E] (cumulative rows per expert); w13 e4m3 [E, 2I, H] with
-    s13 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I] with s2 [E, ceil(H/128), I/128] → [M, H] in x's dtype.
-    `launch` and `tiles` (the Triton kernel's launch and row tiles) are accepted and unused: rows
-    are taken per expert."""
+    s13 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I] with s2 [E, ceil(H/128), I/128] → [M, H] in x's dtype;
+    with `shared`, [M + T, H]: row M + t is token t through the shared expert. `launch` and `tiles`
+    (the Triton kernel's launch and row tiles) are accepted and unused: rows are taken per expert;
+    `out`, when given, receives the result."""
     M, H = token_of.shape[0], x.shape[1]
+    a_tokens = quantize_dequantize(x)  # [T, H]: per-row quantization commutes with the gather
     y = torch.zeros(M, H, dtype=torch.float32, device=x.device)
-    a = quantize_dequantize(x)[token_of.long()]  # [M, H]: per-row quantization commutes with the gather
+    a = a_tokens[token_of.long()]  # [M, H]
     start = 0
     for expert, end in enumerate(ends.tolist()):
         if end > start:
-            rows = slice(start, end)
-            gate, up = (a[rows] @ block_dequantize(w13[expert], s13[expert]).t()).chunk(2, dim=-1)
-            h = quantize_dequantize(F.silu(gate) * up)  # [rows, I]
-            y[rows] = h @ block_dequantize(w2[expert], s2[expert]).t()
+            y[start:end] = _expert(a[start:end], w13[expert], s13[expert], w2[expert], s2[expert])
         start = end
-    return y.to(x.dtype)
+    if shared is not None:
+        y = torch.cat([y, _expert(a_tokens, *shared)])
+    y = y.to(x.dtype)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y

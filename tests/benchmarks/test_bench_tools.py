@@ -110,6 +110,8 @@ def test_generation_spec_parses_batch_and_engine_overrides_and_names_a_wrong_fie
         "max_batch_tokens": 32768, "kv_cache_dtype": "fp8_e4m3"}
     with pytest.raises(AttributeError, match="no_such_field"):
         parse_generation("1x8x8/no_such_field=1")
+    assert parse_generation("1x8x8/env.SOME_SWITCH=1/max_batch_tokens=64")[4] == {
+        "env.SOME_SWITCH": "1", "max_batch_tokens": 64}
 
 
 def test_print_table_rules_the_header_and_time_ms_counts_its_cpu_calls(capsys):
@@ -130,6 +132,27 @@ def test_a_generation_row_runs_with_a_string_engine_field_and_names_it():
     row = generation_row(model, parse_policy("triton", 1024), count, length, output, "cpu", "tiny", 32,
                          running, overrides)
     assert row["workload"] == "2x48 → 4 kv_cache_dtype=fp8_e4m3" and row["total_tps"] > 0
+
+
+def test_a_generation_row_sets_its_environment_for_that_job_alone(monkeypatch):
+    from benchmarks import long_context
+    from benchmarks.engine_arms import build_model
+
+    seen = []
+    real_run_arm = long_context.run_arm
+
+    def run_arm(*args, **kwargs):
+        seen.append(os.environ.get("BATCHINFER_TEST_SWITCH"))
+        return real_run_arm(*args, **kwargs)
+
+    monkeypatch.setattr(long_context, "run_arm", run_arm)
+    monkeypatch.delenv("BATCHINFER_TEST_SWITCH", raising=False)
+    model, _ = build_model("tiny", 4, "cpu")
+    count, length, output, running, overrides = long_context.parse_generation("2x48x4/env.BATCHINFER_TEST_SWITCH=1")
+    row = long_context.generation_row(model, long_context.parse_policy("triton", 1024), count, length, output, "cpu",
+                                      "tiny", 32, running, overrides)
+    assert seen == ["1"] and "BATCHINFER_TEST_SWITCH" not in os.environ  # set for the job, then removed
+    assert row["workload"] == "2x48 → 4 env.BATCHINFER_TEST_SWITCH=1"
 
 
 def test_step_cost_times_the_two_forwards_in_turn_and_at_once_on_the_cpu():

@@ -11,6 +11,7 @@ from batchinfer.kernels.fp8_gemm.reference import block_dequantize, block_quanti
 from batchinfer.kernels.moe_fp8.grouped_gemm import KernelLaunch, MoeFp8Launch, default_launch
 from batchinfer.kernels.moe_fp8.grouped_gemm import moe_fp8 as triton_moe_fp8
 from batchinfer.kernels.moe_fp8.tiles import expert_tiles
+from batchinfer.kernels.ref.moe_fp8 import SharedExpert
 from batchinfer.kernels.ref.moe_fp8 import moe_fp8 as reference_moe_fp8
 from tests.conftest import interpreter_only, requires_cuda
 from tests.sm90_child import sm90_child_output
@@ -77,6 +78,35 @@ def test_kernel_matches_the_fp32_reference(counts, launch):
     # And FP8 is near the unquantized experts (e4m3: ~2^-4 relative per operand).
     exact = _unquantized(*args)
     assert (ref.cpu() - exact).abs().max() <= 0.1 * exact.abs().max()
+
+
+def _shared_expert(seed: int) -> SharedExpert:
+    g = torch.Generator().manual_seed(seed)
+    w13, s13 = block_quantize(torch.randn(2 * I, H, generator=g) * H ** -0.5)
+    w2, s2 = block_quantize(torch.randn(H, I, generator=g) * I ** -0.5)
+    return SharedExpert(*(t.to(DEVICE) for t in (w13, s13, w2, s2)))
+
+
+@pytest.mark.parametrize("counts", COUNTS[:2] + [[0, 0, 0, 0]])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["m16n64", "m32n128", "m16n64-rows-fastest", "m32-down-m16n256"])
+def test_shared_expert_rows_follow_the_routed_rows(counts, launch):
+    """Row M + t is token t through the shared expert (every token once, no table of its own):
+    against the reference, and against the routed rows of the same expert placed in the table."""
+    x, token_of, ends, w13, s13, w2, s2 = _inputs(counts, seed=7 + sum(counts))
+    shared = _shared_expert(seed=3)
+    T, M = x.shape[0], sum(counts)
+    out = torch.full((M + T, H), float("nan"), device=DEVICE)
+    triton_moe_fp8(x, token_of, ends, w13, s13, w2, s2, launch=launch, out=out, shared=shared)
+    assert out.isfinite().all()  # every routed and shared row written
+    ref = reference_moe_fp8(x, token_of, ends, w13, s13, w2, s2, shared=shared)
+    assert ref.shape == (M + T, H)
+    torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+    # The shared rows are the rows a routed expert with these weights gives every token, in token order.
+    as_routed = triton_moe_fp8(x, torch.arange(T, device=DEVICE), torch.full((1,), T, dtype=torch.int32, device=DEVICE),
+                               shared.w13[None], shared.s13[None], shared.w2[None], shared.s2[None], launch=launch)
+    torch.testing.assert_close(out[M:], as_routed, rtol=0, atol=0)
+    torch.testing.assert_close(out[:M], triton_moe_fp8(x, token_of, ends, w13, s13, w2, s2, launch=launch),
+                               rtol=0, atol=0)  # the routed rows as without the shared expert
 
 
 def test_kernel_reads_only_routed_experts_and_writes_x_dtype():
@@ -163,6 +193,30 @@ def test_tiny_fp8_moe_logits_grouped_fp8_vs_dequantized(monkeypatch):
     assert (grouped.argmax(-1) == dequantized.argmax(-1)).float().mean() >= 0.8
 
 
+@interpreter_only
+def test_tiny_fp8_moe_logits_with_the_shared_expert_in_the_grouped_kernel(monkeypatch):
+    """BATCHINFER_MOE_SHARED_IN_GROUPED=1: the shared expert rides in the grouped kernel's launches
+    (its dense FP8 GEMMs not called); the logits stay those of the separate shared expert within
+    the rounding the fused path skips (its gate|up output is not rounded to the activation dtype)."""
+    from batchinfer.models.layers import fp8_linear, mlp
+
+    model = _tiny_fp8_moe()
+    kernel = ops.implementation("moe_fp8", True)
+    monkeypatch.setattr(mlp, "_grouped_fp8_op", lambda x: kernel)
+    separate = _logits(model)
+    dense_calls = []
+    real_gemm = fp8_linear.fp8_gemm
+    monkeypatch.setattr(fp8_linear, "fp8_gemm", lambda x, w, *a: dense_calls.append(w.data_ptr()) or real_gemm(x, w, *a))
+    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "1")
+    fused = _logits(model)
+    shared_weights = {p.weight.data_ptr() for layer in model.layers
+                      for p in (layer.mlp.shared_expert.gate_up, layer.mlp.shared_expert.down)}
+    assert dense_calls and not shared_weights & set(dense_calls)  # other FP8 projections still ran; no shared one
+    assert fused.isfinite().all()
+    torch.testing.assert_close(fused, separate, rtol=1e-3, atol=1e-3 * separate.abs().max().item())
+    assert torch.equal(fused.argmax(-1), separate.argmax(-1))
+
+
 @requires_cuda
 def test_fp8_moe_layer_runs_the_grouped_kernel_in_a_cuda_graph():
     """On CUDA the FP8 MoE layer calls the kernel, needs no host sync (a decode step is a graph)
@@ -200,6 +254,29 @@ def test_fp8_moe_layer_runs_the_grouped_kernel_in_a_cuda_graph():
     # against unquantized activations: e4m3's 3 mantissa bits (a few % of each product)
     assert (out - unquantized).norm() <= 0.08 * unquantized.norm()  # 0.045 measured on the CPU
 
+
+
+@requires_cuda
+def test_fp8_moe_block_with_the_shared_expert_in_the_grouped_kernel_in_a_cuda_graph(monkeypatch):
+    """The whole MoE block on CUDA with BATCHINFER_MOE_SHARED_IN_GROUPED=1, replayed as a graph,
+    against the block with its separate shared expert."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    block = _tiny_fp8_moe().layers[0].mlp.cuda()
+    x = torch.randn(64, block.router.shape[1], device="cuda")
+    separate = block(x).float()
+    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "1")
+    assert block._shared_in_grouped(x) is not None
+    out = torch.full_like(x, float("nan"))
+    block(x)  # warm-up outside the capture (compiles)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(block(x))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.isfinite().all()
+    assert (out.float() - separate).norm() <= 2e-2 * separate.norm()
 
 SM90_CHILD = """
 import re

@@ -20,6 +20,8 @@ GEMMs); on the CPU (and with BATCHINFER_KERNELS=ref) they are dequantized for th
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,7 @@ from batchinfer.models.layers.fp8_linear import Fp8Weight, block_aligned, dense_
 from batchinfer.models.layers.params import empty_param
 from batchinfer.kernels import ops
 from batchinfer.kernels.moe_fp8 import grouped_gemm as moe_fp8_kernels
+from batchinfer.kernels.ref.moe_fp8 import SharedExpert
 from batchinfer.kernels.public import cuda_capability
 
 
@@ -112,15 +115,21 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        rows, slot = self._run_experts(x, experts)  # [T·k, hidden] sorted by expert, [T, k]
+        shared = self._shared_in_grouped(x)
+        rows, slot = self._run_experts(x, experts, shared)  # [T·k (+ T), hidden] sorted by expert, [T, k]
         shared_gate = torch.sigmoid(F.linear(x, self.shared_expert_gate).float())  # [T, 1]
-        return ops.moe_combine(rows, slot, weights, self.shared_expert(x), shared_gate)  # [T, hidden]
+        routed_rows, shared_rows = rows[:slot.numel()], rows[slot.numel():]  # views
+        shared_out = shared_rows if shared is not None else self.shared_expert(x)  # [T, hidden]
+        return ops.moe_combine(routed_rows, slot, weights, shared_out, shared_gate)  # [T, hidden]
 
-    def _run_experts(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_experts(self, x: torch.Tensor, experts: torch.Tensor,
+                     shared: SharedExpert | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each assignment's expert output, sorted by expert [T·k, hidden], and where token t's
-        j-th assignment landed in that order [T, k]."""
+        j-th assignment landed in that order [T, k]; with `shared` (the grouped FP8 kernel only),
+        T more rows after them: token t's shared expert output."""
         T, k = experts.shape
         fp8 = self._grouped_fp8(x)
+        assert shared is None or fp8 is not None
         # The grouped FP8 GEMM's launch is chosen once, and its row tiles come with the layout (one
         # pass, no host sync); read from the module, so that a launch sweep replaces both.
         launch = moe_fp8_kernels.default_launch(T * k, self.num_experts) if fp8 is not None else None
@@ -128,10 +137,23 @@ class SparseMoE(nn.Module):
         if fp8 is not None:
             gate_up, down = self.experts_gate_up, self.experts_down
             y = fp8(x.contiguous(), layout.token_of, layout.ends, gate_up.weight, gate_up.scale_inv, down.weight,
-                    down.scale_inv, launch=launch, tiles=layout.tiles)
+                    down.scale_inv, launch=launch, tiles=layout.tiles, shared=shared)
         else:
             y = self._expert_rows(x, layout.token_of, layout.ends)
         return y, layout.slot
+
+    def _shared_in_grouped(self, x: torch.Tensor) -> SharedExpert | None:
+        """The shared expert as one more expert of the grouped FP8 kernel (its rows after the
+        routed ones, no launches of its own), where BATCHINFER_MOE_SHARED_IN_GROUPED=1 asks for it,
+        the kernel runs, and the shared expert is FP8 in a routed expert's shapes; else None."""
+        if os.environ.get("BATCHINFER_MOE_SHARED_IN_GROUPED", "0") != "1" or self._grouped_fp8(x) is None:
+            return None
+        gate_up, down = self.shared_expert.gate_up, self.shared_expert.down
+        if not (isinstance(gate_up, Fp8Weight) and isinstance(down, Fp8Weight)):
+            return None
+        if gate_up.shape != self.experts_gate_up.shape[1:] or down.shape != self.experts_down.shape[1:]:
+            return None
+        return SharedExpert(gate_up.weight, gate_up.scale_inv, down.weight, down.scale_inv)
 
     def _grouped_fp8(self, x: torch.Tensor):
         """The grouped FP8 kernel for these experts (the tokens gathered inside it), or None where
