@@ -1,7 +1,8 @@
 """MoE combine (`moe_combine`): each token's k weighted expert rows plus its gated shared expert.
 
 The reference is exactly the combine the MoE layer ran before the op existed (fp32 products,
-one `index_add_` over the expert-sorted rows), so CPU parity with transformers is untouched.
+one `index_add_` over the expert-sorted rows, the shared expert times the fp32 sigmoid of its gate
+logit), so CPU parity with transformers is untouched.
 The Triton kernel against it: in the interpreter on CPU at tiny shapes, on CUDA at the 35B-A3B
 shapes; outputs allocated NaN-filled so an element the kernel forgets to write fails.
 """
@@ -34,7 +35,7 @@ def _inputs(T: int, H: int, E: int, k: int, dtype: torch.dtype, seed: int, devic
     order, slot, weights = _routing(T, E, k, seed)
     y = torch.randn(T * k, H + 7, generator=gen).to(dtype)[:, 3:3 + H]  # strided rows, as a kernel's column slice
     shared = torch.randn(T, H, generator=gen).to(dtype)
-    gate = torch.rand(T, 1, generator=gen)  # a sigmoid's range
+    gate = torch.randn(T, 1, generator=gen).to(dtype) * 3  # the shared expert's gate logits, in the activation dtype
     return [t.to(device) for t in (y, slot, weights, shared, gate)], order.to(device)
 
 
@@ -42,7 +43,7 @@ def test_reference_is_the_layers_former_combine_bit_for_bit():
     (y, slot, weights, shared, gate), order = _inputs(37, 64, 16, 4, torch.float32, seed=1, device="cpu")
     k = slot.shape[1]
     former = torch.zeros(37, 64).index_add_(0, order // k, y.float() * weights.reshape(-1)[order, None])
-    assert torch.equal(ref.moe_combine(y, slot, weights, shared, gate), former + shared * gate)
+    assert torch.equal(ref.moe_combine(y, slot, weights, shared, gate), former + shared * torch.sigmoid(gate))
 
 
 def test_ops_register_the_triton_kernel():

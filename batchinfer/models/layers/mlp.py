@@ -111,16 +111,16 @@ class SparseMoE(nn.Module):
         """The routed experts' weighted sum alone [T, hidden] in x.dtype (no shared expert)."""
         rows, slot = self._run_experts(x, experts)
         no_shared = torch.zeros_like(x)
-        return ops.moe_combine(rows, slot, weights, no_shared, no_shared.new_zeros(x.shape[0], 1, dtype=torch.float32))
+        return ops.moe_combine(rows, slot, weights, no_shared, no_shared.new_zeros(x.shape[0], 1))  # zero rows: any gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
         shared = self._shared_in_grouped(x)
         rows, slot = self._run_experts(x, experts, shared)  # [T·k (+ T), hidden] sorted by expert, [T, k]
-        shared_gate = torch.sigmoid(F.linear(x, self.shared_expert_gate).float())  # [T, 1]
+        shared_gate_logits = F.linear(x, self.shared_expert_gate)  # [T, 1]: the combine takes their sigmoid
         routed_rows, shared_rows = rows[:slot.numel()], rows[slot.numel():]  # views
         shared_out = shared_rows if shared is not None else self.shared_expert(x)  # [T, hidden]
-        return ops.moe_combine(routed_rows, slot, weights, shared_out, shared_gate)  # [T, hidden]
+        return ops.moe_combine(routed_rows, slot, weights, shared_out, shared_gate_logits)  # [T, hidden]
 
     def _run_experts(self, x: torch.Tensor, experts: torch.Tensor,
                      shared: SharedExpert | None = None) -> tuple[torch.Tensor, torch.Tensor]:
