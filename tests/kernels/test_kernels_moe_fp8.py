@@ -292,3 +292,15 @@ def test_kernels_compile_for_sm90():
     the decode and prefill row tiles, in a child without the interpreter."""
     # e4m3 tensor-core products at the prefill tile; below 64 rows Triton's f16 mma on exactly converted e4m3.
     assert sm90_child_output(SM90_CHILD, timeout=600).split() == ["mma", "mma", "wgmma-e4m3", "wgmma-e4m3"]
+
+
+def test_shared_in_grouped_by_step_size_and_the_switch(monkeypatch):
+    from batchinfer.models.layers import mlp
+
+    monkeypatch.delenv("BATCHINFER_MOE_SHARED_IN_GROUPED", raising=False)
+    monkeypatch.setattr(mlp, "SHARED_IN_GROUPED_MAX_TOKENS", 512)
+    assert mlp.shared_in_grouped(256) and mlp.shared_in_grouped(512) and not mlp.shared_in_grouped(513)
+    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "1")
+    assert mlp.shared_in_grouped(32768)
+    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "0")
+    assert not mlp.shared_in_grouped(1)

@@ -71,6 +71,22 @@ def _grouped_mm_supported(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and cuda_capability(x.device) >= (9, 0)
 
 
+# Steps of at most this many tokens run an FP8 shared expert inside the grouped kernel: it saves
+# the shared expert's own launches, which weigh at decode, and costs tensor-core rate, which weighs
+# in prefill. 0 (never) until the H200 measures the crossover (benchmarks/bench_moe_fp8.py
+# --shared-in-grouped).
+SHARED_IN_GROUPED_MAX_TOKENS = 0
+
+
+def shared_in_grouped(tokens: int) -> bool:
+    """Whether a step of `tokens` runs the shared expert in the grouped kernel:
+    BATCHINFER_MOE_SHARED_IN_GROUPED=1 always, =0 never, unset by SHARED_IN_GROUPED_MAX_TOKENS."""
+    forced = os.environ.get("BATCHINFER_MOE_SHARED_IN_GROUPED", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return 0 < tokens <= SHARED_IN_GROUPED_MAX_TOKENS
+
+
 class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  fp8: frozenset[str] = frozenset()):
@@ -144,9 +160,9 @@ class SparseMoE(nn.Module):
 
     def _shared_in_grouped(self, x: torch.Tensor) -> SharedExpert | None:
         """The shared expert as one more expert of the grouped FP8 kernel (its rows after the
-        routed ones, no launches of its own), where BATCHINFER_MOE_SHARED_IN_GROUPED=1 asks for it,
-        the kernel runs, and the shared expert is FP8 in a routed expert's shapes; else None."""
-        if os.environ.get("BATCHINFER_MOE_SHARED_IN_GROUPED", "0") != "1" or self._grouped_fp8(x) is None:
+        routed ones, no launches of its own) where `shared_in_grouped(T)` says so, the kernel
+        runs, and the shared expert is FP8 in a routed expert's shapes; else None."""
+        if not shared_in_grouped(x.shape[0]) or self._grouped_fp8(x) is None:
             return None
         gate_up, down = self.shared_expert.gate_up, self.shared_expert.down
         if not (isinstance(gate_up, Fp8Weight) and isinstance(down, Fp8Weight)):
