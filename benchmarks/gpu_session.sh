@@ -153,10 +153,11 @@ for part in "$@"; do
                --launches 64:8:4,128:16:3/64:8:4,128:16:2/64:8:4,64:4:2/64:8:4,64:8:4/128:8:3,64:8:4/128:8:4,64:8:4/64:8:3:256,64:8:4/64:4:2,64:8:4/128:16:3,128:16:3/128:8:3
              step moe_shared_block 120 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b \
                --tokens 256,512,1024,8192,32768 --shared-in-grouped ;;
-    # The FP8 35B-A3B 8k / 1k job at the defaults against the shared expert in the grouped kernel, one process
+    # The FP8 35B-A3B 8k / 1k job at the defaults against the shared expert in the grouped kernel at every
+    # step and at decode-sized steps only (<= 1,024 tokens), one process
     moe_shared_job) step moe_shared_job 420 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
                --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/moe_shared_job.json" \
-               --gen "256$GEN,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1" ;;
+               --gen "256$GEN,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=all,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1024" ;;
     # Where the FP8 MoE's prefill (40 layers, 8k steps) and decode (8 layers, 256 rows, the attention
     # probe) steps go, kernel by kernel
     moe_profiles) step prefill_moe40 150 python3 -m benchmarks.prefill_profile --preset qwen3.5-35b-a3b-fp8 --layers 40 \

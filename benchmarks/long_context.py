@@ -44,7 +44,7 @@ def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
     (default: N, everything admitted at once; `@auto`: the engine's default for the model),
     EngineConfig integer / boolean / string fields set after
     the slashes (e.g. `/track_interval=256`, `/kv_cache_dtype=fp8_e4m3`), and environment variables
-    set for that job alone (`/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1`: A/B of a model-level switch
+    set for that job alone (`/env.BATCHINFER_MOE_SHARED_IN_GROUPED=all`: A/B of a model-level switch
     in one process)."""
     spec, *settings = text.split("/")
     spec, _, running = spec.partition("@")

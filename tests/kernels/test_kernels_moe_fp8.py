@@ -195,7 +195,7 @@ def test_tiny_fp8_moe_logits_grouped_fp8_vs_dequantized(monkeypatch):
 
 @interpreter_only
 def test_tiny_fp8_moe_logits_with_the_shared_expert_in_the_grouped_kernel(monkeypatch):
-    """BATCHINFER_MOE_SHARED_IN_GROUPED=1: the shared expert rides in the grouped kernel's launches
+    """BATCHINFER_MOE_SHARED_IN_GROUPED=all: the shared expert rides in the grouped kernel's launches
     (its dense FP8 GEMMs not called); the logits stay those of the separate shared expert within
     the rounding the fused path skips (its gate|up output is not rounded to the activation dtype)."""
     from batchinfer.models.layers import fp8_linear, mlp
@@ -207,7 +207,7 @@ def test_tiny_fp8_moe_logits_with_the_shared_expert_in_the_grouped_kernel(monkey
     dense_calls = []
     real_gemm = fp8_linear.fp8_gemm
     monkeypatch.setattr(fp8_linear, "fp8_gemm", lambda x, w, *a: dense_calls.append(w.data_ptr()) or real_gemm(x, w, *a))
-    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "1")
+    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "all")
     fused = _logits(model)
     shared_weights = {p.weight.data_ptr() for layer in model.layers
                       for p in (layer.mlp.shared_expert.gate_up, layer.mlp.shared_expert.down)}
@@ -258,14 +258,14 @@ def test_fp8_moe_layer_runs_the_grouped_kernel_in_a_cuda_graph():
 
 @requires_cuda
 def test_fp8_moe_block_with_the_shared_expert_in_the_grouped_kernel_in_a_cuda_graph(monkeypatch):
-    """The whole MoE block on CUDA with BATCHINFER_MOE_SHARED_IN_GROUPED=1, replayed as a graph,
+    """The whole MoE block on CUDA with BATCHINFER_MOE_SHARED_IN_GROUPED=all, replayed as a graph,
     against the block with its separate shared expert."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
     block = _tiny_fp8_moe().layers[0].mlp.cuda()
     x = torch.randn(64, block.router.shape[1], device="cuda")
     separate = block(x).float()
-    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "1")
+    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "all")
     assert block._shared_in_grouped(x) is not None
     out = torch.full_like(x, float("nan"))
     block(x)  # warm-up outside the capture (compiles)
@@ -300,7 +300,9 @@ def test_shared_in_grouped_by_step_size_and_the_switch(monkeypatch):
     monkeypatch.delenv("BATCHINFER_MOE_SHARED_IN_GROUPED", raising=False)
     monkeypatch.setattr(mlp, "SHARED_IN_GROUPED_MAX_TOKENS", 512)
     assert mlp.shared_in_grouped(256) and mlp.shared_in_grouped(512) and not mlp.shared_in_grouped(513)
-    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "1")
+    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "all")
     assert mlp.shared_in_grouped(32768)
+    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "1024")
+    assert mlp.shared_in_grouped(1024) and not mlp.shared_in_grouped(1025)
     monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "0")
     assert not mlp.shared_in_grouped(1)

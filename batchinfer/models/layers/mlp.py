@@ -79,12 +79,13 @@ SHARED_IN_GROUPED_MAX_TOKENS = 0
 
 
 def shared_in_grouped(tokens: int) -> bool:
-    """Whether a step of `tokens` runs the shared expert in the grouped kernel:
-    BATCHINFER_MOE_SHARED_IN_GROUPED=1 always, =0 never, unset by SHARED_IN_GROUPED_MAX_TOKENS."""
-    forced = os.environ.get("BATCHINFER_MOE_SHARED_IN_GROUPED", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    return 0 < tokens <= SHARED_IN_GROUPED_MAX_TOKENS
+    """Whether a step of `tokens` runs the shared expert in the grouped kernel: steps of at most
+    SHARED_IN_GROUPED_MAX_TOKENS, or of at most BATCHINFER_MOE_SHARED_IN_GROUPED tokens where it is
+    set (`all`: every step; 0: none)."""
+    limit = os.environ.get("BATCHINFER_MOE_SHARED_IN_GROUPED", "").strip().lower()
+    if limit == "all":
+        return True
+    return 0 < tokens <= (int(limit) if limit else SHARED_IN_GROUPED_MAX_TOKENS)
 
 
 class SparseMoE(nn.Module):
