@@ -306,3 +306,6 @@ def test_shared_in_grouped_by_step_size_and_the_switch(monkeypatch):
     assert mlp.shared_in_grouped(1024) and not mlp.shared_in_grouped(1025)
     monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "0")
     assert not mlp.shared_in_grouped(1)
+    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "yes")
+    with pytest.raises(ValueError, match="BATCHINFER_MOE_SHARED_IN_GROUPED='yes'"):
+        mlp.shared_in_grouped(1)

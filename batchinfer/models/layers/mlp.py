@@ -85,6 +85,8 @@ def shared_in_grouped(tokens: int) -> bool:
     limit = os.environ.get("BATCHINFER_MOE_SHARED_IN_GROUPED", "").strip().lower()
     if limit == "all":
         return True
+    if limit and not limit.isdigit():
+        raise ValueError(f"BATCHINFER_MOE_SHARED_IN_GROUPED={limit!r}: expected a token count or 'all'")
     return 0 < tokens <= (int(limit) if limit else SHARED_IN_GROUPED_MAX_TOKENS)
 
 
