@@ -219,8 +219,9 @@ def sweep_launches(block: SparseMoE, counts: list[int], device: str, launches: s
             cells = []
             for tokens in counts:
                 r = measure(block, tokens, device)
+                # each launch's rows against the dequantized path: a launch that computes wrong rows shows
                 cells.append(f"{r['fp8_ms']:.3f} ({r['fp8_ms'] / r['floor_ms']:.2f}x, "
-                             f"{expert_flops(block, tokens) / r['fp8_ms'] / 1e9:.0f} TFLOP/s)")
+                             f"{expert_flops(block, tokens) / r['fp8_ms'] / 1e9:.0f} TFLOP/s, err {r['rel_err']:.1e})")
             print(f"{text} | " + " | ".join(cells), flush=True)
     finally:
         grouped_gemm.default_launch = default

@@ -19,7 +19,8 @@ def test_a_swept_launch_reaches_the_layout_and_the_kernel(capsys):
     sweep_launches(block, [4], "cpu", "32:4:3")
     assert grouped_gemm.default_launch is default
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("32:4:3 | ") and "x, " in line and "TFLOP/s)" in line
+    assert line.startswith("32:4:3 | ") and "x, " in line and "TFLOP/s, err " in line
+    assert float(line.rsplit("err ", 1)[1].rstrip(")")) < 0.05  # the swept launch's rows are right
 
 
 def test_launch_text_names_each_kernel():
