@@ -167,7 +167,7 @@ def block_line(r: dict) -> str:
 def measure_block(block: SparseMoE, tokens: int, device: str) -> dict:
     """The MoE block's forward with its shared expert as separate dense FP8 GEMMs against the same
     expert as one more expert of the grouped kernel (BATCHINFER_MOE_SHARED_IN_GROUPED=all), side by side."""
-    from benchmarks.long_context import environment_set
+    from batchinfer.jobs.run.environ import environ_set
     from batchinfer.kernels import ops
     from batchinfer.models.layers import mlp
     H = block.experts_down.shape[1]
@@ -177,7 +177,7 @@ def measure_block(block: SparseMoE, tokens: int, device: str) -> dict:
     try:
         separate = block(x).float()
         separate_ms = graph_time_ms(lambda: block(x), device)
-        with environment_set({"BATCHINFER_MOE_SHARED_IN_GROUPED": "all"}):
+        with environ_set({"BATCHINFER_MOE_SHARED_IN_GROUPED": "all"}):
             assert block._shared_in_grouped(x) is not None, "the shared expert cannot ride in the grouped kernel"
             grouped = block(x).float()
             grouped_ms = graph_time_ms(lambda: block(x), device)

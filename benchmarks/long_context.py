@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 from benchmarks.attention_e2e import STEP_TOKENS, gemm_floor, label, parse_workload, prefill_rate
 from benchmarks.engine_arms import Workload, _free, build_model, run_arm
 from benchmarks.job_bound import job_bound
 from batchinfer.engine.config import EngineConfig
+from batchinfer.jobs.run.environ import environ_set
 from benchmarks.attention_arms.policy import PrefillPolicy
 from benchmarks.attention_arms.switch import prefill_policy
 
@@ -65,21 +64,6 @@ def parse_generation(text: str) -> tuple[int, int, int, int | None, dict]:
     return count, length, output, int(running) if running else None, overrides
 
 
-@contextmanager
-def environment_set(values: dict[str, str]):
-    """os.environ with `values` set, restored after."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def generation_row(model, policy: PrefillPolicy, count: int, length: int, output: int, device: str,
                    preset: str, track_interval: int, max_running: int | None = None,
                    overrides: dict | None = None, temperature: float = 0.0, layers: int | None = None) -> dict:
@@ -90,7 +74,7 @@ def generation_row(model, policy: PrefillPolicy, count: int, length: int, output
                            temperature=temperature)
     engine_overrides = {k: v for k, v in (overrides or {}).items() if not k.startswith("env.")}
     environment = {k.removeprefix("env."): v for k, v in (overrides or {}).items() if k.startswith("env.")}
-    with prefill_policy(policy), environment_set(environment):
+    with prefill_policy(policy), environ_set(environment):
         row = run_arm(model, "replay+extra_buffer", prompts, output, args,
                       {"track_interval": track_interval, **engine_overrides})
     settings = "".join(f" {k}={v if isinstance(v, str) else int(v)}" for k, v in (overrides or {}).items())

@@ -27,6 +27,7 @@ from batchinfer.jobs.run.executors.unit_queue import UnitSpec
 from batchinfer.jobs.run.executors.worker_loop import (WORKER_IGNORES, StopRequested, exit_after_failure,
                                                    serve, watch_parent)
 from batchinfer.jobs.outdir.interruption import stop_on_signals
+from batchinfer.jobs.run.environ import environ_set
 from batchinfer.jobs.run.quiet_streams import quiet_when_closed
 
 CLOSE_SECONDS = 30.0      # a worker asked to close gets this long to release its device
@@ -104,17 +105,8 @@ class _ProcessTransport:
         process = self.context.Process(target=_worker_main, name=f"batchinfer-worker-{slot}",
                                        args=(placement, self.recipe, child_conn, self.progress_interval,
                                              os.getpid()))
-        with _ENV_LOCK:  # a spawned child inherits os.environ as it is at start()
-            saved = {name: os.environ.get(name) for name in placement.env}
-            os.environ.update(placement.env)
-            try:
-                process.start()
-            finally:
-                for name, value in saved.items():
-                    if value is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = value
+        with _ENV_LOCK, environ_set(placement.env):  # a spawned child inherits os.environ as it is at start()
+            process.start()
         child_conn.close()  # so the parent sees EOF when the child is gone
         self.live[slot] = _Process(slot, process, parent_conn)
 
