@@ -7,6 +7,10 @@ group) and gathered by `token_of` inside the kernel (no [T·k, H] copy), weights
 scale per 128 × 128 block; each 128-deep K step is an fp8 tensor-core dot accumulated in fp32
 with its two scales: acc += dot(a, b) · a_scale[row] · b_scale.
 
+An expert every token takes (the MoE block's shared expert, `shared=`) rides in the same two
+launches: its T rows follow the M routed ones (row M + t is token t), its row tiles follow the
+table's and need no entries in it, and its programs read its own weights instead of an expert's.
+
 Programs are numbered column block fastest: the programs of one row tile run together, so its
 activation rows come from HBM once and from L2 for the other column blocks (the down GEMM has 16
 of them at H = 2,048); numbered row tile fastest, every column block re-read all M rows.

@@ -17,6 +17,8 @@ the fused gate|up projection: fp32 inside, one rounding (exactly torch's result 
 FP8 routed experts (both stacks `Fp8Weight`) run on CUDA as grouped FP8 GEMMs with their block
 scales (`ops.moe_fp8`: activations quantized per token group, SiLU·mul fused between the two
 GEMMs); on the CPU (and with BATCHINFER_KERNELS=ref) they are dequantized for the grouped GEMM.
+An FP8 shared expert of a routed expert's shapes can ride in that kernel's launches as one more
+expert every token takes (`shared_in_grouped`, by step size).
 """
 from __future__ import annotations
 
