@@ -17,11 +17,25 @@ def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: in
     from triton.compiler import ASTSource
 
     from batchinfer.kernels.moe_fp8 import grouped_gemm as K
+    from batchinfer.kernels.moe_fp8 import w8a16 as W
     if launch is None:
         launch = next(K.default_launch(rows, 256) for rows in (256 * 8, 1024 * 8, 8192 * 8)
                       if K.default_launch(rows, 256).gate_up.block_m == block_m)
     fp8, fp32, i32 = "*fp8e4nv", "*fp32", "*i32"
-    if kernel == "gate_up":
+    if launch.w8a16:  # the W8A16 pair: bf16 activations, no activation scales
+        kernel += "_w8a16"
+    if kernel == "gate_up_w8a16":
+        fn, kernel_launch = W.gate_up_w8a16_kernel, launch.gate_up
+        types = dict(x_ptr="*bf16", token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8, shared_ws_ptr=fp32,
+                     h_ptr="*bf16")
+        constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_K=GROUP, K_TILES=hidden // GROUP,
+                          N_BLOCKS=intermediate // GROUP, COLUMNS_FASTEST=True)
+    elif kernel == "down_w8a16":
+        fn, kernel_launch = W.down_w8a16_kernel, launch.down
+        types = dict(h_ptr="*bf16", w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8, shared_ws_ptr=fp32, y_ptr="*bf16")
+        constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP,
+                          K_TILES=intermediate // GROUP, N_BLOCKS=hidden // launch.block_n_down, COLUMNS_FASTEST=True)
+    elif kernel == "gate_up":
         fn, kernel_launch = K._gate_up_kernel, launch.gate_up
         types = dict(xq_ptr=fp8, xs_ptr=fp32, token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, hq_ptr=fp8, hs_ptr=fp32,
                      shared_w_ptr=fp8, shared_ws_ptr=fp32)
@@ -57,6 +71,8 @@ def print_sm90(launches: list | None = None) -> None:
         registers, spills = ptxas_resources(ptx)
         # Below 64 rows Triton runs the dots as f16 mma.sync on e4m3 values converted exactly.
         mma = len(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\S*", ptx))
-        shown = block_m if launch is None else getattr(launch, kernel)
+        # how many tensor-core groups a wait leaves in flight (0: each dot waited for at once)
+        pending = max((int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)), default=0)
+        shown = block_m if launch is None else f"{getattr(launch, kernel)}{' w8a16' if launch.w8a16 else ''}"
         print(f"{kernel:8} {shown}  registers {registers:4d}  spill {spills:5d} B  "
-              f"smem {compiled.metadata.shared:7d} B  mma {mma}")
+              f"smem {compiled.metadata.shared:7d} B  mma {mma}  in flight {pending}")

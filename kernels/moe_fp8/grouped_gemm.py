@@ -22,6 +22,7 @@ kernels/ref/moe_fp8.py.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,9 @@ import triton.language as tl
 
 from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP
 from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3, quantize_act
+from batchinfer.kernels.moe_fp8.programs import tile_and_column_block, tile_rows_and_weights
 from batchinfer.kernels.moe_fp8.tiles import ExpertTiles, expert_tiles, tile_capacity
+from batchinfer.kernels.moe_fp8.w8a16 import down_w8a16_kernel, gate_up_w8a16_kernel
 from batchinfer.kernels.ref.moe_fp8 import SharedExpert
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -49,12 +52,13 @@ class KernelLaunch:
 @dataclass(frozen=True)
 class MoeFp8Launch:
     """The gate|up and down kernels' launches (each its own row tile), the down GEMM's column tile
-    (a multiple or a divisor of 128) and the program order."""
+    (a multiple or a divisor of 128), the program order, and the activations' precision."""
 
     gate_up: KernelLaunch
     down: KernelLaunch
     block_n_down: int = 128
     columns_fastest: bool = True  # program order; False (row tile fastest) is kept to measure against
+    w8a16: bool = False  # activations unquantized, 16-bit dots on dequantized weight tiles (`w8a16.py`)
 
     @classmethod
     def same(cls, block_m: int, num_warps: int = 4, num_stages: int = 3, **kwargs) -> "MoeFp8Launch":
@@ -68,39 +72,23 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     is rarely mostly padding; wider batches want wide ones for weight reuse. Measured on the H200
     at 35B-A3B shapes (docs/BENCHMARKS.md, "FP8 experts"): 16 rows, 3 stages up to ~24 rows an
     expert (0.274 / 0.293 ms at 256 / 512 tokens); 64 rows, 8 warps at 32 and more, with 4 stages
-    (0.95-0.99x the time of 3 at 2,048 / 8,192 / 32,768 tokens)."""
+    (0.95-0.99x the time of 3 at 2,048 / 8,192 / 32,768 tokens). W8A16 (16-bit activations) only
+    where BATCHINFER_MOE_W8A16=1 asks, until the H200 measures it: 16 rows, 8 warps at decode
+    (the weights on the dot's 64-row side), 64 rows, 8 warps, 3 stages beyond (254 registers)."""
     per_expert = num_rows / max(num_experts, 1)
+    if w8a16_requested():
+        return MoeFp8Launch.same(block_m=16 if per_expert <= 24 else 64, num_warps=8, num_stages=3, w8a16=True)
     if per_expert <= 24:
         return MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3)
     return MoeFp8Launch.same(block_m=64, num_warps=8, num_stages=4)
 
 
-@triton.jit
-def _tile_and_column_block(total_tiles, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
-    """(row tile, column block) of this program in a 1-D grid of total_tiles · N_BLOCKS."""
-    pid = tl.program_id(0)
-    if COLUMNS_FASTEST:
-        return pid // N_BLOCKS, pid % N_BLOCKS
-    return pid % total_tiles, pid // total_tiles
-
-
-@triton.jit
-def _tile_rows_and_weights(tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                           w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M: tl.constexpr):
-    """A row tile's first row, its end, and its expert's weights and scales: a tile of the table,
-    or past the table a tile of the shared expert (rows num_rows + t for every token t)."""
-    if tile < num_tiles:
-        start = tl.load(tile_start_ptr + tile)
-        end = tl.load(tile_end_ptr + tile)
-        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        w_base = w_ptr + expert * stride_we
-        ws_base = ws_ptr + expert * stride_wse
-    else:
-        start = num_rows + (tile - num_tiles) * BLOCK_M
-        end = num_rows + num_tokens
-        w_base = shared_w_ptr
-        ws_base = shared_ws_ptr
-    return start, end, w_base, ws_base
+def w8a16_requested() -> bool:
+    """BATCHINFER_MOE_W8A16=1: the routed experts run the W8A16 kernels (`w8a16.py`); 0 or unset: W8A8."""
+    value = os.environ.get("BATCHINFER_MOE_W8A16", "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"BATCHINFER_MOE_W8A16={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 # Batch-size arguments are not specialised: one compiled variant serves every step.
@@ -111,8 +99,8 @@ def _gate_up_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shar
                     stride_hm, stride_hsm,
                     num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                     K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
-    tile, pid_n = _tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
-    start, end, w_base, ws_base = _tile_rows_and_weights(
+    tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
+    start, end, w_base, ws_base = tile_rows_and_weights(
         tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
         w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
     if end <= start:  # an unused tail tile of the table
@@ -161,8 +149,8 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_p
                  stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
                  num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
-    tile, pid_n = _tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
-    start, end, w_base, ws_base = _tile_rows_and_weights(
+    tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
+    start, end, w_base, ws_base = tile_rows_and_weights(
         tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
         w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
     if end <= start:
@@ -225,30 +213,44 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
         return y
     launch = launch or default_launch(M, E)
     assert GROUP % launch.block_n_down == 0 or launch.block_n_down % GROUP == 0
-    xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
     if tiles is None:
         tiles = expert_tiles(ends, M, launch.gate_up.block_m)
     assert tiles.capacity == tile_capacity(M, E, launch.gate_up.block_m), "tiles of another row-tile size"
     # The down kernel's own row tiles where its launch differs (a few small launches, no host sync).
     down_tiles = tiles if launch.down.block_m == launch.gate_up.block_m else expert_tiles(ends, M, launch.down.block_m)
     token_of = token_of.to(torch.int32)
-    hq = torch.empty((M + shared_rows, I), dtype=FP8_DTYPE, device=x.device)
-    hs = torch.empty((M + shared_rows, I // GROUP), dtype=torch.float32, device=x.device)
     shared_w13, shared_s13, shared_w2, shared_s2 = shared if shared is not None else (w13, s13, w2, s2)
     up_tiles = tiles.capacity + triton.cdiv(shared_rows, launch.gate_up.block_m)  # the shared expert's tiles last
     down_tiles_all = down_tiles.capacity + triton.cdiv(shared_rows, launch.down.block_m)
     up_blocks, down_blocks = I // GROUP, triton.cdiv(H, launch.block_n_down)
-    _gate_up_kernel[(up_tiles * up_blocks,)](
+    up_grid, down_grid = (up_tiles * up_blocks,), (down_tiles_all * down_blocks,)
+    up_sizes = dict(BLOCK_M=launch.gate_up.block_m, BLOCK_K=GROUP, K_TILES=triton.cdiv(H, GROUP), N_BLOCKS=up_blocks,
+                    COLUMNS_FASTEST=launch.columns_fastest, num_warps=launch.gate_up.num_warps,
+                    num_stages=launch.gate_up.num_stages)
+    down_sizes = dict(BLOCK_M=launch.down.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP, K_TILES=I // GROUP,
+                      N_BLOCKS=down_blocks, COLUMNS_FASTEST=launch.columns_fastest,
+                      num_warps=launch.down.num_warps, num_stages=launch.down.num_stages)
+    if launch.w8a16:
+        assert x.stride(1) == 1
+        h = torch.empty((M + shared_rows, I), dtype=x.dtype, device=x.device)  # silu(gate)·up, rounded once
+        gate_up_w8a16_kernel[up_grid](
+            x, token_of, w13, s13, shared_w13, shared_s13, h, tiles.expert, tiles.start, tiles.end, H, I,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
+            tiles.capacity, up_tiles, M, shared_rows, **up_sizes)
+        down_w8a16_kernel[down_grid](
+            h, w2, s2, shared_w2, shared_s2, y, down_tiles.expert, down_tiles.start, down_tiles.end, H, I,
+            h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+            down_tiles.capacity, down_tiles_all, M, shared_rows, **down_sizes)
+        return y
+    xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
+    hq = torch.empty((M + shared_rows, I), dtype=FP8_DTYPE, device=x.device)
+    hs = torch.empty((M + shared_rows, I // GROUP), dtype=torch.float32, device=x.device)
+    _gate_up_kernel[up_grid](
         xq, xs, token_of, w13, s13, shared_w13, shared_s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        hq.stride(0), hs.stride(0), tiles.capacity, up_tiles, M, shared_rows,
-        BLOCK_M=launch.gate_up.block_m, BLOCK_K=GROUP, K_TILES=triton.cdiv(H, GROUP), N_BLOCKS=up_blocks,
-        COLUMNS_FASTEST=launch.columns_fastest, num_warps=launch.gate_up.num_warps,
-        num_stages=launch.gate_up.num_stages)
-    _down_kernel[(down_tiles_all * down_blocks,)](
+        hq.stride(0), hs.stride(0), tiles.capacity, up_tiles, M, shared_rows, **up_sizes)
+    _down_kernel[down_grid](
         hq, hs, w2, s2, shared_w2, shared_s2, y, down_tiles.expert, down_tiles.start, down_tiles.end, H, I,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        down_tiles.capacity, down_tiles_all, M, shared_rows, BLOCK_M=launch.down.block_m,
-        BLOCK_N=launch.block_n_down, BLOCK_K=GROUP, K_TILES=I // GROUP, N_BLOCKS=down_blocks,
-        COLUMNS_FASTEST=launch.columns_fastest, num_warps=launch.down.num_warps, num_stages=launch.down.num_stages)
+        down_tiles.capacity, down_tiles_all, M, shared_rows, **down_sizes)
     return y

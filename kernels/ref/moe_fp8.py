@@ -4,7 +4,9 @@ Rows are routed (token, expert) assignments sorted by expert, the layout `Sparse
 the grouped GEMM: row r reads token `token_of[r]`, expert e owns rows [ends[e-1], ends[e]).
 Per expert: the token rows quantized per (token, 128-column group) as the dense FP8 GEMM does,
 times the dequantized gate|up block; `silu(gate) · up` in fp32; that quantized per 128-column
-group again; times the dequantized down block. Products in fp32, output rounded once.
+group again; times the dequantized down block. Products in fp32, output rounded once. W8A16
+(`launch.w8a16`, `kernels/moe_fp8/w8a16.py`): the rows as they are, the weights dequantized to
+their dtype, `silu(gate) · up` rounded to it.
 """
 from __future__ import annotations
 
@@ -32,11 +34,16 @@ class SharedExpert(NamedTuple):
     s2: torch.Tensor
 
 
-def _expert(a: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    """Quantized-dequantized rows a [rows, H] through one FP8 expert → [rows, H] in fp32."""
-    gate, up = (a @ block_dequantize(w13, s13).t()).chunk(2, dim=-1)
-    h = quantize_dequantize(F.silu(gate) * up)  # [rows, I]
-    return h @ block_dequantize(w2, s2).t()
+def _expert(a: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+            w8a16_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows a [rows, H] (fp32) through one FP8 expert → [rows, H] in fp32. W8A8: `a` already
+    quantized-dequantized, silu(gate)·up quantized the same way; W8A16 (`w8a16_dtype`, the
+    activations' dtype): the weights dequantized to it, silu(gate)·up rounded to it."""
+    weight_dtype = torch.float32 if w8a16_dtype is None else w8a16_dtype
+    gate, up = (a @ block_dequantize(w13, s13, weight_dtype).float().t()).chunk(2, dim=-1)
+    h = F.silu(gate) * up  # [rows, I]
+    h = quantize_dequantize(h) if w8a16_dtype is None else h.to(w8a16_dtype).float()
+    return h @ block_dequantize(w2, s2, weight_dtype).float().t()
 
 
 def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
@@ -44,20 +51,23 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
             out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H]; token_of [M]; ends [E] (cumulative rows per expert); w13 e4m3 [E, 2I, H] with
     s13 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I] with s2 [E, ceil(H/128), I/128] → [M, H] in x's dtype;
-    with `shared`, [M + T, H]: row M + t is token t through the shared expert. `launch` and `tiles`
-    (the Triton kernel's launch and row tiles) are accepted and unused: rows are taken per expert;
-    `out`, when given, receives the result."""
+    with `shared`, [M + T, H]: row M + t is token t through the shared expert. `launch.w8a16`
+    selects the W8A16 maths (activations unquantized, weights dequantized to x's dtype, silu·up
+    rounded to it); the rest of `launch` and `tiles` (the Triton kernel's row tiles) are unused:
+    rows are taken per expert; `out`, when given, receives the result."""
     M, H = token_of.shape[0], x.shape[1]
-    a_tokens = quantize_dequantize(x)  # [T, H]: per-row quantization commutes with the gather
+    w8a16_dtype = x.dtype if launch is not None and launch.w8a16 else None
+    # [T, H]: per-row quantization commutes with the gather; W8A16 takes the activations as they are
+    a_tokens = quantize_dequantize(x) if w8a16_dtype is None else x.float()
     y = torch.zeros(M, H, dtype=torch.float32, device=x.device)
     a = a_tokens[token_of.long()]  # [M, H]
     start = 0
     for expert, end in enumerate(ends.tolist()):
         if end > start:
-            y[start:end] = _expert(a[start:end], w13[expert], s13[expert], w2[expert], s2[expert])
+            y[start:end] = _expert(a[start:end], w13[expert], s13[expert], w2[expert], s2[expert], w8a16_dtype)
         start = end
     if shared is not None:
-        y = torch.cat([y, _expert(a_tokens, *shared)])
+        y = torch.cat([y, _expert(a_tokens, *shared, w8a16_dtype)])
     y = y.to(x.dtype)
     if out is not None:
         out.copy_(y)

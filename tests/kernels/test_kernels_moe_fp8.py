@@ -109,6 +109,46 @@ def test_shared_expert_rows_follow_the_routed_rows(counts, launch):
                                rtol=0, atol=0)  # the routed rows as without the shared expert
 
 
+W8A16_LAUNCHES = [MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=1, w8a16=True),
+                  MoeFp8Launch.same(block_m=32, num_warps=4, num_stages=1, columns_fastest=False, w8a16=True),
+                  MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256, w8a16=True)]
+
+
+@pytest.mark.parametrize("counts", COUNTS + [[0, 0, 0, 0]])
+@pytest.mark.parametrize("launch", W8A16_LAUNCHES, ids=["m16", "m32-rows-fastest", "m32-down-m16n256"])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_w8a16_kernels_match_the_reference(counts, launch, with_shared):
+    """Activations unquantized, weights dequantized in the kernel: the same maths as the reference
+    up to the order of fp32 sums; every routed and shared row written."""
+    x, token_of, ends, w13, s13, w2, s2 = _inputs(counts, seed=11 + sum(counts))
+    shared = _shared_expert(seed=4) if with_shared else None
+    rows = sum(counts) + (x.shape[0] if with_shared else 0)
+    out = torch.full((rows, H), float("nan"), device=DEVICE)
+    triton_moe_fp8(x, token_of, ends, w13, s13, w2, s2, launch=launch, out=out, shared=shared)
+    assert out.isfinite().all()
+    ref = reference_moe_fp8(x, token_of, ends, w13, s13, w2, s2, launch=launch, shared=shared)
+    assert ref.shape == out.shape == (rows, H)
+    if rows:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    # W8A16 is the dequantized experts on unquantized activations: nearer them than W8A8.
+    if sum(counts):
+        exact = _unquantized(x, token_of, ends, w13, s13, w2, s2)
+        w8a8 = reference_moe_fp8(x, token_of, ends, w13, s13, w2, s2)[:sum(counts)].cpu()
+        assert (ref[:sum(counts)].cpu() - exact).abs().max() < 0.1 * (w8a8 - exact).abs().max()
+
+
+@requires_cuda  # Triton's interpreter miscomputes bf16 dots (fp16 and fp32 ones are right)
+def test_w8a16_in_bf16_rounds_as_the_dequantized_bf16_weights():
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("no bf16 tensor cores")
+    x, token_of, ends, w13, s13, w2, s2 = _inputs([9, 3, 0, 14], seed=21, dtype=torch.bfloat16)
+    launch = W8A16_LAUNCHES[0]
+    out = triton_moe_fp8(x, token_of, ends, w13, s13, w2, s2, launch=launch)
+    ref = reference_moe_fp8(x, token_of, ends, w13, s13, w2, s2, launch=launch)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7 * ref.float().abs().max().item())
+
+
 def test_kernel_reads_only_routed_experts_and_writes_x_dtype():
     x, token_of, ends, w13, s13, w2, s2 = _inputs([12, 0, 20, 7], seed=5, dtype=torch.bfloat16)
     s13[1], s2[1] = float("nan"), float("nan")  # the zero-token expert: never read
@@ -217,6 +257,27 @@ def test_tiny_fp8_moe_logits_with_the_shared_expert_in_the_grouped_kernel(monkey
     assert torch.equal(fused.argmax(-1), separate.argmax(-1))
 
 
+@interpreter_only
+def test_tiny_fp8_moe_logits_w8a16_are_the_dequantized_models(monkeypatch):
+    """BATCHINFER_MOE_W8A16=1: the routed experts without activation quantization; in fp32 that is
+    the dequantized path's maths up to the order of sums (the shared expert and the other FP8
+    projections run the dense FP8 GEMM in both)."""
+    from batchinfer.models.layers import mlp
+
+    model = _tiny_fp8_moe()
+    dequantized = _logits(model)
+    kernel = ops.implementation("moe_fp8", True)
+    launches = []
+    monkeypatch.setattr(mlp, "_grouped_fp8_op", lambda x: lambda *a, **kw: launches.append(kw["launch"]) or kernel(*a, **kw))
+    monkeypatch.setenv("BATCHINFER_MOE_W8A16", "1")
+    w8a16 = _logits(model)
+    assert launches and all(launch.w8a16 for launch in launches)
+    torch.testing.assert_close(w8a16, dequantized, rtol=1e-5, atol=1e-5 * dequantized.abs().max().item())
+    monkeypatch.setenv("BATCHINFER_MOE_W8A16", "2")
+    with pytest.raises(ValueError, match="BATCHINFER_MOE_W8A16='2'"):
+        _logits(model)
+
+
 @requires_cuda
 def test_fp8_moe_layer_runs_the_grouped_kernel_in_a_cuda_graph():
     """On CUDA the FP8 MoE layer calls the kernel, needs no host sync (a decode step is a graph)
@@ -285,6 +346,30 @@ for kernel, block_m in (("gate_up", 16), ("down", 16), ("gate_up", 64), ("down",
     ptx = compile_sm90(kernel, block_m).asm["ptx"]
     print("wgmma-e4m3" if re.search(r"wgmma\\.mma_async\\S*e4m3", ptx) else "mma" if "mma.sync" in ptx else "none")
 """
+
+
+SM90_W8A16_CHILD = """
+import re
+from batchinfer.kernels.moe_fp8.grouped_gemm import MoeFp8Launch
+from benchmarks.moe_fp8_sm90 import compile_sm90
+for block_m in (16, 64):
+    launch = MoeFp8Launch.same(block_m=block_m, num_warps=8, num_stages=3, w8a16=True)
+    for kernel in ("gate_up", "down"):
+        ptx = compile_sm90(kernel, block_m, launch=launch).asm["ptx"]
+        waits = [int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned (\\d+)", ptx)]
+        print(kernel, block_m, "bf16" if re.search(r"wgmma\\.mma_async\\S*bf16", ptx) else "none", max(waits, default=0))
+"""
+
+
+def test_w8a16_kernels_keep_their_dots_in_flight_on_sm90():
+    """The point of the W8A16 pair: compiled for sm_90a, the weights dequantized in registers feed
+    16-bit wgmma dots that accumulate straight into the loop's accumulator, so the waits leave
+    groups in flight (the W8A8 kernels wait for every scaled dot: 0)."""
+    lines = sm90_child_output(SM90_W8A16_CHILD, timeout=600).splitlines()
+    assert len(lines) == 4
+    for line in lines:
+        kernel, block_m, dtype, in_flight = line.split()
+        assert dtype == "bf16" and int(in_flight) > 0, line
 
 
 def test_kernels_compile_for_sm90():

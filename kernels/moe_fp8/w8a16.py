@@ -1,0 +1,101 @@
+"""Grouped expert GEMMs with FP8 weights and 16-bit activations (W8A16): gate|up with SiLU·mul
+fused, then down, over the same row tiles and shared-expert rows as `grouped_gemm.py`.
+
+Why a second pair: the W8A8 kernels scale each 128-deep product before adding it
+(acc += dot(a, b) · a_scale · b_scale), and Triton waits for every such dot, so the tensor cores
+idle while it is scaled. Here the activations are not quantized, and each program dequantizes
+its weight tile in registers (e4m3 · its block scale, rounded to the activations' dtype) and
+feeds it as the dot's register operand: the products accumulate straight into the loop-carried
+accumulator, which Triton keeps in flight across K steps (wgmma waits leave 15 groups pending on
+sm_90a, `tests/kernels/test_kernels_moe_fp8.py`). The dots run at the 16-bit tensor-core rate, half
+the FP8 one; whether that beats the stalled FP8 pair is the H200's to say. The weights sit on the
+dot's M side (out^T = W · x^T), the tokens on its N side, which also suits decode's few rows per
+expert.
+
+The maths is the model dequantized to the activations' dtype (`block_dequantize` rounds the same
+way), with fp32 accumulation and silu(gate) · up rounded once to that dtype between the GEMMs.
+Reference: `kernels/ref/moe_fp8.py` (`moe_fp8(..., launch)` with `launch.w8a16`).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from batchinfer.kernels.moe_fp8.programs import tile_and_column_block, tile_rows_and_weights
+
+
+@triton.jit(do_not_specialize=["num_tiles", "total_tiles", "num_rows", "num_tokens"])
+def gate_up_w8a16_kernel(x_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, h_ptr,
+                         tile_expert_ptr, tile_start_ptr, tile_end_ptr, K, I,
+                         stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
+                         num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
+    tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
+    start, end, w_base, ws_base = tile_rows_and_weights(
+        tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+        w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
+    if end <= start:  # an unused tail tile of the table
+        return
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    routed = tile < num_tiles
+    tokens = tl.where(routed, tl.load(token_ptr + rows, mask=row_ok & routed, other=0), rows - num_rows).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    cols = pid_n * BLOCK_K + tl.arange(0, BLOCK_K)  # this program's 128 gate rows of w; up rows are I below
+    x_ptrs = x_ptr + tokens[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]: the gathered rows, transposed
+    g_ptrs = w_base + cols[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+    u_ptrs = g_ptrs + I * stride_wn
+    gs_ptr = ws_base + pid_n * stride_wsn
+    us_ptr = gs_ptr + (I // BLOCK_K) * stride_wsn
+
+    acc_g = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)  # gateᵀ [128 columns, BM rows]
+    acc_u = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
+    for kb in range(0, K_TILES):  # constexpr trip count: the interpreter cannot loop to a runtime int
+        k_ok = offs_k < K - kb * BLOCK_K
+        x = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        g = (tl.load(g_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32) * tl.load(gs_ptr + kb)).to(x.dtype)
+        u = (tl.load(u_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32) * tl.load(us_ptr + kb)).to(x.dtype)
+        acc_g = tl.dot(g, x, acc_g)
+        acc_u = tl.dot(u, x, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+
+    h = acc_g * tl.sigmoid(acc_g) * acc_u  # [128, BM]
+    rows64 = rows.to(tl.int64)
+    tl.store(h_ptr + rows64[None, :] * stride_hm + cols[:, None], h.to(h_ptr.dtype.element_ty), mask=row_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tiles", "total_tiles", "num_rows", "num_tokens"])
+def down_w8a16_kernel(h_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_ptr,
+                      tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K,
+                      stride_hm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
+                      num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr,
+                      COLUMNS_FASTEST: tl.constexpr):
+    tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
+    start, end, w_base, ws_base = tile_rows_and_weights(
+        tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+        w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
+    if end <= start:
+        return
+    rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < end
+    offs_k = tl.arange(0, BLOCK_K)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    h_ptrs = h_ptr + rows[None, :] * stride_hm + offs_k[:, None]  # [BK, BM]
+    w_ptrs = w_base + cols[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+    ws_rows = ws_base + (cols // BLOCK_K) * stride_wsn  # [BN]: a tile may span several weight blocks
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ
+    for kb in range(0, K_TILES):  # K = I, a whole number of 128-column groups
+        h = tl.load(h_ptrs, mask=row_ok[None, :], other=0.0)
+        scale = tl.load(ws_rows + kb, mask=col_ok, other=0.0)  # [BN]
+        w = (tl.load(w_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32) * scale[:, None]).to(h.dtype)
+        acc = tl.dot(w, h, acc)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[None, :] & col_ok[:, None])
