@@ -29,12 +29,13 @@ def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: in
         types = dict(x_ptr="*bf16", token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8, shared_ws_ptr=fp32,
                      h_ptr="*bf16")
         constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_K=GROUP, K_TILES=hidden // GROUP,
-                          N_BLOCKS=intermediate // GROUP, COLUMNS_FASTEST=True)
+                          N_BLOCKS=intermediate // GROUP, COLUMNS_FASTEST=True, PRECISION="tf32")
     elif kernel == "down_w8a16":
         fn, kernel_launch = W.down_w8a16_kernel, launch.down
         types = dict(h_ptr="*bf16", w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8, shared_ws_ptr=fp32, y_ptr="*bf16")
         constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP,
-                          K_TILES=intermediate // GROUP, N_BLOCKS=hidden // launch.block_n_down, COLUMNS_FASTEST=True)
+                          K_TILES=intermediate // GROUP, N_BLOCKS=hidden // launch.block_n_down, COLUMNS_FASTEST=True,
+                          PRECISION="tf32")
     elif kernel == "gate_up":
         fn, kernel_launch = K._gate_up_kernel, launch.gate_up
         types = dict(xq_ptr=fp8, xs_ptr=fp32, token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, hq_ptr=fp8, hs_ptr=fp32,

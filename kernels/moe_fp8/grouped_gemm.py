@@ -233,14 +233,15 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     if launch.w8a16:
         assert x.stride(1) == 1
         h = torch.empty((M + shared_rows, I), dtype=x.dtype, device=x.device)  # silu(gate)·up, rounded once
+        precision = dict(PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # tf32: unused by 16-bit dots
         gate_up_w8a16_kernel[up_grid](
             x, token_of, w13, s13, shared_w13, shared_s13, h, tiles.expert, tiles.start, tiles.end, H, I,
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
-            tiles.capacity, up_tiles, M, shared_rows, **up_sizes)
+            tiles.capacity, up_tiles, M, shared_rows, **up_sizes, **precision)
         down_w8a16_kernel[down_grid](
             h, w2, s2, shared_w2, shared_s2, y, down_tiles.expert, down_tiles.start, down_tiles.end, H, I,
             h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-            down_tiles.capacity, down_tiles_all, M, shared_rows, **down_sizes)
+            down_tiles.capacity, down_tiles_all, M, shared_rows, **down_sizes, **precision)
         return y
     xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
     hq = torch.empty((M + shared_rows, I), dtype=FP8_DTYPE, device=x.device)

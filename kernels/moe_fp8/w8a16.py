@@ -13,7 +13,8 @@ dot's M side (out^T = W · x^T), the tokens on its N side, which also suits deco
 expert.
 
 The maths is the model dequantized to the activations' dtype (`block_dequantize` rounds the same
-way), with fp32 accumulation and silu(gate) · up rounded once to that dtype between the GEMMs.
+way), with fp32 accumulation and silu(gate) · up rounded once to that dtype between the GEMMs;
+fp32 activations take true fp32 products (`PRECISION` "ieee", not tf32), as the tests pin down.
 Reference: `kernels/ref/moe_fp8.py` (`moe_fp8(..., launch)` with `launch.w8a16`).
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ def gate_up_w8a16_kernel(x_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_w
                          tile_expert_ptr, tile_start_ptr, tile_end_ptr, K, I,
                          stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
                          num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
+                         K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr,
+                         PRECISION: tl.constexpr):
     tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
     start, end, w_base, ws_base = tile_rows_and_weights(
         tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
@@ -55,8 +57,8 @@ def gate_up_w8a16_kernel(x_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_w
         x = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         g = (tl.load(g_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32) * tl.load(gs_ptr + kb)).to(x.dtype)
         u = (tl.load(u_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32) * tl.load(us_ptr + kb)).to(x.dtype)
-        acc_g = tl.dot(g, x, acc_g)
-        acc_u = tl.dot(u, x, acc_u)
+        acc_g = tl.dot(g, x, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(u, x, acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -72,7 +74,7 @@ def down_w8a16_kernel(h_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_ptr,
                       stride_hm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
                       num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr,
-                      COLUMNS_FASTEST: tl.constexpr):
+                      COLUMNS_FASTEST: tl.constexpr, PRECISION: tl.constexpr):
     tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
     start, end, w_base, ws_base = tile_rows_and_weights(
         tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
@@ -93,7 +95,7 @@ def down_w8a16_kernel(h_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_ptr,
         h = tl.load(h_ptrs, mask=row_ok[None, :], other=0.0)
         scale = tl.load(ws_rows + kb, mask=col_ok, other=0.0)  # [BN]
         w = (tl.load(w_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32) * scale[:, None]).to(h.dtype)
-        acc = tl.dot(w, h, acc)
+        acc = tl.dot(w, h, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
