@@ -149,7 +149,7 @@ for part in "$@"; do
     # 256-column down tile) and the W8A16 pair (+a16: dots kept in flight) at prefill-sized steps
     moe_tiles) step moe_fp8_tests 120 python3 -m pytest -q --tb=short tests/kernels/test_kernels_moe_fp8.py
              step moe_tiles 420 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 8192,32768 \
-               --launches 64:8:4,64:8:3+a16,64:8:4+a16,32:8:3+a16,128:16:3/64:8:4,128:16:2/64:8:4,64:4:2/64:8:4,64:8:4/128:8:3,64:8:4/128:16:3,64:8:4/64:4:2,64:8:4/64:8:3:256 ;;
+               --launches 64:8:4,64:8:3+a16,64:8:4+a16,128:16:3/64:8:3+a16,128:16:3+a16,32:8:3+a16,128:16:3/64:8:4,64:4:2/64:8:4,64:8:4/128:8:3,64:8:4/128:16:3,64:8:4/64:8:3:256 ;;
     # The same at decode sizes, then the whole MoE block with its shared expert separate against in the
     # grouped kernel (BATCHINFER_MOE_SHARED_IN_GROUPED), side by side
     moe_block) step moe_decode_a16 150 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 256,1024 \
