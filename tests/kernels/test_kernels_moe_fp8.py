@@ -257,6 +257,40 @@ def test_tiny_fp8_moe_logits_with_the_shared_expert_in_the_grouped_kernel(monkey
     assert torch.equal(fused.argmax(-1), separate.argmax(-1))
 
 
+@requires_cuda
+@pytest.mark.parametrize("tokens", [256, 4096])
+@pytest.mark.parametrize("launch", ["default", "w8a16", "128:16:3/128:8:3", "64:8:4/64:8:3:256"])
+def test_kernels_at_the_35b_a3b_expert_shapes_on_cuda(tokens, launch):
+    """The real shapes compile to other instructions than the interpreter's tiny ones (wgmma at
+    64-row tiles, mma.sync below): each launch against the fp32 reference on the GPU, with the
+    shared expert's rows, outputs NaN-poisoned."""
+    from benchmarks.bench_moe_fp8 import parse_launch
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    E, H_, I_, k = 256, 2048, 512, 8
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, H_, device="cuda", generator=g).bfloat16()
+    w13, s13 = block_quantize(torch.randn(E, 2 * I_, H_, device="cuda", generator=g) * H_ ** -0.5)
+    w2, s2 = block_quantize(torch.randn(E, H_, I_, device="cuda", generator=g) * I_ ** -0.5)
+    sw13, ss13 = block_quantize(torch.randn(2 * I_, H_, device="cuda", generator=g) * H_ ** -0.5)
+    sw2, ss2 = block_quantize(torch.randn(H_, I_, device="cuda", generator=g) * I_ ** -0.5)
+    shared = SharedExpert(sw13, ss13, sw2, ss2)
+    experts = torch.rand(tokens, E, device="cuda", generator=g).topk(k, dim=-1).indices
+    layout = ops.moe_align(experts, E)
+    chosen = {"default": default_launch(tokens * k, E),
+              "w8a16": MoeFp8Launch.same(block_m=16 if tokens <= 256 else 64, num_warps=8, num_stages=3, w8a16=True)}
+    launch = chosen.get(launch) or parse_launch(launch)
+    M = tokens * k
+    out = torch.full((M + tokens, H_), float("nan"), device="cuda", dtype=torch.bfloat16)
+    triton_moe_fp8(x, layout.token_of, layout.ends, w13, s13, w2, s2, launch=launch, out=out, shared=shared)
+    torch.cuda.synchronize()
+    ref = reference_moe_fp8(x, layout.token_of, layout.ends, w13, s13, w2, s2, launch=launch, shared=shared)
+    assert out.isfinite().all()
+    # one e4m3 / bf16 rounding of silu·up apart at most, and the output's bf16 rounding
+    assert (out.float() - ref.float()).norm() <= 2e-2 * ref.float().norm()
+
+
 @interpreter_only
 def test_tiny_fp8_moe_logits_w8a16_are_the_dequantized_models(monkeypatch):
     """BATCHINFER_MOE_W8A16=1: the routed experts without activation quantization; in fp32 that is
