@@ -128,9 +128,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, 4 and 16 tokens")
     parser.add_argument("--sm90", action="store_true", help="no GPU: compile for sm_90a and print resources")
     parser.add_argument("--launches", default="", help="also time fixed launches in place of default_launch: "
-                                                       "BLOCK_M:WARPS:STAGES[:rows][/BLOCK_M:WARPS:STAGES[:BLOCK_N]][+a16],... "
+                                                       "BLOCK_M:WARPS:STAGES[:rows][/BLOCK_M:WARPS:STAGES[:BLOCK_N]][+a16|+f16],... "
                                                        "(gate|up / down; e.g. 64:8:4,128:16:3/128:8:3:128,64:8:3+a16; "
-                                                       "':rows': programs row tile fastest; '+a16': the W8A16 kernels)")
+                                                       "':rows': programs row tile fastest; '+a16': the W8A16 kernels, '+f16' with fp16 dots)")
     parser.add_argument("--shared-in-grouped", action="store_true",
                         help="also time the whole MoE block with the shared expert separate and in the grouped kernel")
     args = parser.parse_args(argv)
@@ -194,12 +194,12 @@ def expert_flops(block: SparseMoE, tokens: int) -> float:
 
 
 def parse_launch(text: str):
-    """`GATE_UP[/DOWN[:BLOCK_N]][+a16]`, each `BLOCK_M:WARPS:STAGES`; a trailing `:rows` on the gate|up
-    part numbers the programs row tile fastest; `+a16`: the W8A16 kernels. One part: both kernels
-    on that launch."""
+    """`GATE_UP[/DOWN[:BLOCK_N]][+a16|+f16]`, each `BLOCK_M:WARPS:STAGES`; a trailing `:rows` on the
+    gate|up part numbers the programs row tile fastest; `+a16`: the W8A16 kernels, `+f16` with their
+    dots in fp16. One part: both kernels on that launch."""
     from batchinfer.kernels.moe_fp8.grouped_gemm import KernelLaunch, MoeFp8Launch
     text, plus, mode = text.partition("+")
-    assert not plus or mode == "a16", f"unknown launch suffix +{mode}"
+    assert not plus or mode in ("a16", "f16"), f"unknown launch suffix +{mode}"
     up_text, _, down_text = text.partition("/")
     up_fields = up_text.split(":")
     gate_up = KernelLaunch(*(int(v) for v in up_fields[:3]))
@@ -207,7 +207,7 @@ def parse_launch(text: str):
     down = KernelLaunch(*(int(v) for v in down_fields[:3]))
     block_n = int(down_fields[3]) if len(down_fields) > 3 else 128
     return MoeFp8Launch(gate_up, down, block_n_down=block_n, columns_fastest=up_fields[3:] != ["rows"],
-                        w8a16=mode == "a16")
+                        w8a16=mode in ("a16", "f16"), fp16_dots=mode == "f16")
 
 
 def sweep_launches(block: SparseMoE, counts: list[int], device: str, launches: str) -> None:

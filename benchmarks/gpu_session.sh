@@ -149,18 +149,18 @@ for part in "$@"; do
     # 256-column down tile) and the W8A16 pair (+a16: dots kept in flight) at prefill-sized steps
     moe_tiles) step moe_fp8_tests 120 python3 -m pytest -q --tb=short tests/kernels/test_kernels_moe_fp8.py
              step moe_tiles 420 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 8192,32768 \
-               --launches 64:8:4,64:8:3+a16,64:8:4+a16,128:16:3/64:8:3+a16,128:16:3+a16,32:8:3+a16,128:16:3/64:8:4,64:4:2/64:8:4,64:8:4/128:8:3,64:8:4/128:16:3,64:8:4/64:8:3:256 ;;
+               --launches 64:8:4,64:8:3+a16,64:8:3+f16,64:8:4+a16,128:16:3/64:8:3+a16,128:16:3+a16,128:16:3+f16,32:8:3+a16,128:16:3/64:8:4,64:4:2/64:8:4,64:8:4/128:8:3,64:8:4/128:16:3,64:8:4/64:8:3:256 ;;
     # The same at decode sizes, then the whole MoE block with its shared expert separate against in the
     # grouped kernel (BATCHINFER_MOE_SHARED_IN_GROUPED), side by side
     moe_block) step moe_decode_a16 150 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 256,1024 \
-               --launches 16:4:3,16:8:3+a16,32:8:3+a16
+               --launches 16:4:3,16:8:3+a16,16:8:3+f16,32:8:3+a16
              step moe_shared_block 150 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b \
                --tokens 256,512,1024,8192,32768 --shared-in-grouped ;;
     # The FP8 35B-A3B 8k / 1k job at the defaults against the shared expert in the grouped kernel at every
     # step and at decode-sized steps only (<= 1,024 tokens), and against the W8A16 experts, one process
     moe_jobs) step moe_jobs 480 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
                --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/moe_jobs.json" \
-               --gen "256$GEN,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=all,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1024,256$GEN/env.BATCHINFER_MOE_W8A16=1" ;;
+               --gen "256$GEN,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=all,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1024,256$GEN/env.BATCHINFER_MOE_W8A16=1,256$GEN/env.BATCHINFER_MOE_W8A16=fp16" ;;
     # Where the FP8 MoE's prefill (40 layers, 8k steps) and decode (8 layers, 256 rows, the attention
     # probe) steps go, kernel by kernel
     moe_profiles) step prefill_moe40 150 python3 -m benchmarks.prefill_profile --preset qwen3.5-35b-a3b-fp8 --layers 40 \

@@ -26,16 +26,19 @@ def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: in
         kernel += "_w8a16"
     if kernel == "gate_up_w8a16":
         fn, kernel_launch = W.gate_up_w8a16_kernel, launch.gate_up
-        types = dict(x_ptr="*bf16", token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8, shared_ws_ptr=fp32,
-                     h_ptr="*bf16")
+        act = "*fp16" if launch.fp16_dots else "*bf16"  # fp16 dots: the activations arrive in fp16
+        types = dict(x_ptr=act, token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8, shared_ws_ptr=fp32,
+                     h_ptr=act)
         constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_K=GROUP, K_TILES=hidden // GROUP,
-                          N_BLOCKS=intermediate // GROUP, COLUMNS_FASTEST=True, PRECISION="tf32")
+                          N_BLOCKS=intermediate // GROUP, COLUMNS_FASTEST=True, PRECISION="tf32",
+                          FP16_DOTS=launch.fp16_dots)
     elif kernel == "down_w8a16":
         fn, kernel_launch = W.down_w8a16_kernel, launch.down
-        types = dict(h_ptr="*bf16", w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8, shared_ws_ptr=fp32, y_ptr="*bf16")
+        types = dict(h_ptr="*fp16" if launch.fp16_dots else "*bf16", w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8,
+                     shared_ws_ptr=fp32, y_ptr="*bf16")
         constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP,
                           K_TILES=intermediate // GROUP, N_BLOCKS=hidden // launch.block_n_down, COLUMNS_FASTEST=True,
-                          PRECISION="tf32")
+                          PRECISION="tf32", FP16_DOTS=launch.fp16_dots)
     elif kernel == "gate_up":
         fn, kernel_launch = K._gate_up_kernel, launch.gate_up
         types = dict(xq_ptr=fp8, xs_ptr=fp32, token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, hq_ptr=fp8, hs_ptr=fp32,
@@ -74,6 +77,7 @@ def print_sm90(launches: list | None = None) -> None:
         mma = len(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\S*", ptx))
         # how many tensor-core groups a wait leaves in flight (0: each dot waited for at once)
         pending = max((int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)), default=0)
-        shown = block_m if launch is None else f"{getattr(launch, kernel)}{' w8a16' if launch.w8a16 else ''}"
+        mode = (" w8a16" + (" fp16 dots" if launch.fp16_dots else "")) if launch is not None and launch.w8a16 else ""
+        shown = block_m if launch is None else f"{getattr(launch, kernel)}{mode}"
         print(f"{kernel:8} {shown}  registers {registers:4d}  spill {spills:5d} B  "
               f"smem {compiled.metadata.shared:7d} B  mma {mma}  in flight {pending}")

@@ -33,7 +33,7 @@ from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3, quantize_act
 from batchinfer.kernels.moe_fp8.programs import tile_and_column_block, tile_rows_and_weights
 from batchinfer.kernels.moe_fp8.tiles import ExpertTiles, expert_tiles, tile_capacity
-from batchinfer.kernels.moe_fp8.w8a16 import down_w8a16_kernel, gate_up_w8a16_kernel
+from batchinfer.kernels.moe_fp8.w8a16 import down_w8a16_kernel, fp16_operand, gate_up_w8a16_kernel
 from batchinfer.kernels.ref.moe_fp8 import SharedExpert
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -59,6 +59,7 @@ class MoeFp8Launch:
     block_n_down: int = 128
     columns_fastest: bool = True  # program order; False (row tile fastest) is kept to measure against
     w8a16: bool = False  # activations unquantized, 16-bit dots on dequantized weight tiles (`w8a16.py`)
+    fp16_dots: bool = False  # with w8a16: the dots in fp16 (activations converted), the cheaper dequantization
 
     @classmethod
     def same(cls, block_m: int, num_warps: int = 4, num_stages: int = 3, **kwargs) -> "MoeFp8Launch":
@@ -77,18 +78,20 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     (the weights on the dot's 64-row side), 64 rows, 8 warps, 3 stages beyond (254 registers)."""
     per_expert = num_rows / max(num_experts, 1)
     if w8a16_requested():
-        return MoeFp8Launch.same(block_m=16 if per_expert <= 24 else 64, num_warps=8, num_stages=3, w8a16=True)
+        return MoeFp8Launch.same(block_m=16 if per_expert <= 24 else 64, num_warps=8, num_stages=3, w8a16=True,
+                                 fp16_dots=os.environ["BATCHINFER_MOE_W8A16"].strip() == "fp16")
     if per_expert <= 24:
         return MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3)
     return MoeFp8Launch.same(block_m=64, num_warps=8, num_stages=4)
 
 
 def w8a16_requested() -> bool:
-    """BATCHINFER_MOE_W8A16=1: the routed experts run the W8A16 kernels (`w8a16.py`); 0 or unset: W8A8."""
+    """BATCHINFER_MOE_W8A16=1: the routed experts run the W8A16 kernels (`w8a16.py`), =fp16 with
+    their dots in fp16; 0 or unset: W8A8."""
     value = os.environ.get("BATCHINFER_MOE_W8A16", "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"BATCHINFER_MOE_W8A16={value!r}: expected 0 or 1")
-    return value == "1"
+    if value not in ("0", "1", "fp16"):
+        raise ValueError(f"BATCHINFER_MOE_W8A16={value!r}: expected 0, 1 or fp16")
+    return value != "0"
 
 
 # Batch-size arguments are not specialised: one compiled variant serves every step.
@@ -232,8 +235,11 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
                       num_warps=launch.down.num_warps, num_stages=launch.down.num_stages)
     if launch.w8a16:
         assert x.stride(1) == 1
+        if launch.fp16_dots:  # operands loaded as the dots take them: converting in the loop stalls it
+            x = fp16_operand(x)
         h = torch.empty((M + shared_rows, I), dtype=x.dtype, device=x.device)  # silu(gate)·up, rounded once
-        precision = dict(PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # tf32: unused by 16-bit dots
+        precision = dict(PRECISION="ieee" if x.dtype == torch.float32 and not launch.fp16_dots else "tf32",
+                         FP16_DOTS=launch.fp16_dots)  # tf32: unused by 16-bit dots
         gate_up_w8a16_kernel[up_grid](
             x, token_of, w13, s13, shared_w13, shared_s13, h, tiles.expert, tiles.start, tiles.end, H, I,
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),

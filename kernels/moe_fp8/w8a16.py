@@ -15,14 +15,39 @@ expert.
 The maths is the model dequantized to the activations' dtype (`block_dequantize` rounds the same
 way), with fp32 accumulation and silu(gate) · up rounded once to that dtype between the GEMMs;
 fp32 activations take true fp32 products (`PRECISION` "ieee", not tf32), as the tests pin down.
+`FP16_DOTS`: the dots in fp16 instead — the activations arrive converted (clamped to fp16's range,
+`fp16_operand`), silu · up is stored in fp16, and weight tiles are scaled in fp16: on sm_90a the
+bf16 path spends ~4 instructions a weight (e4m3 → f16 → f32, the fp32 product, → bf16) beside its
+dots, which can outrun the tensor cores; fp16 takes 1. Operands converted inside the loop would
+have to pass through shared memory before their dot, which Triton then waits for.
 Reference: `kernels/ref/moe_fp8.py` (`moe_fp8(..., launch)` with `launch.w8a16`).
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from batchinfer.kernels.moe_fp8.programs import tile_and_column_block, tile_rows_and_weights
+
+_FP16_MAX = tl.constexpr(65504.0)
+
+
+def fp16_operand(x: torch.Tensor) -> torch.Tensor:
+    """Activations for fp16 dots: clamped to fp16's range (a bf16 value beyond it would be inf)."""
+    return x.clamp(-65504.0, 65504.0).to(torch.float16)
+
+
+@triton.jit
+def _weight_tile(q, scale, dtype: tl.constexpr, FP16_DOTS: tl.constexpr):
+    """An e4m3 weight tile times its block scale(s), in the dots' dtype: the product in fp32 and
+    rounded once (`block_dequantize`'s rounding), or e4m3 → fp16 (exact) times the scale rounded
+    to fp16, in fp16 — a third of the instructions a weight."""
+    if FP16_DOTS:  # one return: the compiler checks every return's type, taken or not
+        w = q.to(tl.float16) * scale.to(tl.float16)
+    else:
+        w = (q.to(tl.float32) * scale).to(dtype)
+    return w
 
 
 @triton.jit(do_not_specialize=["num_tiles", "total_tiles", "num_rows", "num_tokens"])
@@ -31,7 +56,7 @@ def gate_up_w8a16_kernel(x_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_w
                          stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
                          num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr):
     tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
     start, end, w_base, ws_base = tile_rows_and_weights(
         tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
@@ -54,9 +79,9 @@ def gate_up_w8a16_kernel(x_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_w
     acc_u = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
     for kb in range(0, K_TILES):  # constexpr trip count: the interpreter cannot loop to a runtime int
         k_ok = offs_k < K - kb * BLOCK_K
-        x = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-        g = (tl.load(g_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32) * tl.load(gs_ptr + kb)).to(x.dtype)
-        u = (tl.load(u_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32) * tl.load(us_ptr + kb)).to(x.dtype)
+        x = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # in the dots' dtype already
+        g = _weight_tile(tl.load(g_ptrs, mask=k_ok[None, :], other=0.0), tl.load(gs_ptr + kb), x.dtype, FP16_DOTS)
+        u = _weight_tile(tl.load(u_ptrs, mask=k_ok[None, :], other=0.0), tl.load(us_ptr + kb), x.dtype, FP16_DOTS)
         acc_g = tl.dot(g, x, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(u, x, acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K
@@ -64,6 +89,8 @@ def gate_up_w8a16_kernel(x_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_w
         u_ptrs += BLOCK_K
 
     h = acc_g * tl.sigmoid(acc_g) * acc_u  # [128, BM]
+    if FP16_DOTS:  # h is the down GEMM's fp16 operand: clamped to fp16's range, not infinite
+        h = tl.minimum(tl.maximum(h, -_FP16_MAX), _FP16_MAX)
     rows64 = rows.to(tl.int64)
     tl.store(h_ptr + rows64[None, :] * stride_hm + cols[:, None], h.to(h_ptr.dtype.element_ty), mask=row_ok[None, :])
 
@@ -74,7 +101,7 @@ def down_w8a16_kernel(h_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_ptr,
                       stride_hm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
                       num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr,
-                      COLUMNS_FASTEST: tl.constexpr, PRECISION: tl.constexpr):
+                      COLUMNS_FASTEST: tl.constexpr, PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr):
     tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
     start, end, w_base, ws_base = tile_rows_and_weights(
         tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
@@ -94,7 +121,7 @@ def down_w8a16_kernel(h_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_ptr,
     for kb in range(0, K_TILES):  # K = I, a whole number of 128-column groups
         h = tl.load(h_ptrs, mask=row_ok[None, :], other=0.0)
         scale = tl.load(ws_rows + kb, mask=col_ok, other=0.0)  # [BN]
-        w = (tl.load(w_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32) * scale[:, None]).to(h.dtype)
+        w = _weight_tile(tl.load(w_ptrs, mask=col_ok[:, None], other=0.0), scale[:, None], h.dtype, FP16_DOTS)
         acc = tl.dot(w, h, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

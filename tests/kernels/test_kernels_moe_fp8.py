@@ -111,11 +111,15 @@ def test_shared_expert_rows_follow_the_routed_rows(counts, launch):
 
 W8A16_LAUNCHES = [MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=1, w8a16=True),
                   MoeFp8Launch.same(block_m=32, num_warps=4, num_stages=1, columns_fastest=False, w8a16=True),
-                  MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256, w8a16=True)]
+                  MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256, w8a16=True),
+                  MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=1, w8a16=True, fp16_dots=True),
+                  MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256, w8a16=True,
+                               fp16_dots=True)]
 
 
 @pytest.mark.parametrize("counts", COUNTS + [[0, 0, 0, 0]])
-@pytest.mark.parametrize("launch", W8A16_LAUNCHES, ids=["m16", "m32-rows-fastest", "m32-down-m16n256"])
+@pytest.mark.parametrize("launch", W8A16_LAUNCHES, ids=["m16", "m32-rows-fastest", "m32-down-m16n256", "m16-fp16",
+                                                        "m32-down-m16n256-fp16"])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_w8a16_kernels_match_the_reference(counts, launch, with_shared):
     """Activations unquantized, weights dequantized in the kernel: the same maths as the reference
@@ -259,7 +263,7 @@ def test_tiny_fp8_moe_logits_with_the_shared_expert_in_the_grouped_kernel(monkey
 
 @requires_cuda
 @pytest.mark.parametrize("tokens", [256, 4096])
-@pytest.mark.parametrize("launch", ["default", "w8a16", "128:16:3/128:8:3", "64:8:4/64:8:3:256"])
+@pytest.mark.parametrize("launch", ["default", "w8a16", "64:8:3+f16", "128:16:3/128:8:3", "64:8:4/64:8:3:256"])
 def test_kernels_at_the_35b_a3b_expert_shapes_on_cuda(tokens, launch):
     """The real shapes compile to other instructions than the interpreter's tiny ones (wgmma at
     64-row tiles, mma.sync below): each launch against the fp32 reference on the GPU, with the
@@ -307,6 +311,15 @@ def test_tiny_fp8_moe_logits_w8a16_are_the_dequantized_models(monkeypatch):
     w8a16 = _logits(model)
     assert launches and all(launch.w8a16 for launch in launches)
     torch.testing.assert_close(w8a16, dequantized, rtol=1e-5, atol=1e-5 * dequantized.abs().max().item())
+    # The dots in fp16 (activations and weights rounded to it): nearer the dequantized model than W8A8.
+    monkeypatch.setenv("BATCHINFER_MOE_W8A16", "fp16")
+    launches.clear()
+    fp16 = _logits(model)
+    assert launches and all(launch.fp16_dots for launch in launches)
+    monkeypatch.setenv("BATCHINFER_MOE_W8A16", "0")
+    w8a8 = _logits(model)
+    fp16_error, w8a8_error = (fp16 - dequantized).abs().max(), (w8a8 - dequantized).abs().max()
+    assert 0 < fp16_error < w8a8_error / 2, (fp16_error, w8a8_error)
     monkeypatch.setenv("BATCHINFER_MOE_W8A16", "2")
     with pytest.raises(ValueError, match="BATCHINFER_MOE_W8A16='2'"):
         _logits(model)
@@ -386,12 +399,14 @@ SM90_W8A16_CHILD = """
 import re
 from batchinfer.kernels.moe_fp8.grouped_gemm import MoeFp8Launch
 from benchmarks.moe_fp8_sm90 import compile_sm90
-for block_m in (16, 64):
-    launch = MoeFp8Launch.same(block_m=block_m, num_warps=8, num_stages=3, w8a16=True)
-    for kernel in ("gate_up", "down"):
-        ptx = compile_sm90(kernel, block_m, launch=launch).asm["ptx"]
-        waits = [int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned (\\d+)", ptx)]
-        print(kernel, block_m, "bf16" if re.search(r"wgmma\\.mma_async\\S*bf16", ptx) else "none", max(waits, default=0))
+for fp16_dots in (False, True):
+    for block_m in (16, 64):
+        launch = MoeFp8Launch.same(block_m=block_m, num_warps=8, num_stages=3, w8a16=True, fp16_dots=fp16_dots)
+        for kernel in ("gate_up", "down"):
+            ptx = compile_sm90(kernel, block_m, launch=launch).asm["ptx"]
+            waits = [int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned (\\d+)", ptx)]
+            dots = re.search(r"wgmma\\.mma_async\\S*\\.(bf16|f16)\\.", ptx)
+            print(kernel, block_m, dots.group(1) if dots else "none", max(waits, default=0))
 """
 
 
@@ -400,10 +415,10 @@ def test_w8a16_kernels_keep_their_dots_in_flight_on_sm90():
     16-bit wgmma dots that accumulate straight into the loop's accumulator, so the waits leave
     groups in flight (the W8A8 kernels wait for every scaled dot: 0)."""
     lines = sm90_child_output(SM90_W8A16_CHILD, timeout=600).splitlines()
-    assert len(lines) == 4
+    assert [line.split()[2] for line in lines] == ["bf16"] * 4 + ["f16"] * 4
     for line in lines:
         kernel, block_m, dtype, in_flight = line.split()
-        assert dtype == "bf16" and int(in_flight) > 0, line
+        assert int(in_flight) > 0, line
 
 
 def test_kernels_compile_for_sm90():
