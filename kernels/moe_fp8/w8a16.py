@@ -18,8 +18,9 @@ fp32 activations take true fp32 products (`PRECISION` "ieee", not tf32), as the 
 `FP16_DOTS`: the dots in fp16 instead — the activations arrive converted (clamped to fp16's range,
 `fp16_operand`), silu · up is stored in fp16, and weight tiles are scaled in fp16: on sm_90a the
 bf16 path spends ~4 instructions a weight (e4m3 → f16 → f32, the fp32 product, → bf16) beside its
-dots, which can outrun the tensor cores; fp16 takes 1. Operands converted inside the loop would
-have to pass through shared memory before their dot, which Triton then waits for.
+dots, which may outrun the tensor cores; fp16 ~2 (591 against 717 PTX instructions a thread per
+K step at 64 rows). Operands converted inside the loop would have to pass through shared memory
+before their dot, which Triton then waits for.
 Reference: `kernels/ref/moe_fp8.py` (`moe_fp8(..., launch)` with `launch.w8a16`).
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ def fp16_operand(x: torch.Tensor) -> torch.Tensor:
 def _weight_tile(q, scale, dtype: tl.constexpr, FP16_DOTS: tl.constexpr):
     """An e4m3 weight tile times its block scale(s), in the dots' dtype: the product in fp32 and
     rounded once (`block_dequantize`'s rounding), or e4m3 → fp16 (exact) times the scale rounded
-    to fp16, in fp16 — a third of the instructions a weight."""
+    to fp16, in fp16 (fewer instructions a weight)."""
     if FP16_DOTS:  # one return: the compiler checks every return's type, taken or not
         w = q.to(tl.float16) * scale.to(tl.float16)
     else:
