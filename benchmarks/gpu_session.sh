@@ -157,10 +157,14 @@ for part in "$@"; do
              step moe_shared_block 150 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b \
                --tokens 256,512,1024,8192,32768 --shared-in-grouped ;;
     # The FP8 35B-A3B 8k / 1k job at the defaults against the shared expert in the grouped kernel at every
-    # step and at decode-sized steps only (<= 1,024 tokens), and against the W8A16 experts, one process
-    moe_jobs) step moe_jobs 480 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
+    # step and at decode-sized steps only (<= 1,024 tokens), one process
+    moe_jobs) step moe_jobs 420 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
                --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/moe_jobs.json" \
-               --gen "256$GEN,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=all,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1024,256$GEN/env.BATCHINFER_MOE_W8A16=1,256$GEN/env.BATCHINFER_MOE_W8A16=fp16" ;;
+               --gen "256$GEN,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=all,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1024" ;;
+    # The same job at the defaults against the W8A16 experts (bf16 dots, fp16 dots), one process
+    moe_jobs_a16) step moe_jobs_a16 420 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
+               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/moe_jobs_a16.json" \
+               --gen "256$GEN,256$GEN/env.BATCHINFER_MOE_W8A16=1,256$GEN/env.BATCHINFER_MOE_W8A16=fp16" ;;
     # Where the FP8 MoE's prefill (40 layers, 8k steps) and decode (8 layers, 256 rows, the attention
     # probe) steps go, kernel by kernel
     moe_profiles) step prefill_moe40 150 python3 -m benchmarks.prefill_profile --preset qwen3.5-35b-a3b-fp8 --layers 40 \
