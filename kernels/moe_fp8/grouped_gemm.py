@@ -31,7 +31,7 @@ import triton.language as tl
 
 from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP
 from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3, quantize_act
-from batchinfer.kernels.moe_fp8.programs import tile_and_column_block, tile_rows_and_weights
+from batchinfer.kernels.moe_fp8.programs import tile_and_column_block, tile_rows_and_weights, tile_tokens
 from batchinfer.kernels.moe_fp8.tiles import ExpertTiles, expert_tiles, tile_capacity
 from batchinfer.kernels.moe_fp8.w8a16 import down_w8a16_kernel, fp16_operand, gate_up_w8a16_kernel
 from batchinfer.kernels.ref.moe_fp8 import SharedExpert
@@ -108,11 +108,7 @@ def _gate_up_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shar
         w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
     if end <= start:  # an unused tail tile of the table
         return
-    rows = start + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    routed = tile < num_tiles
-    # A routed row gathers its token; the shared expert's row num_rows + t is token t.
-    tokens = tl.where(routed, tl.load(token_ptr + rows, mask=row_ok & routed, other=0), rows - num_rows).to(tl.int64)
+    rows, row_ok, tokens = tile_tokens(tile, num_tiles, start, end, num_rows, token_ptr, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     cols = pid_n * BLOCK_K + tl.arange(0, BLOCK_K)  # this program's gate rows of w; up rows are I below
     a_ptrs = xq_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]

@@ -1,4 +1,4 @@
-"""Which rows and weights a program of the grouped expert kernels owns (both the FP8-activation
+"""Which rows, tokens and weights a program of the grouped expert kernels owns (both the FP8-activation
 kernels in `grouped_gemm.py` and the bf16-activation ones in `w8a16.py`)."""
 from __future__ import annotations
 
@@ -32,3 +32,14 @@ def tile_rows_and_weights(tile, num_tiles, num_rows, num_tokens, tile_expert_ptr
         w_base = shared_w_ptr
         ws_base = shared_ws_ptr
     return start, end, w_base, ws_base
+
+
+@triton.jit
+def tile_tokens(tile, num_tiles, start, end, num_rows, token_ptr, BLOCK_M: tl.constexpr):
+    """A gate|up tile's rows, which of them exist, and each row's token [BM] int64: a routed row
+    gathers its token, the shared expert's row num_rows + t is token t."""
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    routed = tile < num_tiles
+    tokens = tl.where(routed, tl.load(token_ptr + rows, mask=row_ok & routed, other=0), rows - num_rows).to(tl.int64)
+    return rows, row_ok, tokens

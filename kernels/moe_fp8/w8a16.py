@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchinfer.kernels.moe_fp8.programs import tile_and_column_block, tile_rows_and_weights
+from batchinfer.kernels.moe_fp8.programs import tile_and_column_block, tile_rows_and_weights, tile_tokens
 
 _FP16_MAX = tl.constexpr(65504.0)
 
@@ -64,10 +64,7 @@ def gate_up_w8a16_kernel(x_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_w
         w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
     if end <= start:  # an unused tail tile of the table
         return
-    rows = start + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    routed = tile < num_tiles
-    tokens = tl.where(routed, tl.load(token_ptr + rows, mask=row_ok & routed, other=0), rows - num_rows).to(tl.int64)
+    rows, row_ok, tokens = tile_tokens(tile, num_tiles, start, end, num_rows, token_ptr, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     cols = pid_n * BLOCK_K + tl.arange(0, BLOCK_K)  # this program's 128 gate rows of w; up rows are I below
     x_ptrs = x_ptr + tokens[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]: the gathered rows, transposed
