@@ -22,35 +22,24 @@ def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: in
         launch = next(K.default_launch(rows, 256) for rows in (256 * 8, 1024 * 8, 8192 * 8)
                       if K.default_launch(rows, 256).gate_up.block_m == block_m)
     fp8, fp32, i32 = "*fp8e4nv", "*fp32", "*i32"
-    if launch.w8a16:  # the W8A16 pair: bf16 activations, no activation scales
-        kernel += "_w8a16"
-    if kernel == "gate_up_w8a16":
-        fn, kernel_launch = W.gate_up_w8a16_kernel, launch.gate_up
-        act = "*fp16" if launch.fp16_dots else "*bf16"  # fp16 dots: the activations arrive in fp16
-        types = dict(x_ptr=act, token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8, shared_ws_ptr=fp32,
-                     h_ptr=act)
-        constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_K=GROUP, K_TILES=hidden // GROUP,
-                          N_BLOCKS=intermediate // GROUP, COLUMNS_FASTEST=True, PRECISION="tf32",
-                          FP16_DOTS=launch.fp16_dots)
-    elif kernel == "down_w8a16":
-        fn, kernel_launch = W.down_w8a16_kernel, launch.down
-        types = dict(h_ptr="*fp16" if launch.fp16_dots else "*bf16", w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8,
-                     shared_ws_ptr=fp32, y_ptr="*bf16")
-        constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP,
-                          K_TILES=intermediate // GROUP, N_BLOCKS=hidden // launch.block_n_down, COLUMNS_FASTEST=True,
-                          PRECISION="tf32", FP16_DOTS=launch.fp16_dots)
-    elif kernel == "gate_up":
-        fn, kernel_launch = K._gate_up_kernel, launch.gate_up
-        types = dict(xq_ptr=fp8, xs_ptr=fp32, token_ptr=i32, w_ptr=fp8, ws_ptr=fp32, hq_ptr=fp8, hs_ptr=fp32,
-                     shared_w_ptr=fp8, shared_ws_ptr=fp32)
-        constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_K=GROUP, K_TILES=hidden // GROUP,
-                          N_BLOCKS=intermediate // GROUP, COLUMNS_FASTEST=True)
+    up = kernel == "gate_up"
+    kernel_launch = launch.gate_up if up else launch.down
+    constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_K=GROUP, COLUMNS_FASTEST=True)
+    if up:
+        constexprs.update(K_TILES=hidden // GROUP, N_BLOCKS=intermediate // GROUP)
     else:
-        fn, kernel_launch = K._down_kernel, launch.down
-        types = dict(hq_ptr=fp8, hs_ptr=fp32, w_ptr=fp8, ws_ptr=fp32, y_ptr="*bf16", shared_w_ptr=fp8,
-                     shared_ws_ptr=fp32)
-        constexprs = dict(BLOCK_M=kernel_launch.block_m, BLOCK_N=launch.block_n_down, BLOCK_K=GROUP,
-                          K_TILES=intermediate // GROUP, N_BLOCKS=hidden // launch.block_n_down, COLUMNS_FASTEST=True)
+        constexprs.update(BLOCK_N=launch.block_n_down, K_TILES=intermediate // GROUP,
+                          N_BLOCKS=hidden // launch.block_n_down)
+    if launch.w8a16:  # the W8A16 pair: 16-bit activations (fp16 with fp16 dots), no activation scales
+        act = "*fp16" if launch.fp16_dots else "*bf16"
+        fn = W.gate_up_w8a16_kernel if up else W.down_w8a16_kernel
+        types = dict(x_ptr=act, token_ptr=i32, h_ptr=act) if up else dict(h_ptr=act, y_ptr="*bf16")
+        constexprs.update(PRECISION="tf32", FP16_DOTS=launch.fp16_dots)
+    else:
+        fn = K._gate_up_kernel if up else K._down_kernel
+        types = dict(xq_ptr=fp8, xs_ptr=fp32, token_ptr=i32, hq_ptr=fp8, hs_ptr=fp32) if up else \
+            dict(hq_ptr=fp8, hs_ptr=fp32, y_ptr="*bf16")
+    types.update(w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8, shared_ws_ptr=fp32)
     types.update(tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32)
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}

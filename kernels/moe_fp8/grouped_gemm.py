@@ -61,6 +61,9 @@ class MoeFp8Launch:
     w8a16: bool = False  # activations unquantized, 16-bit dots on dequantized weight tiles (`w8a16.py`)
     fp16_dots: bool = False  # with w8a16: the dots in fp16 (activations converted), the cheaper dequantization
 
+    def __post_init__(self):
+        assert self.w8a16 or not self.fp16_dots, "fp16_dots is a W8A16 option"
+
     @classmethod
     def same(cls, block_m: int, num_warps: int = 4, num_stages: int = 3, **kwargs) -> "MoeFp8Launch":
         """Both kernels on one launch (one row-tile table)."""
