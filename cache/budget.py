@@ -58,7 +58,7 @@ def plan_pools(kv_shape: KVShape, state_shape: GdnStateShape, budget_bytes: int,
                max_state_fraction: float = 0.5, min_kv_tokens: int = 256) -> PoolPlan:
     """Split `budget_bytes` between the state pool and the KV pool.
 
-    States get `max_running` × `slots_per_request` working slots (1: `CacheConfig.slots_per_request`)
+    States get `max_running` × `slots_per_request` working slots (1: a running request holds one)
     plus a pool of `max(min_cache_states, ⌈max_running × cache_states_per_request⌉)` cached /
     transient states (prefix states in the tree and extra_buffer snapshots on their way there),
     but at most `max_state_fraction` of the budget: if that does not fit, `max_running` shrinks.
