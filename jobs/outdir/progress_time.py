@@ -19,7 +19,9 @@ ETA_AFTER_FRACTION = 0.05   # of the samples this run has to do
 
 def eta_seconds(done_this_run: float, to_do_this_run: float, elapsed: float) -> Optional[float]:
     """Seconds left at this run's rate (samples, or computed prompt tokens); None until enough has run
-    to estimate (module docstring)."""
+    to estimate (module docstring); 0 once everything is done, however soon."""
+    if 0 < to_do_this_run <= done_this_run:
+        return 0.0
     if done_this_run <= 0 or elapsed < ETA_AFTER_SECONDS or done_this_run < ETA_AFTER_FRACTION * to_do_this_run:
         return None
     return max(to_do_this_run - done_this_run, 0) * elapsed / done_this_run

@@ -58,6 +58,22 @@ def test_no_eta_before_a_sample_finishes():
         assert progress.eta_seconds is None
 
 
+def test_a_finished_run_reads_eta_0s_even_before_an_estimate_is_due():
+    """The demo's 48 samples end within 3 s: its last line read 'prefill eta ?  eta ?' at 48/48."""
+    clock = Clock()
+    console = _plain_console()
+    with ProgressReporter(console, "rag", total_samples=4, resumed_samples=0, clock=clock,
+                          prefill_total_tokens=60) as progress:
+        clock.now += 1.0
+        for _ in range(3):
+            progress.advance(_sample())
+        assert progress.eta_seconds is None and progress.prefill_eta_seconds is None  # 1 s: too soon
+        progress.advance(_sample())  # 4 of 4 samples, 60 of 60 computed prompt tokens
+        assert progress.eta_seconds == 0.0 and progress.prefill_eta_seconds == 0.0
+    last = console.file.getvalue().splitlines()[-1]
+    assert "eta ?" not in last and last.endswith("eta 0s"), last
+
+
 def test_terminal_bar_shows_no_eta_after_the_first_sample():
     clock = Clock()
     console = Console(file=io.StringIO(), force_terminal=True, width=150)
