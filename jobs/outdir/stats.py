@@ -79,6 +79,8 @@ def build_stats(job_name: str, counters: JobCounters, engine_stats: Any, setting
         if counters.startup_seconds is not None else None,
         "generation_seconds": counters.generation_seconds,
         "prompt_tokens_per_second": engine["prompt_tokens"] / rate_seconds,
+        # what the progress line's "prompt tok/s" shows: prompt tokens computed, not taken from the cache
+        "computed_prompt_tokens_per_second": (engine["prompt_tokens"] - engine["cached_tokens"]) / rate_seconds,
         "output_tokens_per_second": engine["output_tokens"] / rate_seconds,
         # What peak_memory_bytes measures: the engine's device (None: no engine was loaded).
         "peak_memory_device": settings.get("device") if engine_stats is not None else None,
@@ -126,6 +128,16 @@ def _cached_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
              f"{stats['cache_hit_rate']:.1%} / {plan['global_ideal_hit_rate']:.1%}"), planned]
 
 
+def _prompt_rate_row(stats: dict[str, Any]) -> tuple[str, str]:
+    """Prompt tok/s computed (the progress line's figure) beside all prompt tokens, cached ones included
+    (a _stats.json written before the computed rate was recorded shows the latter alone)."""
+    computed = stats.get("computed_prompt_tokens_per_second")
+    if computed is None:
+        return "prompt tok/s with cached (generation)", f"{stats['prompt_tokens_per_second']:,.1f}"
+    return ("prompt tok/s: computed / with cached (generation)",
+            f"{computed:,.1f} / {stats['prompt_tokens_per_second']:,.1f}")
+
+
 def render_summary(console: Console, stats: dict[str, Any]) -> None:
     table = Table(title=f"job {stats['job']}: {stats['status']}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
@@ -141,8 +153,8 @@ def render_summary(console: Console, stats: dict[str, Any]) -> None:
          f"{_count(stats['states_tracked'])} / {_count(stats['states_donated'])} / {_count(stats['states_evicted'])}"),
         ("ReplaySSM flushes", _count(stats["replayssm_flushes"])),
         ("output tokens", _count(stats["output_tokens"])),
-        ("prompt / output tok/s (generation)",
-         f"{stats['prompt_tokens_per_second']:,.1f} / {stats['output_tokens_per_second']:,.1f}"),
+        _prompt_rate_row(stats),
+        ("output tok/s (generation)", f"{stats['output_tokens_per_second']:,.1f}"),
         ("wall time", f"{stats['wall_seconds']:.1f} s"),
         ("startup: load / compile+capture / plan", " / ".join(
             f"{(stats.get('startup_seconds') or {}).get(name, 0.0):.1f}" for name in STARTUP_PHASES) + " s"),

@@ -87,6 +87,12 @@ def test_outputs_hold_every_row_and_sample_once_beside_its_input_columns(tmp_pat
                 "states_tracked", "states_donated", "replayssm_flushes", "output_tokens", "wall_seconds",
                 "prompt_tokens_per_second", "output_tokens_per_second", "peak_memory_bytes", "engine_settings"):
         assert key in on_disk, key
+    # the progress line's prompt rate counts the computed prompt tokens; the summary shows it beside all of them
+    generation = on_disk["generation_seconds"]
+    assert on_disk["computed_prompt_tokens_per_second"] == pytest.approx(
+        (engine.stats.prompt_tokens - engine.stats.cached_tokens) / generation)
+    assert on_disk["prompt_tokens_per_second"] == pytest.approx(engine.stats.prompt_tokens / generation)
+    assert on_disk["computed_prompt_tokens_per_second"] < on_disk["prompt_tokens_per_second"]  # rag: cache hits
 
 
 def test_bad_rows_are_recorded_as_errors_and_the_rest_completes(tmp_path, checkpoint):

@@ -122,6 +122,12 @@ def test_the_summary_shows_the_examples_it_was_given():
     render_summary(console, stats)
     text = console.file.getvalue()
     assert "q7: generated ' 1046', answer '1046': right" in text
+    # a _stats.json without the computed prompt rate (written before it was recorded) still renders
+    assert "prompt tok/s with cached (generation)" in text and "computed /" not in text
+    console = Console(file=StringIO(), width=200)
+    render_summary(console, {**stats, "computed_prompt_tokens_per_second": 0.5})
+    assert "prompt tok/s: computed / with cached (generation)" in console.file.getvalue()
+    assert "0.5 / 1.0" in console.file.getvalue()
     assert "generated '8', answer '9': wrong" in text
 
 
