@@ -214,16 +214,31 @@ def _traced(*key) -> Trace:
 
 @dataclass(frozen=True)
 class Calibration:
-    """A preset's decode forward (measured per part: `decode`, its prefill constants unset) and two
-    measured jobs of one tree that fix its prefill constants; `checks`: measured jobs the fit did not see."""
+    """A setting's decode forward (measured per part: `decode`, its prefill constants unset) and two
+    measured jobs of one tree that fix its prefill constants, or `prefill_of`: the calibration whose
+    prefill constants it shares (a setting that changes only the decode forward, such as the KV
+    dtype); `checks`: measured jobs no fit saw."""
     decode: StepTimes
-    fit: tuple[Job, Job]
+    fit: tuple[Job, ...] = ()
     checks: tuple[Job, ...] = ()
+    prefill_of: str = ""
     source: str = ""
+
+    def __post_init__(self) -> None:
+        if (len(self.fit) == 2) == bool(self.prefill_of):
+            raise ValueError("a calibration fits its prefill constants to two jobs or takes them from prefill_of")
+
+    @property
+    def rows(self) -> int:
+        """The rows the engine sized for the setting's measured default job."""
+        return (self.fit or self.checks)[0].max_running
 
     def times(self) -> StepTimes:
         """The prefill constants solved from the two fitted jobs: each job's time is its decode
         forwards' modelled time plus (prefill forwards × step_ms + prompt tokens × token_ms)."""
+        if self.prefill_of:
+            shared = CALIBRATIONS[self.prefill_of].times()
+            return replace(self.decode, prefill_step_ms=shared.prefill_step_ms, prefill_token_ms=shared.prefill_token_ms)
         rows = []
         for job in self.fit:
             trace = job.trace()
@@ -269,6 +284,14 @@ CALIBRATIONS = {
         fit=(Job(256, 384, 32768, 41292), Job(256, 384, 8192, 41292 / 1.1675)),
         checks=(Job(256, 376, 65536, 41613),),
         source="BENCHMARKS 'Throughput against SGLang's published rows'; log 2026-12-04 'MoE step size'"),
+    # FP8 KV (`kv_cache_dtype: fp8_e4m3`): the FP8-pool attention kernel at 0.740 ms a layer (256 × 8,704
+    # positions, 128-key tiles), full batch 25.3 ms at 256 rows, 656 rows sized; the prefill is the
+    # default's. Measured on tree 1443d3a at 1.092x that tree's default job (43,942 against 40,235):
+    # here 1.092 × the default calibration's 41,292.
+    "qwen3.5-35b-a3b-fp8/kv=fp8_e4m3": Calibration(
+        _decode(25.3, 256, experts_ms=_FP8_EXPERTS_MS, **dict(_MOE, kv_ms_per_layer_position=0.740 / (256 * 8704))),
+        checks=(Job(256, 656, 32768, 41292 * 43942 / 40235),), prefill_of="qwen3.5-35b-a3b-fp8",
+        source="BENCHMARKS 'Throughput against SGLang's published rows', 'FP8 KV cache'; log 2026-12-05 'FP8 KV with fp16 dots'"),
     # Tree 0e60228: 32,087 at 32,768 (264 rows, full batch 41.1 ms at 256), 27,582 at 8,192 (272),
     # 31,960 at 32,768 in another call (272), 28,556 at 65,536 (248 rows: eight prompts in a second wave).
     "qwen3.5-35b-a3b": Calibration(
@@ -324,7 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         if not args.no_check:
             lines += [_row(preset, job, times, "fitted") for job in calibration.fit]
             lines += [_row(preset, job, times, "check") for job in calibration.checks]
-        rows = args.rows or calibration.fit[0].max_running
+        rows = args.rows or calibration.rows
         for prompts in (int(n) for n in args.prompts.split(",")):
             for step_tokens in (int(n) for n in args.step_tokens.split(",")):
                 lines.append(_row(preset, Job(prompts, rows, step_tokens), times, "predicted"))

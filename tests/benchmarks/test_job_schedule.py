@@ -56,3 +56,17 @@ def test_the_fp8_moe_calibration_predicts_the_step_size_it_was_not_fitted_on():
         assert job.trace().tok_s(times) == pytest.approx(job.tok_s, rel=1e-9)
     (check,) = calibration.checks
     assert check.trace().tok_s(times) == pytest.approx(check.tok_s, rel=0.03)
+
+
+def test_a_decode_only_setting_shares_its_prefill_constants_and_must_say_where_from():
+    """FP8 KV changes the decode forward alone: its calibration takes the default's prefill constants."""
+    kv = CALIBRATIONS["qwen3.5-35b-a3b-fp8/kv=fp8_e4m3"]
+    default = CALIBRATIONS["qwen3.5-35b-a3b-fp8"].times()
+    times = kv.times()
+    assert (times.prefill_step_ms, times.prefill_token_ms) == (default.prefill_step_ms, default.prefill_token_ms)
+    assert times.decode_position_ms < default.decode_position_ms  # one byte a KV value, not two
+    assert kv.rows == 656
+    with pytest.raises(ValueError, match="two jobs or"):
+        Calibration(kv.decode)  # neither fitted nor shared
+    with pytest.raises(ValueError, match="two jobs or"):
+        Calibration(kv.decode, fit=CALIBRATIONS["qwen3.5-35b-a3b-fp8"].fit, prefill_of="qwen3.5-35b-a3b-fp8")
