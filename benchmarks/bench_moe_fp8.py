@@ -136,6 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.sm90:
         from benchmarks.moe_fp8_sm90 import print_sm90
+        from batchinfer.kernels.moe_fp8.grouped_gemm import parse_launch
         print_sm90([parse_launch(text) for text in args.launches.split(",")] if args.launches else None)
         return 0
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
@@ -165,8 +166,9 @@ def block_line(r: dict) -> str:
 
 @torch.inference_mode()
 def measure_block(block: SparseMoE, tokens: int, device: str) -> dict:
-    """The MoE block's forward with its shared expert as separate dense FP8 GEMMs against the same
-    expert as one more expert of the grouped kernel (BATCHINFER_MOE_SHARED_IN_GROUPED=all), side by side."""
+    """The MoE block's forward with its shared expert as separate dense FP8 GEMMs
+    (BATCHINFER_MOE_SHARED_IN_GROUPED=0) against the same expert as one more expert of the grouped
+    kernel (=all), side by side."""
     from batchinfer.jobs.run.environ import environ_set
     from batchinfer.kernels import ops
     from batchinfer.models.layers import mlp
@@ -175,8 +177,10 @@ def measure_block(block: SparseMoE, tokens: int, device: str) -> dict:
     kernel = ops.implementation("moe_fp8", True)
     original, mlp._grouped_fp8_op = mlp._grouped_fp8_op, (lambda _: kernel)  # the kernel on the CPU too
     try:
-        separate = block(x).float()
-        separate_ms = graph_time_ms(lambda: block(x), device)
+        with environ_set({"BATCHINFER_MOE_SHARED_IN_GROUPED": "0"}):  # whatever the default step limit
+            assert block._shared_in_grouped(x) is None
+            separate = block(x).float()
+            separate_ms = graph_time_ms(lambda: block(x), device)
         with environ_set({"BATCHINFER_MOE_SHARED_IN_GROUPED": "all"}):
             assert block._shared_in_grouped(x) is not None, "the shared expert cannot ride in the grouped kernel"
             grouped = block(x).float()
@@ -193,26 +197,10 @@ def expert_flops(block: SparseMoE, tokens: int) -> float:
     return 2.0 * tokens * block.top_k * 3 * hidden * intermediate
 
 
-def parse_launch(text: str):
-    """`GATE_UP[/DOWN[:BLOCK_N]][+a16|+f16]`, each `BLOCK_M:WARPS:STAGES`; a trailing `:rows` on the
-    gate|up part numbers the programs row tile fastest; `+a16`: the W8A16 kernels, `+f16` with their
-    dots in fp16. One part: both kernels on that launch."""
-    from batchinfer.kernels.moe_fp8.grouped_gemm import KernelLaunch, MoeFp8Launch
-    text, plus, mode = text.partition("+")
-    assert not plus or mode in ("a16", "f16"), f"unknown launch suffix +{mode}"
-    up_text, _, down_text = text.partition("/")
-    up_fields = up_text.split(":")
-    gate_up = KernelLaunch(*(int(v) for v in up_fields[:3]))
-    down_fields = down_text.split(":") if down_text else up_fields[:3]
-    down = KernelLaunch(*(int(v) for v in down_fields[:3]))
-    block_n = int(down_fields[3]) if len(down_fields) > 3 else 128
-    return MoeFp8Launch(gate_up, down, block_n_down=block_n, columns_fastest=up_fields[3:] != ["rows"],
-                        w8a16=mode in ("a16", "f16"), fp16_dots=mode == "f16")
-
-
 def sweep_launches(block: SparseMoE, counts: list[int], device: str, launches: str) -> None:
     """The FP8 path's time per fixed launch (default_launch replaced), per token count."""
     from batchinfer.kernels.moe_fp8 import grouped_gemm
+    from batchinfer.kernels.moe_fp8.grouped_gemm import parse_launch
     default = grouped_gemm.default_launch
     print("\nlaunch (gate|up block_m:warps:stages / down ...:block_n) | "
           + " | ".join(f"T={t} fp8 ms (x floor)" for t in counts))

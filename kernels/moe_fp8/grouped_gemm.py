@@ -71,21 +71,57 @@ class MoeFp8Launch:
         return cls(launch, launch, **kwargs)
 
 
+# Rows an expert above which a step is prefill-wide (the 128-row gate|up tile fills).
+WIDE_ROWS_PER_EXPERT = 256
+PREFILL_LAUNCH_ENV = "BATCHINFER_MOE_PREFILL_LAUNCH"
+
+
 def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     """By rows per expert: decode (a few to tens of rows each) wants small row tiles, so a tile
-    is rarely mostly padding; wider batches want wide ones for weight reuse. Measured on the H200
-    at 35B-A3B shapes (docs/BENCHMARKS.md, "FP8 experts"): 16 rows, 3 stages up to ~24 rows an
-    expert (0.274 / 0.293 ms at 256 / 512 tokens); 64 rows, 8 warps at 32 and more, with 4 stages
-    (0.95-0.99x the time of 3 at 2,048 / 8,192 / 32,768 tokens). W8A16 (16-bit activations) only
-    where BATCHINFER_MOE_W8A16=1 asks, until the H200 measures it: 16 rows, 8 warps at decode
-    (the weights on the dot's 64-row side), 64 rows, 8 warps, 3 stages beyond (254 registers)."""
+    is rarely mostly padding; wider batches want wide ones for weight reuse. Measured at 35B-A3B
+    shapes (docs/BENCHMARKS.md, "FP8 experts"): 16 rows, 3 stages up to ~24 rows an expert (H200:
+    0.274 / 0.293 ms at 256 / 512 tokens); 64 rows, 8 warps, 4 stages from 32 (H200: 0.95-0.99x
+    the time of 3 stages at 2,048 / 8,192 / 32,768 tokens); from WIDE_ROWS_PER_EXPERT (8,192
+    tokens) gate|up on 128-row tiles over 16 warps, down unchanged (H100: 0.96x / 0.91x at 8,192 /
+    32,768 tokens). BATCHINFER_MOE_PREFILL_LAUNCH (`parse_launch`'s text) replaces the launch of
+    every step wider than decode; W8A16 only where BATCHINFER_MOE_W8A16 asks (2x slower on the
+    H100 at every size)."""
     per_expert = num_rows / max(num_experts, 1)
     if w8a16_requested():
         return MoeFp8Launch.same(block_m=16 if per_expert <= 24 else 64, num_warps=8, num_stages=3, w8a16=True,
                                  fp16_dots=os.environ["BATCHINFER_MOE_W8A16"].strip() == "fp16")
     if per_expert <= 24:
         return MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3)
+    override = os.environ.get(PREFILL_LAUNCH_ENV, "").strip()
+    if override:
+        return parse_launch(override)
+    if per_expert >= WIDE_ROWS_PER_EXPERT:
+        return MoeFp8Launch(KernelLaunch(128, 16, 3), KernelLaunch(64, 8, 4))
     return MoeFp8Launch.same(block_m=64, num_warps=8, num_stages=4)
+
+
+def parse_launch(text: str) -> MoeFp8Launch:
+    """`GATE_UP[/DOWN[:BLOCK_N]][+a16|+f16]`, each `BLOCK_M:WARPS:STAGES`; a trailing `:rows` on the
+    gate|up part numbers the programs row tile fastest; `+a16`: the W8A16 kernels, `+f16` with their
+    dots in fp16. One part: both kernels on that launch. E.g. `64:8:4`, `128:16:3/64:8:4`."""
+    try:
+        body, plus, mode = text.strip().partition("+")
+        if plus and mode not in ("a16", "f16"):
+            raise ValueError(f"unknown suffix +{mode}")
+        up_text, _, down_text = body.partition("/")
+        up_fields = up_text.split(":")
+        if len(up_fields) not in (3, 4) or up_fields[3:] not in ([], ["rows"]):
+            raise ValueError("gate|up wants BLOCK_M:WARPS:STAGES[:rows]")
+        down_fields = down_text.split(":") if down_text else up_fields[:3]
+        if len(down_fields) not in (3, 4):
+            raise ValueError("down wants BLOCK_M:WARPS:STAGES[:BLOCK_N]")
+        gate_up = KernelLaunch(*(int(v) for v in up_fields[:3]))
+        down = KernelLaunch(*(int(v) for v in down_fields[:3]))
+        block_n = int(down_fields[3]) if len(down_fields) > 3 else 128
+    except ValueError as error:
+        raise ValueError(f"MoE FP8 launch {text!r}: {error}") from None
+    return MoeFp8Launch(gate_up, down, block_n_down=block_n, columns_fastest=up_fields[3:] != ["rows"],
+                        w8a16=mode in ("a16", "f16"), fp16_dots=mode == "f16")
 
 
 def w8a16_requested() -> bool:

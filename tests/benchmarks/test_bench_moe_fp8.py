@@ -24,7 +24,7 @@ def test_a_swept_launch_reaches_the_layout_and_the_kernel(capsys):
 
 
 def test_launch_text_names_each_kernel():
-    from benchmarks.bench_moe_fp8 import parse_launch
+    from batchinfer.kernels.moe_fp8.grouped_gemm import parse_launch
     from batchinfer.kernels.moe_fp8.grouped_gemm import KernelLaunch, MoeFp8Launch
 
     assert parse_launch("64:8:4") == MoeFp8Launch.same(64, 8, 4)

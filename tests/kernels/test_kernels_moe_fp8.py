@@ -169,11 +169,24 @@ def test_no_routed_rows_launches_nothing():
     assert out.shape == (0, H)
 
 
-def test_default_launch_tiles_decode_rows_small():
-    # Qwen3.5-35B-A3B decode: 256 / 1024 tokens x top-8 over 256 experts; a prefill chunk.
+def test_default_launch_tiles_decode_rows_small(monkeypatch):
+    # Qwen3.5-35B-A3B decode: 256 / 1024 tokens x top-8 over 256 experts; prefill chunks.
+    monkeypatch.delenv("BATCHINFER_MOE_PREFILL_LAUNCH", raising=False)
     assert default_launch(256 * 8, 256).gate_up.block_m == 16
     assert default_launch(1024 * 8, 256).gate_up.block_m == 64  # measured fastest at 32 rows an expert
-    assert default_launch(8192 * 8, 256).gate_up.block_m == 64
+    assert default_launch(2048 * 8, 256) == MoeFp8Launch.same(64, 8, 4)
+    wide = default_launch(8192 * 8, 256)  # 256 rows an expert: gate|up on 128-row tiles, down on 64
+    assert wide == MoeFp8Launch(KernelLaunch(128, 16, 3), KernelLaunch(64, 8, 4))
+    assert default_launch(32768 * 8, 256) == wide
+
+
+def test_the_prefill_launch_switch_leaves_decode_alone(monkeypatch):
+    monkeypatch.setenv("BATCHINFER_MOE_PREFILL_LAUNCH", "64:8:4")
+    assert default_launch(32768 * 8, 256) == MoeFp8Launch.same(64, 8, 4)
+    assert default_launch(256 * 8, 256) == MoeFp8Launch.same(16, 4, 3)  # decode keeps its tile
+    monkeypatch.setenv("BATCHINFER_MOE_PREFILL_LAUNCH", "64:8")
+    with pytest.raises(ValueError, match="'64:8'"):
+        default_launch(32768 * 8, 256)
 
 
 def test_ops_dispatches_moe_fp8():
@@ -268,7 +281,7 @@ def test_kernels_at_the_35b_a3b_expert_shapes_on_cuda(tokens, launch):
     """The real shapes compile to other instructions than the interpreter's tiny ones (wgmma at
     64-row tiles, mma.sync below): each launch against the fp32 reference on the GPU, with the
     shared expert's rows, outputs NaN-poisoned."""
-    from benchmarks.bench_moe_fp8 import parse_launch
+    from batchinfer.kernels.moe_fp8.grouped_gemm import parse_launch
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
@@ -302,6 +315,7 @@ def test_tiny_fp8_moe_logits_w8a16_are_the_dequantized_models(monkeypatch):
     projections run the dense FP8 GEMM in both)."""
     from batchinfer.models.layers import mlp
 
+    monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "0")  # the shared expert as dense FP8 GEMMs in both
     model = _tiny_fp8_moe()
     dequantized = _logits(model)
     kernel = ops.implementation("moe_fp8", True)
@@ -432,6 +446,8 @@ def test_shared_in_grouped_by_step_size_and_the_switch(monkeypatch):
     from batchinfer.models.layers import mlp
 
     monkeypatch.delenv("BATCHINFER_MOE_SHARED_IN_GROUPED", raising=False)
+    # the default: decode and prefill steps up to 8,192 tokens (0.96-0.985x the block's time on the H100)
+    assert mlp.shared_in_grouped(1) and mlp.shared_in_grouped(8192) and not mlp.shared_in_grouped(8193)
     monkeypatch.setattr(mlp, "SHARED_IN_GROUPED_MAX_TOKENS", 512)
     assert mlp.shared_in_grouped(256) and mlp.shared_in_grouped(512) and not mlp.shared_in_grouped(513)
     monkeypatch.setenv("BATCHINFER_MOE_SHARED_IN_GROUPED", "all")

@@ -75,9 +75,9 @@ def _grouped_mm_supported(x: torch.Tensor) -> bool:
 
 # Steps of at most this many tokens run an FP8 shared expert inside the grouped kernel: it saves
 # the shared expert's own launches, which weigh at decode, and costs tensor-core rate, which weighs
-# in prefill. 0 (never) until the H200 measures the crossover (benchmarks/bench_moe_fp8.py
-# --shared-in-grouped).
-SHARED_IN_GROUPED_MAX_TOKENS = 0
+# in prefill. The whole block on the H100 (benchmarks/bench_moe_fp8.py --shared-in-grouped):
+# 0.960 / 0.962 / 0.985x the time at 256 / 1,024 / 8,192 tokens; larger steps not measured.
+SHARED_IN_GROUPED_MAX_TOKENS = 8192
 
 
 def shared_in_grouped(tokens: int) -> bool:
