@@ -161,6 +161,11 @@ for part in "$@"; do
     moe_jobs) step moe_jobs 420 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
                --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/moe_jobs.json" \
                --gen "256$GEN,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=all,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1024" ;;
+    # The FP8 35B-A3B 8k / 1k job at the expert defaults against the ones before them (gate|up 64:8:4 in
+    # prefill, the shared expert separate), one process
+    moe_defaults_ab) step moe_defaults_ab 420 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
+               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/moe_defaults_ab.json" \
+               --gen "256$GEN/env.BATCHINFER_MOE_PREFILL_LAUNCH=64:8:4/env.BATCHINFER_MOE_SHARED_IN_GROUPED=0,256$GEN" ;;
     # The FP8 35B-A3B 8k / 1k job at SGLang's published concurrency (1,024 prompts; 256 prompts leave
     # a third of the ~384 rows the engine sizes empty); benchmarks/job_schedule predicts ~44,800 total tok/s
     peer35fp8) step peer35fp8 560 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
