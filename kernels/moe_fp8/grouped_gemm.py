@@ -31,7 +31,8 @@ import triton.language as tl
 
 from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP
 from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3, quantize_act
-from batchinfer.kernels.moe_fp8.programs import tile_and_column_block, tile_rows_and_weights, tile_tokens
+from batchinfer.kernels.moe_fp8.programs import (down_rows_and_columns, tile_and_column_block, tile_rows_and_weights,
+                                                  tile_tokens)
 from batchinfer.kernels.moe_fp8.tiles import ExpertTiles, expert_tiles, tile_capacity
 from batchinfer.kernels.moe_fp8.w8a16 import down_w8a16_kernel, fp16_operand, gate_up_w8a16_kernel
 from batchinfer.kernels.ref.moe_fp8 import SharedExpert
@@ -193,11 +194,8 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_p
         w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
     if end <= start:
         return
-    rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = rows < end
+    rows, row_ok, cols, col_ok = down_rows_and_columns(start, end, pid_n, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     a_ptrs = hq_ptr + rows[:, None] * stride_hm + offs_k[None, :]
     w_ptrs = w_base + cols[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     hs_ptrs = hs_ptr + rows * stride_hsm

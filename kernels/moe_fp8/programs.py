@@ -43,3 +43,11 @@ def tile_tokens(tile, num_tiles, start, end, num_rows, token_ptr, BLOCK_M: tl.co
     routed = tile < num_tiles
     tokens = tl.where(routed, tl.load(token_ptr + rows, mask=row_ok & routed, other=0), rows - num_rows).to(tl.int64)
     return rows, row_ok, tokens
+
+
+@triton.jit
+def down_rows_and_columns(start, end, pid_n, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A down tile's rows [BM] int64 and which exist, its output columns [BN] and which exist."""
+    rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < end, cols, cols < N

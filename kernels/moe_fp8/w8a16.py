@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from batchinfer.kernels.moe_fp8.programs import tile_and_column_block, tile_rows_and_weights, tile_tokens
+from batchinfer.kernels.moe_fp8.programs import (down_rows_and_columns, tile_and_column_block, tile_rows_and_weights,
+                                                  tile_tokens)
 
 _FP16_MAX = tl.constexpr(65504.0)
 
@@ -106,11 +107,8 @@ def down_w8a16_kernel(h_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_ptr,
         w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
     if end <= start:
         return
-    rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = rows < end
+    rows, row_ok, cols, col_ok = down_rows_and_columns(start, end, pid_n, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     h_ptrs = h_ptr + rows[None, :] * stride_hm + offs_k[:, None]  # [BK, BM]
     w_ptrs = w_base + cols[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     ws_rows = ws_base + (cols // BLOCK_K) * stride_wsn  # [BN]: a tile may span several weight blocks
