@@ -16,6 +16,11 @@ step() {  # step NAME SECONDS CMD...
   timeout "$secs" "$@" >"$out/$name.log" 2>&1; local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0))s" | tee -a "$out/summary.txt"
 }
+jobs8k() {  # jobs8k NAME SECONDS PRESET GENS: long_context's 8k / 1k jobs (no prefill table), one process
+  local name=$1 secs=$2 preset=$3; shift 3
+  step "$name" "$secs" python3 -m benchmarks.long_context --preset "$preset" --prefill '' --policies sdpa-cudnn:split \
+    --track-intervals 8192 --gemm-reps 1 --json "$out/$name.json" --gen "$@"
+}
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader | tee "$out/summary.txt"
 git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$out/summary.txt"
 for part in "$@"; do
@@ -74,15 +79,9 @@ for part in "$@"; do
     long_track) step long_track 240 python3 -m benchmarks.long_context --prefill 8x8192,1x32768 --track-intervals 256,8192 --json "$out/long_track.json" ;;
     # 8k in / 1k out at the engine's defaults against one setting changed (docs/BENCHMARKS.md, "Next on the GPU")
     fp8kv_tests) step fp8kv_tests 150 python3 -m pytest -q --tb=short tests/kernels/test_attention_fp8_kv.py tests/engine/test_engine_gpu.py ;;
-    steps27) step steps27 560 python3 -m benchmarks.long_context --preset qwen3.5-27b --prefill '' --policies sdpa-cudnn:split \
-               --track-intervals 8192 --gemm-reps 1 --json "$out/steps27.json" \
-               --gen "96$GEN,96$GEN/max_batch_tokens=32768,96$GEN/kv_cache_dtype=fp8_e4m3" ;;
-    steps35fp8) step steps35fp8 560 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
-               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/steps35fp8.json" \
-               --gen "256$GEN,256$GEN/max_batch_tokens=65536,256$GEN/kv_cache_dtype=fp8_e4m3" ;;
-    steps35) step steps35 560 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b --prefill '' \
-               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/steps35.json" \
-               --gen "256$GEN/max_batch_tokens=8192,256$GEN" ;;
+    steps27) jobs8k steps27 560 qwen3.5-27b "96$GEN,96$GEN/max_batch_tokens=32768,96$GEN/kv_cache_dtype=fp8_e4m3" ;;
+    steps35fp8) jobs8k steps35fp8 560 qwen3.5-35b-a3b-fp8 "256$GEN,256$GEN/max_batch_tokens=65536,256$GEN/kv_cache_dtype=fp8_e4m3" ;;
+    steps35) jobs8k steps35 560 qwen3.5-35b-a3b "256$GEN/max_batch_tokens=8192,256$GEN" ;;
     # The prefill forward on a second stream beside the decode forward (EngineConfig.concurrent_prefill):
     # first each step pair alone, in turn and at once, then whole jobs with more rows than run at once
     # (so prefill keeps coming while rows decode), 16 of the 27B's 64 layers; the first job pays the compiles
@@ -110,12 +109,8 @@ for part in "$@"; do
                step kv_27b_$kv 150 python3 -m benchmarks.decode_profile --preset qwen3.5-27b --layers 16 \
                  --batch 96 --prompt-len 8192 --output-tokens 12 --kv-cache-dtype $kv
              done ;;
-    fp8kv_jobs) step fp8kv_jobs35 300 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
-               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/fp8kv_jobs35.json" \
-               --gen "256$GEN,256$GEN/kv_cache_dtype=fp8_e4m3"
-             step fp8kv_jobs27 290 python3 -m benchmarks.long_context --preset qwen3.5-27b --prefill '' \
-               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/fp8kv_jobs27.json" \
-               --gen "96$GEN,96$GEN/kv_cache_dtype=fp8_e4m3" ;;
+    fp8kv_jobs) jobs8k fp8kv_jobs35 300 qwen3.5-35b-a3b-fp8 "256$GEN,256$GEN/kv_cache_dtype=fp8_e4m3"
+             jobs8k fp8kv_jobs27 290 qwen3.5-27b "96$GEN,96$GEN/kv_cache_dtype=fp8_e4m3" ;;
     # The decode attention on the engine's own last-step inputs beside variants (why it reads its KV
     # below the kernel benchmark's rate): FP8 35B-A3B at 8 layers with each KV dtype, 27B at 16 layers
     attn_probe) for kv in auto fp8_e4m3; do
@@ -138,9 +133,7 @@ for part in "$@"; do
                --launches 64:8:3,64:8:3:rows,64:8:4,128:8:3
              step moe_order_decode 50 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 256,1024 \
                --launches 16:4:3,16:4:3:rows
-             step jobs35fp8 230 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
-               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/jobs35fp8.json" \
-               --gen "256$GEN,256$GEN/kv_cache_dtype=fp8_e4m3"
+             jobs8k jobs35fp8 230 qwen3.5-35b-a3b-fp8 "256$GEN,256$GEN/kv_cache_dtype=fp8_e4m3"
              for kv in fp8_e4m3 auto; do
                step probe_moe_$kv 75 python3 -m benchmarks.decode_profile --preset qwen3.5-35b-a3b-fp8 --layers 8 \
                  --batch 256 --prompt-len 8192 --output-tokens 12 --kv-cache-dtype $kv --attention-probe
@@ -158,23 +151,15 @@ for part in "$@"; do
                --tokens 256,512,1024,8192,32768 --shared-in-grouped ;;
     # The FP8 35B-A3B 8k / 1k job at the defaults against the shared expert in the grouped kernel at every
     # step and at decode-sized steps only (<= 1,024 tokens), one process
-    moe_jobs) step moe_jobs 420 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
-               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/moe_jobs.json" \
-               --gen "256$GEN,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=all,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1024" ;;
+    moe_jobs) jobs8k moe_jobs 420 qwen3.5-35b-a3b-fp8 "256$GEN,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=all,256$GEN/env.BATCHINFER_MOE_SHARED_IN_GROUPED=1024" ;;
     # The FP8 35B-A3B 8k / 1k job at the expert defaults against the ones before them (gate|up 64:8:4 in
     # prefill, the shared expert separate), one process
-    moe_defaults_ab) step moe_defaults_ab 420 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
-               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/moe_defaults_ab.json" \
-               --gen "256$GEN/env.BATCHINFER_MOE_PREFILL_LAUNCH=64:8:4/env.BATCHINFER_MOE_SHARED_IN_GROUPED=0,256$GEN" ;;
+    moe_defaults_ab) jobs8k moe_defaults_ab 420 qwen3.5-35b-a3b-fp8 "256$GEN/env.BATCHINFER_MOE_PREFILL_LAUNCH=64:8:4/env.BATCHINFER_MOE_SHARED_IN_GROUPED=0,256$GEN" ;;
     # The FP8 35B-A3B 8k / 1k job at SGLang's published concurrency (1,024 prompts; 256 prompts leave
     # a third of the ~384 rows the engine sizes empty); benchmarks/job_schedule predicts ~44,800 total tok/s
-    peer35fp8) step peer35fp8 560 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
-               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/peer35fp8.json" \
-               --gen "1024$GEN" ;;
+    peer35fp8) jobs8k peer35fp8 560 qwen3.5-35b-a3b-fp8 "1024$GEN" ;;
     # The same job at the defaults against the W8A16 experts (bf16 dots, fp16 dots), one process
-    moe_jobs_a16) step moe_jobs_a16 420 python3 -m benchmarks.long_context --preset qwen3.5-35b-a3b-fp8 --prefill '' \
-               --policies sdpa-cudnn:split --track-intervals 8192 --gemm-reps 1 --json "$out/moe_jobs_a16.json" \
-               --gen "256$GEN,256$GEN/env.BATCHINFER_MOE_W8A16=1,256$GEN/env.BATCHINFER_MOE_W8A16=fp16" ;;
+    moe_jobs_a16) jobs8k moe_jobs_a16 420 qwen3.5-35b-a3b-fp8 "256$GEN,256$GEN/env.BATCHINFER_MOE_W8A16=1,256$GEN/env.BATCHINFER_MOE_W8A16=fp16" ;;
     # Where the FP8 MoE's prefill (40 layers, 8k steps) and decode (8 layers, 256 rows, the attention
     # probe) steps go, kernel by kernel
     moe_profiles) step prefill_moe40 150 python3 -m benchmarks.prefill_profile --preset qwen3.5-35b-a3b-fp8 --layers 40 \

@@ -46,7 +46,6 @@ _STUB_MODEL = dict(PRESETS["tiny"], vocab_size=248320, hidden_size=16, intermedi
 class Forwards:
     """One step's forwards as the engine issued them (prefill first, then decode)."""
     prefill_tokens: int = 0   # new prompt tokens of the prefill forward (0: none ran)
-    prefill_chunks: int = 0
     decode_rows: int = 0      # rows of the decode forward (0: none ran)
     decode_positions: int = 0  # KV positions those rows attend over, their new tokens included
 
@@ -101,8 +100,7 @@ class Trace:
         decode = [f for f in self.steps if f.decode_rows]
         return dict(steps=len(self.steps), prefill_forwards=sum(1 for f in self.steps if f.prefill_tokens),
                     decode_forwards=len(decode),
-                    mean_decode_rows=sum(f.decode_rows for f in decode) / max(len(decode), 1),
-                    full_rows_share=sum(1 for f in decode if f.decode_rows == self.max_running) / max(len(decode), 1))
+                    mean_decode_rows=sum(f.decode_rows for f in decode) / max(len(decode), 1))
 
 
 class _RecordingRunner:
@@ -119,7 +117,7 @@ class _RecordingRunner:
 
     def prefill(self, chunks) -> torch.Tensor:
         self._flush()
-        self._prefill = Forwards(prefill_tokens=sum(len(c.token_ids) for c in chunks), prefill_chunks=len(chunks))
+        self._prefill = Forwards(prefill_tokens=sum(len(c.token_ids) for c in chunks))
         return self._logits(sum(c.num_logits for c in chunks))
 
     def decode(self, rows) -> torch.Tensor:
@@ -277,34 +275,35 @@ _DENSE = dict(layers_attention=16, kv_ms_per_layer_position=0.799 / (96 * 8704),
 _FP8_EXPERTS_MS = 1.231 * 5
 
 CALIBRATIONS = {
-    # Tree 0e60228 (2026-12-05): 41,292 at 32,768 tokens a step (384 rows sized, full batch 28.8 ms at
-    # 256), 41,613 at 65,536 (376 rows). 8,192 tokens a step: 1 / 1.1675 of 32,768 on tree 92c0349.
+    # The throughput table's rows: 41,292 at 32,768 tokens a step (384 rows sized, full batch 28.8 ms
+    # at 256), 41,613 at 65,536 (376 rows). 8,192 tokens a step: 1 / 1.1675 of 32,768 (measured on an
+    # earlier tree: the log's "MoE step size" entry).
     "qwen3.5-35b-a3b-fp8": Calibration(
         _decode(28.8, 256, experts_ms=_FP8_EXPERTS_MS, **_MOE),
         fit=(Job(256, 384, 32768, 41292), Job(256, 384, 8192, 41292 / 1.1675)),
         checks=(Job(256, 376, 65536, 41613),),
-        source="BENCHMARKS 'Throughput against SGLang's published rows'; log 2026-12-04 'MoE step size'"),
+        source="BENCHMARKS 'Throughput against SGLang's published rows'; the log's 'MoE step size'"),
     # FP8 KV (`kv_cache_dtype: fp8_e4m3`): the FP8-pool attention kernel at 0.740 ms a layer (256 × 8,704
     # positions, 128-key tiles), full batch 25.3 ms at 256 rows, 656 rows sized; the prefill is the
-    # default's. Measured on tree 1443d3a at 1.092x that tree's default job (43,942 against 40,235):
-    # here 1.092 × the default calibration's 41,292.
+    # default's. Measured at 1.092x the default job beside it (43,942 against 40,235, another call than
+    # the default calibration's): here 1.092 × the default calibration's 41,292.
     "qwen3.5-35b-a3b-fp8/kv=fp8_e4m3": Calibration(
         _decode(25.3, 256, experts_ms=_FP8_EXPERTS_MS, **dict(_MOE, kv_ms_per_layer_position=0.740 / (256 * 8704))),
         checks=(Job(256, 656, 32768, 41292 * 43942 / 40235),), prefill_of="qwen3.5-35b-a3b-fp8",
-        source="BENCHMARKS 'Throughput against SGLang's published rows', 'FP8 KV cache'; log 2026-12-05 'FP8 KV with fp16 dots'"),
-    # Tree 0e60228: 32,087 at 32,768 (264 rows, full batch 41.1 ms at 256), 27,582 at 8,192 (272),
+        source="BENCHMARKS 'Throughput against SGLang's published rows', 'FP8 KV cache'"),
+    # The throughput table's rows: 32,087 at 32,768 (264 rows, full batch 41.1 ms at 256), 27,582 at 8,192 (272),
     # 31,960 at 32,768 in another call (272), 28,556 at 65,536 (248 rows: eight prompts in a second wave).
     "qwen3.5-35b-a3b": Calibration(
         _decode(41.1, 256, experts_ms=_FP8_EXPERTS_MS + 41.1 - 28.8 - 0.42, **_MOE),
         fit=(Job(256, 264, 32768, 32087), Job(256, 272, 8192, 27582)),
         checks=(Job(256, 272, 32768, 31960), Job(256, 248, 65536, 28556)),
         source="BENCHMARKS 'Throughput against SGLang's published rows'"),
-    # Tree 0e60228: 96 prompts, 8,924 at 32,768 (104 rows sized, full batch 32.6 ms at 96), 8,679 at 8,192.
+    # The throughput table's rows: 96 prompts, 8,924 at 32,768 (104 rows sized, full batch 32.6 ms at 96), 8,679 at 8,192.
     "qwen3.5-27b": Calibration(
         _decode(32.6, 96, **_DENSE),
         fit=(Job(96, 104, 32768, 8924), Job(96, 104, 8192, 8679)),
         source="BENCHMARKS 'Throughput against SGLang's published rows'"),
-    # Tree 0e60228: 96 prompts, 11,531 at 32,768 (136 rows, full batch 29.4 ms at 96), 11,219 at 8,192 (128).
+    # The throughput table's rows: 96 prompts, 11,531 at 32,768 (136 rows, full batch 29.4 ms at 96), 11,219 at 8,192 (128).
     "qwen3.5-27b-fp8": Calibration(
         _decode(29.4, 96, **_DENSE),
         fit=(Job(96, 136, 32768, 11531), Job(96, 128, 8192, 11219)),
