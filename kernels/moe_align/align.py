@@ -7,9 +7,10 @@ MoE layer; a decode step of a 40-layer MoE paid ~1,200 of them. Here, a counting
    expert's count (the order among one expert's rows is arbitrary: each row of a grouped GEMM is
    computed from its own token alone, and the combine sums each token's k rows in slot order,
    so the outputs do not depend on it);
-2. `_scan_kernel` (one program): the counts' running sum → ends, starts, and each expert's tiles;
-3. `_tiles_kernel`: each row tile's expert (the number of experts whose tiles end at or before
-   it), its first row and its expert's end;
+2. `_scan_kernel` (one program): the counts' running sum → ends, starts, and each expert's tiles
+   (of the down kernel's row tile too, where it differs);
+3. `_tiles_kernel` (once per table): each row tile's expert (the number of experts whose tiles
+   end at or before it), its first row and its expert's end;
 4. `_scatter_kernel`: row = start of its expert + its rank → token_of[row], slot[assignment].
 Every output starts as a valid layout (every row expert 0's, ids zero): the engine's precompile
 trace skips Triton launches, and the torch ops after them must still index with valid ids. Reference: kernels/ref/moe_align.py.
@@ -37,7 +38,8 @@ def _count_kernel(experts_ptr, counts_ptr, rank_ptr, M, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scan_kernel(counts_ptr, starts_ptr, ends_ptr, tile_ends_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+def _scan_kernel(counts_ptr, starts_ptr, ends_ptr, tile_ends_ptr, down_tile_ends_ptr, E, BLOCK_M: tl.constexpr,
+                 DOWN_BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
     ok = e < E
     counts = tl.load(counts_ptr + e, mask=ok, other=0)
@@ -47,6 +49,9 @@ def _scan_kernel(counts_ptr, starts_ptr, ends_ptr, tile_ends_ptr, E, BLOCK_M: tl
     if BLOCK_M > 0:
         tiles = (counts + BLOCK_M - 1) // BLOCK_M
         tl.store(tile_ends_ptr + e, tl.cumsum(tiles, axis=0), mask=ok)
+    if DOWN_BLOCK_M > 0:
+        down_tiles = (counts + DOWN_BLOCK_M - 1) // DOWN_BLOCK_M
+        tl.store(down_tile_ends_ptr + e, tl.cumsum(down_tiles, axis=0), mask=ok)
 
 
 @triton.jit
@@ -86,28 +91,40 @@ def _output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, fi
     return torch.full(shape, fill, dtype=dtype, device=device)
 
 
-def moe_align(experts: torch.Tensor, num_experts: int, block_m: int = 0) -> ExpertLayout:
+def moe_align(experts: torch.Tensor, num_experts: int, block_m: int = 0, down_block_m: int = 0) -> ExpertLayout:
     """experts [T, k] (ids in [0, E)) → `ExpertLayout` (see kernels/ref/moe_align.py); `block_m` > 0
-    adds the row tiles of the grouped FP8 GEMM. No host sync."""
+    adds the row tiles of the grouped FP8 GEMM, and a `down_block_m` other than it its down
+    kernel's (one launch more, not the reference's dozen torch ops). No host sync."""
     T, k = experts.shape
     M, E, device = T * k, num_experts, experts.device
     flat = experts.reshape(-1).contiguous()
+    down_block_m = down_block_m if block_m and down_block_m not in (0, block_m) else 0
     capacity = tile_capacity(M, E, block_m) if block_m else 0
+    down_capacity = tile_capacity(M, E, down_block_m) if down_block_m else 0
     counts = torch.zeros(E, dtype=torch.int32, device=device)  # the histogram starts at zero
-    rank, starts, tile_ends = torch.empty(M + 2 * E, dtype=torch.int32, device=device).split([M, E, E])
+    rank, starts, tile_ends, down_tile_ends = torch.empty(M + 3 * E, dtype=torch.int32, device=device).split(
+        [M, E, E, E])
     # The outputs in two fills (each a launch): the ids and tiles zeroed, the ends at M.
-    token_of, slot, tile_expert, tile_start, tile_end = _output((2 * M + 3 * capacity,), torch.int32, device).split(
-        [M, M, capacity, capacity, capacity])
+    token_of, slot, *tables = _output((2 * M + 3 * capacity + 3 * down_capacity,), torch.int32, device).split(
+        [M, M] + [capacity] * 3 + [down_capacity] * 3)
     ends = _output((E,), torch.int32, device, fill=M)  # skipped: every row expert 0's, as zero ids give
     block_e = triton.next_power_of_2(max(E, 1))
     if M > 0:
         _count_kernel[(triton.cdiv(M, BLOCK),)](flat, counts, rank, M, BLOCK=BLOCK)
-        _scan_kernel[(1,)](counts, starts, ends, tile_ends, E, BLOCK_M=block_m, BLOCK_E=block_e)
+        _scan_kernel[(1,)](counts, starts, ends, tile_ends, down_tile_ends, E, BLOCK_M=block_m,
+                           DOWN_BLOCK_M=down_block_m, BLOCK_E=block_e)
         _scatter_kernel[(triton.cdiv(M, BLOCK),)](flat, rank, starts, token_of, slot, M, K=k, BLOCK=BLOCK)
-    tiles = ExpertTiles(tile_expert, tile_start, tile_end, capacity) if block_m else None
+    tiles = _tiles(tile_ends, starts, ends, tables[:3], block_m, capacity) if block_m else None
+    down_tiles = _tiles(down_tile_ends, starts, ends, tables[3:], down_block_m, down_capacity) if down_block_m else None
+    return ExpertLayout(token_of, slot.view(T, k), ends, tiles, down_tiles)
+
+
+def _tiles(tile_ends: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, table: list[torch.Tensor],
+           block_m: int, capacity: int) -> ExpertTiles:
+    """The row tiles of `block_m` rows into `table` (expert, start, end: [capacity] each)."""
+    expert, start, end = table
     if capacity > 0:
         _tiles_kernel[(triton.cdiv(capacity, BLOCK_TILES),)](
-            tile_ends, starts, ends, tile_expert, tile_start, tile_end, E, capacity,
-            BLOCK_M=block_m, BLOCK_T=BLOCK_TILES, BLOCK_E=block_e)
-    slot = slot.view(T, k)
-    return ExpertLayout(token_of, slot, ends, tiles)
+            tile_ends, starts, ends, expert, start, end, ends.numel(), capacity,
+            BLOCK_M=block_m, BLOCK_T=BLOCK_TILES, BLOCK_E=triton.next_power_of_2(max(ends.numel(), 1)))
+    return ExpertTiles(expert, start, end, capacity)

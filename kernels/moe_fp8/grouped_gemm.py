@@ -221,12 +221,12 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_p
 def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
             w2: torch.Tensor, s2: torch.Tensor, launch: MoeFp8Launch | None = None,
             out: torch.Tensor | None = None, tiles: ExpertTiles | None = None,
-            shared: SharedExpert | None = None) -> torch.Tensor:
+            down_tiles: ExpertTiles | None = None, shared: SharedExpert | None = None) -> torch.Tensor:
     """x [T, H] (unit column stride); token_of [M] (sorted row → token); ends [E] (cumulative rows
     per expert, int); w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I],
     s2 fp32 [E, ceil(H/128), I/128] → [M, H] in x's dtype (into `out`, unit column stride, when
-    given), rows in sorted order; `tiles`: the row tiles of `launch.gate_up.block_m` rows when the
-    caller has them (`ops.moe_align`), else built here. With `shared` (an expert of the same
+    given), rows in sorted order; `tiles` / `down_tiles`: the row tiles of `launch.gate_up.block_m`
+    / `launch.down.block_m` rows when the caller has them (`ops.moe_align`), else built here. With `shared` (an expert of the same
     shapes that every token takes) → [M + T, H]: row M + t is token t's shared expert output,
     computed in the same two launches. No host sync."""
     T, H = x.shape
@@ -252,8 +252,11 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     if tiles is None:
         tiles = expert_tiles(ends, M, launch.gate_up.block_m)
     assert tiles.capacity == tile_capacity(M, E, launch.gate_up.block_m), "tiles of another row-tile size"
-    # The down kernel's own row tiles where its launch differs (a few small launches, no host sync).
-    down_tiles = tiles if launch.down.block_m == launch.gate_up.block_m else expert_tiles(ends, M, launch.down.block_m)
+    if launch.down.block_m == launch.gate_up.block_m:
+        down_tiles = tiles
+    elif down_tiles is None:  # the down kernel's own (a dozen small launches, no host sync)
+        down_tiles = expert_tiles(ends, M, launch.down.block_m)
+    assert down_tiles.capacity == tile_capacity(M, E, launch.down.block_m), "down tiles of another row-tile size"
     token_of = token_of.to(torch.int32)
     shared_w13, shared_s13, shared_w2, shared_s2 = shared if shared is not None else (w13, s13, w2, s2)
     up_tiles = tiles.capacity + triton.cdiv(shared_rows, launch.gate_up.block_m)  # the shared expert's tiles last

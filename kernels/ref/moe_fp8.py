@@ -74,13 +74,14 @@ def _expert(a: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
 
 def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
             w2: torch.Tensor, s2: torch.Tensor, launch=None, tiles=None, shared: SharedExpert | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, down_tiles=None) -> torch.Tensor:
     """x [T, H]; token_of [M]; ends [E] (cumulative rows per expert); w13 e4m3 [E, 2I, H] with
     s13 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I] with s2 [E, ceil(H/128), I/128] → [M, H] in x's dtype;
     with `shared`, [M + T, H]: row M + t is token t through the shared expert. `launch.w8a16`
     selects the W8A16 maths (activations unquantized, weights dequantized to x's dtype, silu·up
-    rounded to it; `launch.fp16_dots`: both in fp16 as the dots take them); the rest of `launch` and `tiles` (the Triton kernel's row tiles) are unused:
-    rows are taken per expert; `out`, when given, receives the result."""
+    rounded to it; `launch.fp16_dots`: both in fp16 as the dots take them); the rest of `launch`,
+    `tiles` and `down_tiles` (the Triton kernel's row tiles) are unused: rows are taken per expert;
+    `out`, when given, receives the result."""
     M, H = token_of.shape[0], x.shape[1]
     w8a16 = _W8A16(x.dtype, launch.fp16_dots) if launch is not None and launch.w8a16 else None
     # [T, H]: per-row quantization commutes with the gather; W8A16 takes the activations as they are

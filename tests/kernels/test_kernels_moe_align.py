@@ -46,11 +46,16 @@ def test_reference_is_the_layers_former_layout_bit_for_bit():
     assert torch.equal(layout.ends, torch.bincount(experts.reshape(-1), minlength=8).cumsum(0).to(torch.int32))
     tiles = expert_tiles(layout.ends, 57, 4)
     assert all(torch.equal(getattr(layout.tiles, f), getattr(tiles, f)) for f in ("expert", "start", "end"))
+    assert layout.down_tiles is None and ref.moe_align(experts, 8, block_m=4, down_block_m=4).down_tiles is None
+    down = ref.moe_align(experts, 8, block_m=4, down_block_m=8).down_tiles
+    want = expert_tiles(layout.ends, 57, 8)
+    assert down.capacity == want.capacity
+    assert all(torch.equal(getattr(down, f), getattr(want, f)) for f in ("expert", "start", "end"))
 
 
-def _check_against_reference(experts: torch.Tensor, E: int, block_m: int) -> None:
+def _check_against_reference(experts: torch.Tensor, E: int, block_m: int, down_block_m: int = 0) -> None:
     T, k = experts.shape
-    got, want = tri.moe_align(experts, E, block_m), ref.moe_align(experts.cpu(), E, block_m)
+    got, want = tri.moe_align(experts, E, block_m, down_block_m), ref.moe_align(experts.cpu(), E, block_m, down_block_m)
     assert got.token_of.dtype == got.slot.dtype == got.ends.dtype == torch.int32
     assert torch.equal(got.ends.cpu(), want.ends)
     token_of, slot, flat = got.token_of.cpu().long(), got.slot.cpu().reshape(-1).long(), experts.cpu().reshape(-1)
@@ -61,18 +66,24 @@ def _check_against_reference(experts: torch.Tensor, E: int, block_m: int) -> Non
     row_expert = torch.empty(T * k, dtype=torch.int64)
     row_expert[slot] = flat
     assert torch.equal(row_expert, torch.sort(flat).values)
-    if block_m:
+    for got_tiles, want_tiles in ((got.tiles, want.tiles), (got.down_tiles, want.down_tiles)):
+        if want_tiles is None:
+            assert got_tiles is None
+            continue
         for field in ("expert", "start", "end"):
-            assert torch.equal(getattr(got.tiles, field).cpu(), getattr(want.tiles, field)), field
-        assert got.tiles.capacity == want.tiles.capacity
-    else:
-        assert got.tiles is None
+            assert torch.equal(getattr(got_tiles, field).cpu(), getattr(want_tiles, field)), field
+        assert got_tiles.capacity == want_tiles.capacity
+    assert (got.tiles is None) == (block_m == 0)
+    assert (got.down_tiles is None) == (block_m == 0 or down_block_m in (0, block_m))
 
 
-@pytest.mark.parametrize("T, k, E, block_m, skew", [(1, 1, 4, 0, False), (5, 2, 8, 16, False), (37, 4, 16, 16, True),
-                                                    (300, 8, 64, 64, True), (1100, 2, 32, 32, False)])
-def test_kernel_sorts_by_expert_and_tiles_as_the_reference(poisoned, T, k, E, block_m, skew):
-    _check_against_reference(_experts(T, k, E, seed=T, skew=skew), E, block_m)
+@pytest.mark.parametrize("T, k, E, block_m, down_block_m, skew", [
+    (1, 1, 4, 0, 0, False), (5, 2, 8, 16, 0, False), (37, 4, 16, 16, 16, True), (300, 8, 64, 64, 0, True),
+    (1100, 2, 32, 32, 0, False),
+    # the down kernel's own tiles: narrower (the prefill default's 128 / 64) and wider than gate|up's
+    (300, 8, 64, 32, 16, True), (1100, 2, 32, 16, 64, False), (3, 2, 4, 0, 16, False)])
+def test_kernel_sorts_by_expert_and_tiles_as_the_reference(poisoned, T, k, E, block_m, down_block_m, skew):
+    _check_against_reference(_experts(T, k, E, seed=T, skew=skew), E, block_m, down_block_m)
 
 
 def test_skipped_launches_leave_a_valid_layout(monkeypatch):
@@ -83,9 +94,10 @@ def test_skipped_launches_leave_a_valid_layout(monkeypatch):
             return lambda *args, **kwargs: None
     for name in ("_count_kernel", "_scan_kernel", "_tiles_kernel", "_scatter_kernel"):
         monkeypatch.setattr(tri, name, Skipped())
-    layout = tri.moe_align(_experts(6, 2, 4, seed=0), 4, block_m=16)
+    layout = tri.moe_align(_experts(6, 2, 4, seed=0), 4, block_m=16, down_block_m=8)
     assert layout.ends.tolist() == [12] * 4 and layout.token_of.eq(0).all() and layout.slot.eq(0).all()
-    assert layout.tiles.start.eq(layout.tiles.end).all()  # every tile empty: the GEMM programs exit
+    for tiles in (layout.tiles, layout.down_tiles):
+        assert tiles.start.eq(tiles.end).all()  # every tile empty: the GEMM programs exit
 
 
 def test_no_tokens_gives_empty_layouts():
@@ -102,8 +114,9 @@ def test_ops_dispatches_moe_align():
 @requires_cuda
 @pytest.mark.parametrize("T", [1, 256, 32768])
 def test_kernel_at_the_35b_shapes_on_cuda(T):
-    """256 experts, top-8: a decode batch and a 32,768-token prefill step."""
-    _check_against_reference(_experts(T, 8, 256, seed=T, skew=True), 256, 16 if T <= 512 else 64)
+    """256 experts, top-8: a decode batch and a 32,768-token prefill step (gate|up on 128-row
+    tiles, down on 64, as the prefill launch)."""
+    _check_against_reference(_experts(T, 8, 256, seed=T, skew=True), 256, *((16, 0) if T <= 512 else (128, 64)))
 
 
 SM90_CHILD = """
@@ -113,10 +126,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from batchinfer.kernels.moe_align import align as K
 
-KERNELS = {  # kernel: (pointer types, constexprs) at the 35B-A3B's 256 experts, top-8, 16-row tiles
+KERNELS = {  # kernel: (pointer types, constexprs) at the 35B-A3B's 256 experts, top-8, 16-row tiles (the scan: 128 / 64)
     "_count_kernel": (dict(experts_ptr="*i64", counts_ptr="*i32", rank_ptr="*i32"), dict(BLOCK=K.BLOCK)),
-    "_scan_kernel": (dict(counts_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32", tile_ends_ptr="*i32"),
-                     dict(BLOCK_M=16, BLOCK_E=256)),
+    "_scan_kernel": (dict(counts_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32", tile_ends_ptr="*i32",
+                          down_tile_ends_ptr="*i32"), dict(BLOCK_M=128, DOWN_BLOCK_M=64, BLOCK_E=256)),
     "_tiles_kernel": ({n: "*i32" for n in ("tile_ends_ptr", "starts_ptr", "ends_ptr", "tile_expert_ptr",
                                            "tile_start_ptr", "tile_end_ptr")},
                       dict(BLOCK_M=16, BLOCK_T=K.BLOCK_TILES, BLOCK_E=256)),

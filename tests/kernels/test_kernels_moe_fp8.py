@@ -8,6 +8,7 @@ import torch
 
 from batchinfer.kernels import ops
 from batchinfer.kernels.fp8_gemm.reference import block_dequantize, block_quantize
+from batchinfer.kernels.moe_fp8 import grouped_gemm
 from batchinfer.kernels.moe_fp8.grouped_gemm import KernelLaunch, MoeFp8Launch, default_launch
 from batchinfer.kernels.moe_fp8.grouped_gemm import moe_fp8 as triton_moe_fp8
 from batchinfer.kernels.moe_fp8.tiles import expert_tiles
@@ -169,6 +170,20 @@ def test_no_routed_rows_launches_nothing():
     assert out.shape == (0, H)
 
 
+def test_the_down_kernel_runs_on_the_tiles_it_is_given(monkeypatch):
+    """The layout's down tiles (`ops.moe_align`'s second table) replace the ones built inside:
+    the same rows bit for bit, no table built; tiles of another size are refused."""
+    launch = LAUNCHES[3]  # gate|up on 32-row tiles, down on 16
+    args = _inputs(COUNTS[0], seed=5)
+    built_inside = triton_moe_fp8(*args, launch=launch)
+    M, ends = sum(COUNTS[0]), args[2]
+    up, down = expert_tiles(ends, M, 32), expert_tiles(ends, M, 16)
+    monkeypatch.setattr(grouped_gemm, "expert_tiles", lambda *a: pytest.fail("a tile table built inside"))
+    assert torch.equal(triton_moe_fp8(*args, launch=launch, tiles=up, down_tiles=down), built_inside)
+    with pytest.raises(AssertionError, match="down tiles of another row-tile size"):
+        triton_moe_fp8(*args, launch=launch, tiles=up, down_tiles=up)
+
+
 def test_default_launch_tiles_decode_rows_small(monkeypatch):
     # Qwen3.5-35B-A3B decode: 256 / 1024 tokens x top-8 over 256 experts; prefill chunks.
     monkeypatch.delenv("BATCHINFER_MOE_PREFILL_LAUNCH", raising=False)
@@ -248,6 +263,25 @@ def test_tiny_fp8_moe_logits_grouped_fp8_vs_dequantized(monkeypatch):
     assert (grouped - dequantized).abs().max() / dequantized.abs().max() < 0.05
     torch.testing.assert_close(grouped, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
     assert (grouped.argmax(-1) == dequantized.argmax(-1)).float().mean() >= 0.8
+
+
+@interpreter_only
+def test_tiny_fp8_moe_layer_hands_its_layouts_down_tiles_to_the_kernel(monkeypatch):
+    """Where gate|up and down take different row tiles (the prefill default's 128 / 64), both
+    tables come from the layer's layout, none is built in the kernel, and the logits are those of
+    one tile size."""
+    from batchinfer.models.layers import mlp
+
+    model = _tiny_fp8_moe()
+    kernel = ops.implementation("moe_fp8", True)
+    monkeypatch.setattr(mlp, "_grouped_fp8_op", lambda x: kernel)
+    one_size = _logits(model)
+    monkeypatch.setattr(grouped_gemm, "default_launch",
+                        lambda rows, experts: MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1)))
+    monkeypatch.setattr(grouped_gemm, "expert_tiles", lambda *a: pytest.fail("a tile table built in the kernel"))
+    two_sizes = _logits(model)
+    assert two_sizes.isfinite().all()
+    torch.testing.assert_close(two_sizes, one_size, rtol=1e-5, atol=1e-5 * one_size.abs().max().item())
 
 
 @interpreter_only

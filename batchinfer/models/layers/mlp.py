@@ -154,11 +154,12 @@ class SparseMoE(nn.Module):
         # The grouped FP8 GEMM's launch is chosen once, and its row tiles come with the layout (one
         # pass, no host sync); read from the module, so that a launch sweep replaces both.
         launch = moe_fp8_kernels.default_launch(T * k, self.num_experts) if fp8 is not None else None
-        layout = ops.moe_align(experts, self.num_experts, launch.gate_up.block_m if launch is not None else 0)
+        layout = (ops.moe_align(experts, self.num_experts, launch.gate_up.block_m, launch.down.block_m)
+                  if launch is not None else ops.moe_align(experts, self.num_experts))
         if fp8 is not None:
             gate_up, down = self.experts_gate_up, self.experts_down
             y = fp8(x.contiguous(), layout.token_of, layout.ends, gate_up.weight, gate_up.scale_inv, down.weight,
-                    down.scale_inv, launch=launch, tiles=layout.tiles, shared=shared)
+                    down.scale_inv, launch=launch, tiles=layout.tiles, down_tiles=layout.down_tiles, shared=shared)
         else:
             y = self._expert_rows(x, layout.token_of, layout.ends)
         return y, layout.slot
