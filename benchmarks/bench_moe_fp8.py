@@ -3,6 +3,7 @@
     python -m benchmarks.bench_moe_fp8            # GPU: qwen3.5-35b-a3b expert shapes, 256 / 512 / 1024 tokens
     python -m benchmarks.bench_moe_fp8 --quick    # CPU smoke run (Triton interpreter, tiny shapes)
     python -m benchmarks.bench_moe_fp8 --sm90     # no GPU: compile both kernels for sm_90a, print resources
+    python -m benchmarks.bench_moe_fp8 --parts    # also each part of the FP8 path alone, against its byte floor
 
 Per token count T (routed top-k over E experts by a random router, as `SparseMoE.route` does):
 CUDA-graph replay milliseconds of `SparseMoE._run_experts` with the grouped FP8 kernel (the
@@ -131,6 +132,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                        "BLOCK_M:WARPS:STAGES[:rows][/BLOCK_M:WARPS:STAGES[:BLOCK_N]][+a16|+f16],... "
                                                        "(gate|up / down; e.g. 64:8:4,128:16:3/128:8:3:128,64:8:3+a16; "
                                                        "':rows': programs row tile fastest; '+a16': the W8A16 kernels, '+f16' with fp16 dots)")
+    parser.add_argument("--parts", action="store_true",
+                        help="also the FP8 path's parts (layout, activation quantization, gate|up, down) by "
+                             "leaving each out in turn, the GEMMs against their own byte floors")
     parser.add_argument("--shared-in-grouped", action="store_true",
                         help="also time the whole MoE block with the shared expert separate and in the grouped kernel")
     args = parser.parse_args(argv)
@@ -148,6 +152,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{block.experts_down.shape[1]}, expert intermediate {block.experts_down.shape[2]}; {name}, "
           f"floor at {COPY_BANDWIDTH / 1e12:.2f} TB/s")
     print_table(HEADER, map(row_line, rows))
+    if args.parts:
+        print("\nthe FP8 path's parts at the default launch, each the path's time less the path without it:")
+        print_table(PARTS_HEADER, (parts_line(measure_parts(block, t, device)) for t in counts))
     if args.launches:
         sweep_launches(block, counts, device, args.launches)
     if args.shared_in_grouped:
@@ -189,6 +196,68 @@ def measure_block(block: SparseMoE, tokens: int, device: str) -> dict:
         mlp._grouped_fp8_op = original
     return {"tokens": tokens, "separate_ms": separate_ms, "grouped_ms": grouped_ms,
             "rel_diff": ((grouped - separate).norm() / separate.norm()).item()}
+
+
+class _Skipped:
+    """A Triton kernel whose launches do nothing (the part left out of a timed path)."""
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@torch.inference_mode()
+def measure_parts(block: SparseMoE, tokens: int, device: str) -> dict:
+    """The FP8 path (`SparseMoE._run_experts`) timed whole and with each part left out: the
+    layout (`ops.moe_align`) and the activation quantization (each made once beforehand), the
+    gate|up kernel, the down kernel (a kernel left out leaves garbage downstream, which costs the
+    same). A part's time is the whole path's less the path without it; the
+    GEMMs' floors are their own weights and scales of the experts hit, read once, at copy
+    bandwidth. Graph replays, L2 flushed between them."""
+    from unittest import mock
+
+    from batchinfer.kernels import ops
+    from batchinfer.kernels.moe_fp8 import grouped_gemm
+    from batchinfer.models.layers import mlp
+    H = block.experts_down.shape[1]
+    x = torch.randn(tokens, H, device=device, generator=torch.Generator(device=device).manual_seed(tokens)).bfloat16()
+    experts, _ = block.route(x)
+    counts = torch.diff(ops.moe_align(experts, block.num_experts).ends.long(), prepend=torch.zeros(1, device=device).long())
+    hit = int((counts > 0).sum())
+    quantized = grouped_gemm.quantize_act(x)
+    launch = grouped_gemm.default_launch(experts.numel(), block.num_experts)
+    layout = ops.moe_align(experts, block.num_experts, launch.gate_up.block_m, launch.down.block_m)
+    skipped = {
+        "layout": [mock.patch.object(ops, "moe_align", lambda *args: layout)],
+        "quantize": [mock.patch.object(grouped_gemm, "quantize_act", lambda _x: quantized)],
+        "gate_up": [mock.patch.object(grouped_gemm, "_gate_up_kernel", _Skipped())],
+        "down": [mock.patch.object(grouped_gemm, "_down_kernel", _Skipped())],
+    }
+    kernel = ops.implementation("moe_fp8", True)
+    times = {}
+    with mock.patch.object(mlp, "_grouped_fp8_op", lambda _: kernel):  # the kernel on the CPU too
+        times["whole"] = graph_time_ms(lambda: block._run_experts(x, experts), device)
+        for part, patches in skipped.items():
+            for patch in patches:
+                patch.start()
+            try:
+                times[part] = times["whole"] - graph_time_ms(lambda: block._run_experts(x, experts), device)
+            finally:
+                for patch in patches:
+                    patch.stop()
+    floors = {name: 1e3 * hit * (w.weight[0].numel() + 4 * w.scale_inv[0].numel()) / COPY_BANDWIDTH
+              for name, w in (("gate_up", block.experts_gate_up), ("down", block.experts_down))}
+    return {"tokens": tokens, "experts_hit": hit, **{f"{k}_ms": v for k, v in times.items()},
+            **{f"{k}_floor_ms": v for k, v in floors.items()}}
+
+
+PARTS_HEADER = (f"{'T':>5} {'E hit':>5} | {'whole ms':>8} | {'layout':>6} | {'quant':>6} | "
+                f"{'gate|up ms (x floor)':>20} | {'down ms (x floor)':>18} | {'rest':>6}")
+
+
+def parts_line(r: dict) -> str:
+    rest = r["whole_ms"] - sum(r[f"{k}_ms"] for k in ("layout", "quantize", "gate_up", "down"))
+    return (f"{r['tokens']:>5} {r['experts_hit']:>5} | {r['whole_ms']:8.3f} | {r['layout_ms']:6.3f} | "
+            f"{r['quantize_ms']:6.3f} | {r['gate_up_ms']:8.3f} ({r['gate_up_ms'] / r['gate_up_floor_ms']:5.2f}x)     | "
+            f"{r['down_ms']:8.3f} ({r['down_ms'] / r['down_floor_ms']:5.2f}x)   | {rest:6.3f}")
 
 
 def expert_flops(block: SparseMoE, tokens: int) -> float:

@@ -45,3 +45,40 @@ def test_the_block_a_b_runs_the_shared_expert_both_ways():
     # Two paths (bf16 rounding of the separate expert's gate|up output only on one): close, not identical.
     assert 0 < row["rel_diff"] < 0.05
     assert os.environ.get("BATCHINFER_MOE_SHARED_IN_GROUPED") is None  # the switch is the A/B's alone
+
+
+@interpreter_only
+def test_each_part_is_left_out_alone_and_everything_comes_back(monkeypatch):
+    """`--parts` times the path whole and then without each part: every timed call runs all four
+    parts but the one left out, and the module attributes it replaces come back after."""
+    from batchinfer.kernels import ops
+    from benchmarks.bench_moe_fp8 import make_block, measure_parts
+
+    block = make_block("qwen3.5-35b-a3b", "cpu", quick=True)
+    ran: list[set] = []  # the parts each timed call ran
+
+    class Recorded:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            ran[-1].add(self.name)
+            return self.kernel[grid]
+
+    def recorded_function(name, fn):
+        return lambda *args, **kwargs: ran[-1].add(name) or fn(*args, **kwargs)
+
+    run_experts = block._run_experts
+    monkeypatch.setattr(block, "_run_experts", lambda *args, **kwargs: ran.append(set()) or run_experts(*args, **kwargs))
+    monkeypatch.setattr(ops, "moe_align", recorded_function("layout", ops.moe_align))
+    monkeypatch.setattr(grouped_gemm, "quantize_act", recorded_function("quantize", grouped_gemm.quantize_act))
+    monkeypatch.setattr(grouped_gemm, "_gate_up_kernel", Recorded("gate_up", grouped_gemm._gate_up_kernel))
+    monkeypatch.setattr(grouped_gemm, "_down_kernel", Recorded("down", grouped_gemm._down_kernel))
+    patched = (ops.moe_align, grouped_gemm.quantize_act, grouped_gemm._gate_up_kernel, grouped_gemm._down_kernel)
+    ran.append(set())  # measure_parts' own calls before the timed ones
+    row = measure_parts(block, 4, "cpu")
+    parts = {"layout", "quantize", "gate_up", "down"}
+    timed = {frozenset(calls) for calls in ran[1:]}
+    assert timed == {frozenset(parts)} | {frozenset(parts - {part}) for part in parts}
+    assert (ops.moe_align, grouped_gemm.quantize_act, grouped_gemm._gate_up_kernel, grouped_gemm._down_kernel) == patched
+    assert {"whole_ms", "layout_ms", "quantize_ms", "gate_up_ms", "down_ms", "gate_up_floor_ms"} <= row.keys()
