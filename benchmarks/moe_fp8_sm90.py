@@ -17,6 +17,7 @@ def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: in
     from triton.compiler import ASTSource
 
     from batchinfer.kernels.moe_fp8 import grouped_gemm as K
+    from batchinfer.kernels.moe_fp8 import swapped as S
     from batchinfer.kernels.moe_fp8 import w8a16 as W
     if launch is None:
         launch = next(K.default_launch(rows, 256) for rows in (256 * 8, 1024 * 8, 8192 * 8)
@@ -36,7 +37,8 @@ def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: in
         types = dict(x_ptr=act, token_ptr=i32, h_ptr=act) if up else dict(h_ptr=act, y_ptr="*bf16")
         constexprs.update(PRECISION="tf32", FP16_DOTS=launch.fp16_dots)
     else:
-        fn = K._gate_up_kernel if up else K._down_kernel
+        fn = (S.gate_up_swapped_kernel if up else S.down_swapped_kernel) if launch.swap_ab else \
+            (K._gate_up_kernel if up else K._down_kernel)
         types = dict(xq_ptr=fp8, xs_ptr=fp32, token_ptr=i32, hq_ptr=fp8, hs_ptr=fp32) if up else \
             dict(hq_ptr=fp8, hs_ptr=fp32, y_ptr="*bf16")
     types.update(w_ptr=fp8, ws_ptr=fp32, shared_w_ptr=fp8, shared_ws_ptr=fp32)
@@ -64,9 +66,12 @@ def print_sm90(launches: list | None = None) -> None:
         registers, spills = ptxas_resources(ptx)
         # Below 64 rows Triton runs the dots as f16 mma.sync on e4m3 values converted exactly.
         mma = len(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\S*", ptx))
+        kind = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync"
+        conversions = len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx))  # e4m3 pairs widened for f16 dots
         # how many tensor-core groups a wait leaves in flight (0: each dot waited for at once)
         pending = max((int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)), default=0)
         mode = (" w8a16" + (" fp16 dots" if launch.fp16_dots else "")) if launch is not None and launch.w8a16 else ""
+        mode += " swap" if launch is not None and launch.swap_ab else ""
         shown = block_m if launch is None else f"{getattr(launch, kernel)}{mode}"
         print(f"{kernel:8} {shown}  registers {registers:4d}  spill {spills:5d} B  "
-              f"smem {compiled.metadata.shared:7d} B  mma {mma}  in flight {pending}")
+              f"smem {compiled.metadata.shared:7d} B  {kind} {mma}  in flight {pending}  e4m3 cvt {conversions}")

@@ -17,8 +17,9 @@ of them at H = 2,048); numbered row tile fastest, every column block re-read all
 
 The gate|up program owns 128 gate and the matching 128 up columns: its epilogue forms
 silu(gate) · up in fp32 and quantizes it per (row, 128-column group), which is exactly one group
-of the down GEMM's activations, so the [T·k, 2I] intermediate is never written. Reference:
-kernels/ref/moe_fp8.py.
+of the down GEMM's activations, so the [T·k, 2I] intermediate is never written. Two other pairs
+take the same arguments: `swapped.py` (W8A8 with the weights on the dots' M side, for decode's
+few rows an expert) and `w8a16.py` (16-bit activations). Reference: kernels/ref/moe_fp8.py.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3, quantize_act
 from batchinfer.kernels.moe_fp8.programs import (down_rows_and_columns, tile_and_column_block, tile_rows_and_weights,
                                                   tile_tokens)
+from batchinfer.kernels.moe_fp8.swapped import down_swapped_kernel, gate_up_swapped_kernel
 from batchinfer.kernels.moe_fp8.tiles import ExpertTiles, expert_tiles, tile_capacity
 from batchinfer.kernels.moe_fp8.w8a16 import down_w8a16_kernel, fp16_operand, gate_up_w8a16_kernel
 from batchinfer.kernels.ref.moe_fp8 import SharedExpert
@@ -61,9 +63,11 @@ class MoeFp8Launch:
     columns_fastest: bool = True  # program order; False (row tile fastest) is kept to measure against
     w8a16: bool = False  # activations unquantized, 16-bit dots on dequantized weight tiles (`w8a16.py`)
     fp16_dots: bool = False  # with w8a16: the dots in fp16 (activations converted), the cheaper dequantization
+    swap_ab: bool = False  # W8A8 with the weights on the dots' M side (`swapped.py`): e4m3 wgmma at few rows
 
     def __post_init__(self):
         assert self.w8a16 or not self.fp16_dots, "fp16_dots is a W8A16 option"
+        assert not (self.w8a16 and self.swap_ab), "the W8A16 pair has its weights on the M side already"
 
     @classmethod
     def same(cls, block_m: int, num_warps: int = 4, num_stages: int = 3, **kwargs) -> "MoeFp8Launch":
@@ -75,6 +79,7 @@ class MoeFp8Launch:
 # Rows an expert above which a step is prefill-wide (the 128-row gate|up tile fills).
 WIDE_ROWS_PER_EXPERT = 256
 PREFILL_LAUNCH_ENV = "BATCHINFER_MOE_PREFILL_LAUNCH"
+DECODE_LAUNCH_ENV = "BATCHINFER_MOE_DECODE_LAUNCH"
 
 
 def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
@@ -84,30 +89,32 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     0.274 / 0.293 ms at 256 / 512 tokens); 64 rows, 8 warps, 4 stages from 32 (H200: 0.95-0.99x
     the time of 3 stages at 2,048 / 8,192 / 32,768 tokens); from WIDE_ROWS_PER_EXPERT (8,192
     tokens) gate|up on 128-row tiles over 16 warps, down unchanged (H100: 0.96x / 0.91x at 8,192 /
-    32,768 tokens). BATCHINFER_MOE_PREFILL_LAUNCH (`parse_launch`'s text) replaces the launch of
-    every step wider than decode; W8A16 only where BATCHINFER_MOE_W8A16 asks (2x slower on the
-    H100 at every size)."""
+    32,768 tokens). BATCHINFER_MOE_DECODE_LAUNCH / BATCHINFER_MOE_PREFILL_LAUNCH (`parse_launch`'s
+    text) replace the launch of the decode-sized steps / of every step wider; W8A16 only where
+    BATCHINFER_MOE_W8A16 asks (2x slower on the H100 at every size)."""
     per_expert = num_rows / max(num_experts, 1)
     if w8a16_requested():
         return MoeFp8Launch.same(block_m=16 if per_expert <= 24 else 64, num_warps=8, num_stages=3, w8a16=True,
                                  fp16_dots=os.environ["BATCHINFER_MOE_W8A16"].strip() == "fp16")
-    if per_expert <= 24:
-        return MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3)
-    override = os.environ.get(PREFILL_LAUNCH_ENV, "").strip()
+    decode = per_expert <= 24
+    override = os.environ.get(DECODE_LAUNCH_ENV if decode else PREFILL_LAUNCH_ENV, "").strip()
     if override:
         return parse_launch(override)
+    if decode:
+        return MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3)
     if per_expert >= WIDE_ROWS_PER_EXPERT:
         return MoeFp8Launch(KernelLaunch(128, 16, 3), KernelLaunch(64, 8, 4))
     return MoeFp8Launch.same(block_m=64, num_warps=8, num_stages=4)
 
 
 def parse_launch(text: str) -> MoeFp8Launch:
-    """`GATE_UP[/DOWN[:BLOCK_N]][+a16|+f16]`, each `BLOCK_M:WARPS:STAGES`; a trailing `:rows` on the
-    gate|up part numbers the programs row tile fastest; `+a16`: the W8A16 kernels, `+f16` with their
-    dots in fp16. One part: both kernels on that launch. E.g. `64:8:4`, `128:16:3/64:8:4`."""
+    """`GATE_UP[/DOWN[:BLOCK_N]][+a16|+f16|+swap]`, each `BLOCK_M:WARPS:STAGES`; a trailing `:rows` on
+    the gate|up part numbers the programs row tile fastest; `+a16`: the W8A16 kernels, `+f16` with
+    their dots in fp16; `+swap`: the W8A8 pair with the weights on the dots' M side. One part: both
+    kernels on that launch. E.g. `64:8:4`, `128:16:3/64:8:4`, `16:4:3+swap`."""
     try:
         body, plus, mode = text.strip().partition("+")
-        if plus and mode not in ("a16", "f16"):
+        if plus and mode not in ("a16", "f16", "swap"):
             raise ValueError(f"unknown suffix +{mode}")
         up_text, _, down_text = body.partition("/")
         up_fields = up_text.split(":")
@@ -122,7 +129,7 @@ def parse_launch(text: str) -> MoeFp8Launch:
     except ValueError as error:
         raise ValueError(f"MoE FP8 launch {text!r}: {error}") from None
     return MoeFp8Launch(gate_up, down, block_n_down=block_n, columns_fastest=up_fields[3:] != ["rows"],
-                        w8a16=mode in ("a16", "f16"), fp16_dots=mode == "f16")
+                        w8a16=mode in ("a16", "f16"), fp16_dots=mode == "f16", swap_ab=mode == "swap")
 
 
 def w8a16_requested() -> bool:
@@ -288,11 +295,13 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
     hq = torch.empty((M + shared_rows, I), dtype=FP8_DTYPE, device=x.device)
     hs = torch.empty((M + shared_rows, I // GROUP), dtype=torch.float32, device=x.device)
-    _gate_up_kernel[up_grid](
+    gate_up_kernel, down_kernel = ((gate_up_swapped_kernel, down_swapped_kernel) if launch.swap_ab
+                                   else (_gate_up_kernel, _down_kernel))
+    gate_up_kernel[up_grid](
         xq, xs, token_of, w13, s13, shared_w13, shared_s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         hq.stride(0), hs.stride(0), tiles.capacity, up_tiles, M, shared_rows, **up_sizes)
-    _down_kernel[down_grid](
+    down_kernel[down_grid](
         hq, hs, w2, s2, shared_w2, shared_s2, y, down_tiles.expert, down_tiles.start, down_tiles.end, H, I,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         down_tiles.capacity, down_tiles_all, M, shared_rows, **down_sizes)

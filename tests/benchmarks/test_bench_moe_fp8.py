@@ -33,6 +33,7 @@ def test_launch_text_names_each_kernel():
                                                                 block_n_down=256)
     assert parse_launch("64:8:3+a16") == MoeFp8Launch.same(64, 8, 3, w8a16=True)
     assert parse_launch("64:8:3/16:4:3+a16").w8a16
+    assert parse_launch("16:4:3/16:4:3:256+swap") == MoeFp8Launch.same(16, 4, 3, block_n_down=256, swap_ab=True)
 
 
 @interpreter_only

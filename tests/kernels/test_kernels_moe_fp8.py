@@ -25,7 +25,11 @@ LAUNCHES = [MoeFp8Launch.same(block_m=16, block_n_down=64, num_warps=4, num_stag
             MoeFp8Launch.same(block_m=32, block_n_down=128, num_warps=4, num_stages=1),
             MoeFp8Launch.same(block_m=16, block_n_down=64, num_warps=4, num_stages=1, columns_fastest=False),
             # Each kernel its own row tiles (the down kernel's table built inside), a down tile over two weight blocks.
-            MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256)]
+            MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256),
+            # The weights on the dots' M side (`swapped.py`): one table, and each kernel its own with a wide down tile.
+            MoeFp8Launch.same(block_m=16, block_n_down=64, num_warps=4, num_stages=1, swap_ab=True),
+            MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256, swap_ab=True)]
+LAUNCH_IDS = ["m16n64", "m32n128", "m16n64-rows-fastest", "m32-down-m16n256", "swap-m16n64", "swap-m32-down-m16n256"]
 
 
 def _inputs(counts: list[int], seed: int, T: int = 23, dtype=torch.float32):
@@ -66,7 +70,7 @@ def test_tiles_cover_every_row_once_within_one_expert(counts, block_m):
 
 
 @pytest.mark.parametrize("counts", COUNTS)
-@pytest.mark.parametrize("launch", LAUNCHES, ids=["m16n64", "m32n128", "m16n64-rows-fastest", "m32-down-m16n256"])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
 def test_kernel_matches_the_fp32_reference(counts, launch):
     args = _inputs(counts, seed=sum(counts) + launch.gate_up.block_m)
     out = torch.full((sum(counts), H), float("nan"), device=DEVICE)
@@ -89,7 +93,7 @@ def _shared_expert(seed: int) -> SharedExpert:
 
 
 @pytest.mark.parametrize("counts", COUNTS[:2] + [[0, 0, 0, 0]])
-@pytest.mark.parametrize("launch", LAUNCHES, ids=["m16n64", "m32n128", "m16n64-rows-fastest", "m32-down-m16n256"])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
 def test_shared_expert_rows_follow_the_routed_rows(counts, launch):
     """Row M + t is token t through the shared expert (every token once, no table of its own):
     against the reference, and against the routed rows of the same expert placed in the table."""
@@ -202,6 +206,16 @@ def test_the_prefill_launch_switch_leaves_decode_alone(monkeypatch):
     monkeypatch.setenv("BATCHINFER_MOE_PREFILL_LAUNCH", "64:8")
     with pytest.raises(ValueError, match="'64:8'"):
         default_launch(32768 * 8, 256)
+
+
+def test_the_decode_launch_switch_leaves_prefill_alone(monkeypatch):
+    monkeypatch.delenv("BATCHINFER_MOE_PREFILL_LAUNCH", raising=False)
+    monkeypatch.setenv("BATCHINFER_MOE_DECODE_LAUNCH", "16:4:3+swap")
+    assert default_launch(256 * 8, 256) == MoeFp8Launch.same(16, 4, 3, swap_ab=True)
+    assert default_launch(2048 * 8, 256) == MoeFp8Launch.same(64, 8, 4)  # wider steps keep theirs
+    with pytest.raises(ValueError, match="unknown suffix"):
+        monkeypatch.setenv("BATCHINFER_MOE_DECODE_LAUNCH", "16:4:3+swapped")
+        default_launch(256 * 8, 256)
 
 
 def test_ops_dispatches_moe_fp8():
@@ -443,6 +457,19 @@ for kernel, block_m in (("gate_up", 16), ("down", 16), ("gate_up", 64), ("down",
 """
 
 
+SM90_SWAPPED_CHILD = """
+import re
+from batchinfer.kernels.moe_fp8.grouped_gemm import KernelLaunch, MoeFp8Launch
+from benchmarks.moe_fp8_sm90 import compile_sm90
+for launch in (MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3, swap_ab=True),
+               MoeFp8Launch(KernelLaunch(32, 4, 3), KernelLaunch(16, 4, 3), block_n_down=256, swap_ab=True)):
+    for kernel in ("gate_up", "down"):
+        ptx = compile_sm90(kernel, 0, launch=launch).asm["ptx"]
+        dots = set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.(m64n\\d+k32)\\.f32\\.e4m3\\.e4m3", ptx))
+        print(kernel, ",".join(sorted(dots)) or "none", "mma.sync" in ptx, len(re.findall(r"cvt\\.rn\\.f16x2\\.e4m3x2", ptx)))
+"""
+
+
 SM90_W8A16_CHILD = """
 import re
 from batchinfer.kernels.moe_fp8.grouped_gemm import MoeFp8Launch
@@ -474,6 +501,15 @@ def test_kernels_compile_for_sm90():
     the decode and prefill row tiles, in a child without the interpreter."""
     # e4m3 tensor-core products at the prefill tile; below 64 rows Triton's f16 mma on exactly converted e4m3.
     assert sm90_child_output(SM90_CHILD, timeout=600).split() == ["mma", "mma", "wgmma-e4m3", "wgmma-e4m3"]
+
+
+def test_swapped_kernels_run_e4m3_wgmma_at_decode_tiles_on_sm90():
+    """The point of the swapped pair: at 16-32 rows the row-major kernels' dots are f16 mma.sync
+    on converted e4m3 (above); with the weights on the M side they are e4m3 wgmma with the rows as
+    N (n16 / n32), no conversion left."""
+    lines = sm90_child_output(SM90_SWAPPED_CHILD, timeout=600).splitlines()
+    assert lines == ["gate_up m64n16k32 False 0", "down m64n16k32 False 0",
+                     "gate_up m64n32k32 False 0", "down m64n16k32 False 0"]
 
 
 def test_shared_in_grouped_by_step_size_and_the_switch(monkeypatch):
