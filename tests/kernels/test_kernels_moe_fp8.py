@@ -324,10 +324,11 @@ def test_tiny_fp8_moe_logits_with_the_shared_expert_in_the_grouped_kernel(monkey
 
 @requires_cuda
 @pytest.mark.parametrize("tokens", [256, 4096])
-@pytest.mark.parametrize("launch", ["default", "w8a16", "64:8:3+f16", "128:16:3/128:8:3", "64:8:4/64:8:3:256"])
+@pytest.mark.parametrize("launch", ["default", "w8a16", "64:8:3+f16", "128:16:3/128:8:3", "64:8:4/64:8:3:256",
+                                    "16:4:3+swap", "32:4:3+swap", "16:4:3/16:4:3:256+swap"])
 def test_kernels_at_the_35b_a3b_expert_shapes_on_cuda(tokens, launch):
     """The real shapes compile to other instructions than the interpreter's tiny ones (wgmma at
-    64-row tiles, mma.sync below): each launch against the fp32 reference on the GPU, with the
+    64-row tiles and in the swapped pair, mma.sync below): each launch against the fp32 reference on the GPU, with the
     shared expert's rows, outputs NaN-poisoned."""
     from batchinfer.kernels.moe_fp8.grouped_gemm import parse_launch
 
