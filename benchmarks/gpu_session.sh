@@ -162,7 +162,7 @@ for part in "$@"; do
     # each part of the path alone against its byte floor, then launches: the weights on the dots' M side
     # (+swap: e4m3 wgmma, no conversions), down on 256 columns, other tiles and stages
     moe_decode_parts) step moe_decode_parts 240 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b \
-               --tokens 256,384,512,1024 --parts --launches 16:4:3,16:4:3+swap,16:4:2+swap,16:4:4+swap,16:8:3+swap,32:4:3+swap,16:4:3/16:4:3:256+swap,16:4:3/16:4:3:256,16:4:2,64:8:4 ;;
+               --tokens 256,384,512,1024 --parts --launches 16:4:3,16:4:3+swap,16:4:2+swap,16:4:4+swap,16:8:3+swap,32:4:3+swap,32:8:3+swap,16:4:3/16:4:3:256+swap,16:4:3/16:4:3:256,64:8:4 ;;
     # The FP8 35B-A3B 8k / 1k job at the defaults against the swapped decode experts (BATCHINFER_MOE_DECODE_LAUNCH), one process
     moe_swap_ab) jobs8k moe_swap_ab 420 qwen3.5-35b-a3b-fp8 "256$GEN,256$GEN/env.BATCHINFER_MOE_DECODE_LAUNCH=16:4:3+swap" ;;
     # The same job at the defaults against the W8A16 experts (bf16 dots, fp16 dots), one process
