@@ -30,17 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP
-from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3, quantize_act
-from batchinfer.kernels.moe_fp8.programs import (down_rows_and_columns, tile_and_column_block, tile_rows_and_weights,
-                                                  tile_tokens)
+from batchinfer.kernels.fp8_gemm.reference import FP8_DTYPE, GROUP
+from batchinfer.kernels.fp8_gemm.triton_fp8 import quantize_act
+from batchinfer.kernels.moe_fp8.folded import gate_up_folded_kernel, group_amax
+from batchinfer.kernels.moe_fp8.programs import (down_rows_and_columns, quantize_groups_and_store,
+                                                  tile_and_column_block, tile_rows_and_weights, tile_tokens)
 from batchinfer.kernels.moe_fp8.swapped import down_swapped_kernel, gate_up_swapped_kernel
 from batchinfer.kernels.moe_fp8.tiles import ExpertTiles, expert_tiles, tile_capacity
 from batchinfer.kernels.moe_fp8.w8a16 import down_w8a16_kernel, fp16_operand, gate_up_w8a16_kernel
 from batchinfer.kernels.ref.moe_fp8 import SharedExpert
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 @dataclass(frozen=True)
@@ -64,10 +62,11 @@ class MoeFp8Launch:
     w8a16: bool = False  # activations unquantized, 16-bit dots on dequantized weight tiles (`w8a16.py`)
     fp16_dots: bool = False  # with w8a16: the dots in fp16 (activations converted), the cheaper dequantization
     swap_ab: bool = False  # W8A8 with the weights on the dots' M side (`swapped.py`): e4m3 wgmma at few rows
+    fold_scales: bool = False  # gate|up quantizes its rows with the weight scales folded in: dots in flight (`folded.py`)
 
     def __post_init__(self):
         assert self.w8a16 or not self.fp16_dots, "fp16_dots is a W8A16 option"
-        assert not (self.w8a16 and self.swap_ab), "the W8A16 pair has its weights on the M side already"
+        assert sum((self.w8a16, self.swap_ab, self.fold_scales)) <= 1, "one kernel variant at a time"
 
     @classmethod
     def same(cls, block_m: int, num_warps: int = 4, num_stages: int = 3, **kwargs) -> "MoeFp8Launch":
@@ -108,13 +107,14 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
 
 
 def parse_launch(text: str) -> MoeFp8Launch:
-    """`GATE_UP[/DOWN[:BLOCK_N]][+a16|+f16|+swap]`, each `BLOCK_M:WARPS:STAGES`; a trailing `:rows` on
-    the gate|up part numbers the programs row tile fastest; `+a16`: the W8A16 kernels, `+f16` with
-    their dots in fp16; `+swap`: the W8A8 pair with the weights on the dots' M side. One part: both
-    kernels on that launch. E.g. `64:8:4`, `128:16:3/64:8:4`, `16:4:3+swap`."""
+    """`GATE_UP[/DOWN[:BLOCK_N]][+a16|+f16|+swap|+fold]`, each `BLOCK_M:WARPS:STAGES`; a trailing
+    `:rows` on the gate|up part numbers the programs row tile fastest; `+a16`: the W8A16 kernels,
+    `+f16` with their dots in fp16; `+swap`: the W8A8 pair with the weights on the dots' M side;
+    `+fold`: the gate|up kernel with the weight scales folded into its rows' quantization. One
+    part: both kernels on that launch. E.g. `64:8:4`, `128:16:3/64:8:4+fold`, `16:4:3+swap`."""
     try:
         body, plus, mode = text.strip().partition("+")
-        if plus and mode not in ("a16", "f16", "swap"):
+        if plus and mode not in ("a16", "f16", "swap", "fold"):
             raise ValueError(f"unknown suffix +{mode}")
         up_text, _, down_text = body.partition("/")
         up_fields = up_text.split(":")
@@ -129,7 +129,8 @@ def parse_launch(text: str) -> MoeFp8Launch:
     except ValueError as error:
         raise ValueError(f"MoE FP8 launch {text!r}: {error}") from None
     return MoeFp8Launch(gate_up, down, block_n_down=block_n, columns_fastest=up_fields[3:] != ["rows"],
-                        w8a16=mode in ("a16", "f16"), fp16_dots=mode == "f16", swap_ab=mode == "swap")
+                        w8a16=mode in ("a16", "f16"), fp16_dots=mode == "f16", swap_ab=mode == "swap",
+                        fold_scales=mode == "fold")
 
 
 def w8a16_requested() -> bool:
@@ -180,13 +181,7 @@ def _gate_up_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shar
         u_ptrs += BLOCK_K
 
     h = acc_g * tl.sigmoid(acc_g) * acc_u  # [BM, 128]: one quantization group of the down GEMM's input
-    amax = tl.maximum(tl.max(tl.abs(h), axis=1), _AMAX_FLOOR)
-    scale = tl.math.div_rn(amax, _FP8_MAX)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -_FP8_MAX), _FP8_MAX)
-    rows64 = rows.to(tl.int64)
-    tl.store(hq_ptr + rows64[:, None] * stride_hm + cols[None, :], _round_to_e4m3(q).to(tl.float8e4nv),
-             mask=row_ok[:, None])
-    tl.store(hs_ptr + rows64 * stride_hsm + pid_n, scale, mask=row_ok)
+    quantize_groups_and_store(h, rows, row_ok, cols, pid_n, hq_ptr, hs_ptr, stride_hm, stride_hsm)
 
 
 @triton.jit(do_not_specialize=["num_tiles", "total_tiles", "num_rows", "num_tokens"])
@@ -292,15 +287,24 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
             h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
             down_tiles.capacity, down_tiles_all, M, shared_rows, **down_sizes, **precision)
         return y
-    xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
     hq = torch.empty((M + shared_rows, I), dtype=FP8_DTYPE, device=x.device)
     hs = torch.empty((M + shared_rows, I // GROUP), dtype=torch.float32, device=x.device)
     gate_up_kernel, down_kernel = ((gate_up_swapped_kernel, down_swapped_kernel) if launch.swap_ab
                                    else (_gate_up_kernel, _down_kernel))
-    gate_up_kernel[up_grid](
-        xq, xs, token_of, w13, s13, shared_w13, shared_s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
-        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        hq.stride(0), hs.stride(0), tiles.capacity, up_tiles, M, shared_rows, **up_sizes)
+    if launch.fold_scales:  # the rows in their dtype and each group's amax: the kernel quantizes them
+        assert x.stride(1) == 1 and H % GROUP == 0
+        amax = group_amax(x)  # [T, H/128]
+        up_sizes.update(BLOCK_KT=triton.next_power_of_2(H // GROUP))
+        gate_up_folded_kernel[up_grid](
+            x, amax, token_of, w13, s13, shared_w13, shared_s13, hq, hs, tiles.expert, tiles.start, tiles.end, I,
+            x.stride(0), amax.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+            hq.stride(0), hs.stride(0), tiles.capacity, up_tiles, M, shared_rows, **up_sizes)
+    else:
+        xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
+        gate_up_kernel[up_grid](
+            xq, xs, token_of, w13, s13, shared_w13, shared_s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
+            xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+            hq.stride(0), hs.stride(0), tiles.capacity, up_tiles, M, shared_rows, **up_sizes)
     down_kernel[down_grid](
         hq, hs, w2, s2, shared_w2, shared_s2, y, down_tiles.expert, down_tiles.start, down_tiles.end, H, I,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),

@@ -1,9 +1,16 @@
-"""Which rows, tokens and weights a program of the grouped expert kernels owns (both the FP8-activation
-kernels in `grouped_gemm.py` and the bf16-activation ones in `w8a16.py`)."""
+"""Which rows, tokens and weights a program of the grouped expert kernels owns (the FP8-activation
+kernels in `grouped_gemm.py`, `swapped.py` and `folded.py`, the bf16-activation ones in `w8a16.py`),
+and how a gate|up program stores silu(gate) · up for the down kernel."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_MAX
+from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 @triton.jit
@@ -51,3 +58,16 @@ def down_rows_and_columns(start, end, pid_n, N, BLOCK_M: tl.constexpr, BLOCK_N: 
     rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return rows, rows < end, cols, cols < N
+
+
+@triton.jit
+def quantize_groups_and_store(h, rows, row_ok, cols, pid_n, hq_ptr, hs_ptr, stride_hm, stride_hsm):
+    """silu(gate) · up [BM, 128] (one 128-column group of the down GEMM's input per row) → e4m3 at
+    its row's scale amax / 448, stored with the scale: the down kernel's operand."""
+    amax = tl.maximum(tl.max(tl.abs(h), axis=1), _AMAX_FLOOR)
+    scale = tl.math.div_rn(amax, _FP8_MAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -_FP8_MAX), _FP8_MAX)
+    rows64 = rows.to(tl.int64)
+    tl.store(hq_ptr + rows64[:, None] * stride_hm + cols[None, :], _round_to_e4m3(q).to(tl.float8e4nv),
+             mask=row_ok[:, None])
+    tl.store(hs_ptr + rows64 * stride_hsm + pid_n, scale, mask=row_ok)
