@@ -33,8 +33,8 @@ import triton.language as tl
 from batchinfer.kernels.fp8_gemm.reference import FP8_DTYPE, GROUP
 from batchinfer.kernels.fp8_gemm.triton_fp8 import quantize_act
 from batchinfer.kernels.moe_fp8.folded import gate_up_folded_kernel, group_amax
-from batchinfer.kernels.moe_fp8.programs import (down_rows_and_columns, quantize_groups_and_store,
-                                                  tile_and_column_block, tile_rows_and_weights, tile_tokens)
+from batchinfer.kernels.moe_fp8.programs import (down_rows_and_columns, gate_up_columns, program_tile,
+                                                  quantize_groups_and_store, tile_tokens)
 from batchinfer.kernels.moe_fp8.swapped import down_swapped_kernel, gate_up_swapped_kernel
 from batchinfer.kernels.moe_fp8.tiles import ExpertTiles, expert_tiles, tile_capacity
 from batchinfer.kernels.moe_fp8.w8a16 import down_w8a16_kernel, fp16_operand, gate_up_w8a16_kernel
@@ -62,7 +62,7 @@ class MoeFp8Launch:
     w8a16: bool = False  # activations unquantized, 16-bit dots on dequantized weight tiles (`w8a16.py`)
     fp16_dots: bool = False  # with w8a16: the dots in fp16 (activations converted), the cheaper dequantization
     swap_ab: bool = False  # W8A8 with the weights on the dots' M side (`swapped.py`): e4m3 wgmma at few rows
-    fold_scales: bool = False  # gate|up quantizes its rows with the weight scales folded in: dots in flight (`folded.py`)
+    fold_scales: bool = False  # gate|up quantizes its rows with the weight scales folded in (`folded.py`)
 
     def __post_init__(self):
         assert self.w8a16 or not self.fp16_dots, "fp16_dots is a W8A16 option"
@@ -150,21 +150,18 @@ def _gate_up_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, shared_w_ptr, shar
                     stride_hm, stride_hsm,
                     num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                     K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
-    tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
-    start, end, w_base, ws_base = tile_rows_and_weights(
-        tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-        w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
+    tile, pid_n, start, end, w_base, ws_base = program_tile(
+        total_tiles, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr, w_ptr, ws_ptr,
+        shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M, N_BLOCKS, COLUMNS_FASTEST)
     if end <= start:  # an unused tail tile of the table
         return
     rows, row_ok, tokens = tile_tokens(tile, num_tiles, start, end, num_rows, token_ptr, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    cols = pid_n * BLOCK_K + tl.arange(0, BLOCK_K)  # this program's gate rows of w; up rows are I below
+    cols, gs_ptr, us_ptr = gate_up_columns(pid_n, ws_base, I, stride_wsn, BLOCK_K)
     a_ptrs = xq_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
     g_ptrs = w_base + cols[None, :] * stride_wn + offs_k[:, None]  # [BK, BN] view of the [2I, K] weight
     u_ptrs = g_ptrs + I * stride_wn
     xs_ptrs = xs_ptr + tokens * stride_xsm
-    gs_ptr = ws_base + pid_n * stride_wsn
-    us_ptr = gs_ptr + (I // BLOCK_K) * stride_wsn
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -190,10 +187,9 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, y_p
                  stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
                  num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
-    tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
-    start, end, w_base, ws_base = tile_rows_and_weights(
-        tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-        w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
+    tile, pid_n, start, end, w_base, ws_base = program_tile(
+        total_tiles, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr, w_ptr, ws_ptr,
+        shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M, N_BLOCKS, COLUMNS_FASTEST)
     if end <= start:
         return
     rows, row_ok, cols, col_ok = down_rows_and_columns(start, end, pid_n, N, BLOCK_M, BLOCK_N)
@@ -228,9 +224,9 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     per expert, int); w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I/128, ceil(H/128)]; w2 e4m3 [E, H, I],
     s2 fp32 [E, ceil(H/128), I/128] → [M, H] in x's dtype (into `out`, unit column stride, when
     given), rows in sorted order; `tiles` / `down_tiles`: the row tiles of `launch.gate_up.block_m`
-    / `launch.down.block_m` rows when the caller has them (`ops.moe_align`), else built here. With `shared` (an expert of the same
-    shapes that every token takes) → [M + T, H]: row M + t is token t's shared expert output,
-    computed in the same two launches. No host sync."""
+    / `launch.down.block_m` rows when the caller has them (`ops.moe_align`), else built here.
+    With `shared` (an expert of the same shapes that every token takes) → [M + T, H]: row M + t
+    is token t's shared expert output, computed in the same two launches. No host sync."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2

@@ -42,6 +42,28 @@ def tile_rows_and_weights(tile, num_tiles, num_rows, num_tokens, tile_expert_ptr
 
 
 @triton.jit
+def program_tile(total_tiles, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                 w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M: tl.constexpr,
+                 N_BLOCKS: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
+    """This program's (row tile, column block), the tile's rows [start, end) and its expert's
+    weights and scales: the opening of every grouped expert kernel (end <= start: nothing to do)."""
+    tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
+    start, end, w_base, ws_base = tile_rows_and_weights(
+        tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+        w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
+    return tile, pid_n, start, end, w_base, ws_base
+
+
+@triton.jit
+def gate_up_columns(pid_n, ws_base, I, stride_wsn, BLOCK_K: tl.constexpr):
+    """A gate|up program's 128 gate rows of w [BK] (its up rows are I below) and the pointers to
+    the gate and up blocks' scales along K."""
+    cols = pid_n * BLOCK_K + tl.arange(0, BLOCK_K)
+    gs_ptr = ws_base + pid_n * stride_wsn
+    return cols, gs_ptr, gs_ptr + (I // BLOCK_K) * stride_wsn
+
+
+@triton.jit
 def tile_tokens(tile, num_tiles, start, end, num_rows, token_ptr, BLOCK_M: tl.constexpr):
     """A gate|up tile's rows, which of them exist, and each row's token [BM] int64: a routed row
     gathers its token, the shared expert's row num_rows + t is token t."""

@@ -23,8 +23,7 @@ import triton.language as tl
 
 from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_MAX
 from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3
-from batchinfer.kernels.moe_fp8.programs import (down_rows_and_columns, tile_and_column_block, tile_rows_and_weights,
-                                                  tile_tokens)
+from batchinfer.kernels.moe_fp8.programs import down_rows_and_columns, gate_up_columns, program_tile, tile_tokens
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -38,21 +37,18 @@ def gate_up_swapped_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, shared_w_pt
                            num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr,
                            BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr,
                            COLUMNS_FASTEST: tl.constexpr):
-    tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
-    start, end, w_base, ws_base = tile_rows_and_weights(
-        tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-        w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
+    tile, pid_n, start, end, w_base, ws_base = program_tile(
+        total_tiles, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr, w_ptr, ws_ptr,
+        shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M, N_BLOCKS, COLUMNS_FASTEST)
     if end <= start:  # an unused tail tile of the table
         return
     rows, row_ok, tokens = tile_tokens(tile, num_tiles, start, end, num_rows, token_ptr, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    cols = pid_n * BLOCK_K + tl.arange(0, BLOCK_K)  # this program's 128 gate rows of w; up rows are I below
+    cols, gs_ptr, us_ptr = gate_up_columns(pid_n, ws_base, I, stride_wsn, BLOCK_K)
     x_ptrs = xq_ptr + tokens[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]: the gathered rows, transposed
     g_ptrs = w_base + cols[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     u_ptrs = g_ptrs + I * stride_wn
     xs_ptrs = xs_ptr + tokens * stride_xsm
-    gs_ptr = ws_base + pid_n * stride_wsn
-    us_ptr = gs_ptr + (I // BLOCK_K) * stride_wsn
 
     acc_g = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)  # gateᵀ [128 columns, BM rows]
     acc_u = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
@@ -85,10 +81,9 @@ def down_swapped_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, shared_w_ptr, shared_ws_p
                         num_tiles, total_tiles, num_rows, num_tokens, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, N_BLOCKS: tl.constexpr,
                         COLUMNS_FASTEST: tl.constexpr):
-    tile, pid_n = tile_and_column_block(total_tiles, N_BLOCKS, COLUMNS_FASTEST)
-    start, end, w_base, ws_base = tile_rows_and_weights(
-        tile, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-        w_ptr, ws_ptr, shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M)
+    tile, pid_n, start, end, w_base, ws_base = program_tile(
+        total_tiles, num_tiles, num_rows, num_tokens, tile_expert_ptr, tile_start_ptr, tile_end_ptr, w_ptr, ws_ptr,
+        shared_w_ptr, shared_ws_ptr, stride_we, stride_wse, BLOCK_M, N_BLOCKS, COLUMNS_FASTEST)
     if end <= start:
         return
     rows, row_ok, cols, col_ok = down_rows_and_columns(start, end, pid_n, N, BLOCK_M, BLOCK_N)
