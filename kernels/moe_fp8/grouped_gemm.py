@@ -85,7 +85,8 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     """By rows per expert: decode (a few to tens of rows each) wants small row tiles, so a tile
     is rarely mostly padding; wider batches want wide ones for weight reuse. Measured at 35B-A3B
     shapes (docs/BENCHMARKS.md, "FP8 experts"): 16 rows, 3 stages up to ~24 rows an expert (H200:
-    0.274 / 0.293 ms at 256 / 512 tokens); 64 rows, 8 warps, 4 stages from 32 (H200: 0.95-0.99x
+    0.274 / 0.293 ms at 256 / 512 tokens), the weights on the dots' M side (`swapped.py`; H100:
+    0.98x the row-major pair at 256 / 384 / 1,024 tokens); 64 rows, 8 warps, 4 stages from 32 (H200: 0.95-0.99x
     the time of 3 stages at 2,048 / 8,192 / 32,768 tokens); from WIDE_ROWS_PER_EXPERT (8,192
     tokens) gate|up on 128-row tiles over 16 warps, down unchanged (H100: 0.96x / 0.91x at 8,192 /
     32,768 tokens). BATCHINFER_MOE_DECODE_LAUNCH / BATCHINFER_MOE_PREFILL_LAUNCH (`parse_launch`'s
@@ -100,7 +101,7 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     if override:
         return parse_launch(override)
     if decode:
-        return MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3)
+        return MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3, swap_ab=True)
     if per_expert >= WIDE_ROWS_PER_EXPERT:
         return MoeFp8Launch(KernelLaunch(128, 16, 3), KernelLaunch(64, 8, 4))
     return MoeFp8Launch.same(block_m=64, num_warps=8, num_stages=4)

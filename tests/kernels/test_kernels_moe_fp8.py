@@ -220,7 +220,9 @@ def test_the_down_kernel_runs_on_the_tiles_it_is_given(monkeypatch):
 def test_default_launch_tiles_decode_rows_small(monkeypatch):
     # Qwen3.5-35B-A3B decode: 256 / 1024 tokens x top-8 over 256 experts; prefill chunks.
     monkeypatch.delenv("BATCHINFER_MOE_PREFILL_LAUNCH", raising=False)
-    assert default_launch(256 * 8, 256).gate_up.block_m == 16
+    monkeypatch.delenv("BATCHINFER_MOE_DECODE_LAUNCH", raising=False)
+    # 8 rows an expert: 16-row tiles with the weights on the dots' M side (e4m3 wgmma at 16 rows)
+    assert default_launch(256 * 8, 256) == MoeFp8Launch.same(16, 4, 3, swap_ab=True)
     assert default_launch(1024 * 8, 256).gate_up.block_m == 64  # measured fastest at 32 rows an expert
     assert default_launch(2048 * 8, 256) == MoeFp8Launch.same(64, 8, 4)
     wide = default_launch(8192 * 8, 256)  # 256 rows an expert: gate|up on 128-row tiles, down on 64
@@ -231,7 +233,7 @@ def test_default_launch_tiles_decode_rows_small(monkeypatch):
 def test_the_prefill_launch_switch_leaves_decode_alone(monkeypatch):
     monkeypatch.setenv("BATCHINFER_MOE_PREFILL_LAUNCH", "64:8:4")
     assert default_launch(32768 * 8, 256) == MoeFp8Launch.same(64, 8, 4)
-    assert default_launch(256 * 8, 256) == MoeFp8Launch.same(16, 4, 3)  # decode keeps its tile
+    assert default_launch(256 * 8, 256) == MoeFp8Launch.same(16, 4, 3, swap_ab=True)  # decode keeps its launch
     monkeypatch.setenv("BATCHINFER_MOE_PREFILL_LAUNCH", "64:8")
     with pytest.raises(ValueError, match="'64:8'"):
         default_launch(32768 * 8, 256)
@@ -505,9 +507,12 @@ def test_fp8_moe_block_with_the_shared_expert_in_the_grouped_kernel_in_a_cuda_gr
 
 SM90_CHILD = """
 import re
+from batchinfer.kernels.moe_fp8.grouped_gemm import MoeFp8Launch
 from benchmarks.moe_fp8_sm90 import compile_sm90
-for kernel, block_m in (("gate_up", 16), ("down", 16), ("gate_up", 64), ("down", 64)):
-    ptx = compile_sm90(kernel, block_m).asm["ptx"]
+row_major_16 = MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3)
+for kernel, block_m, launch in (("gate_up", 16, None), ("down", 16, None), ("gate_up", 16, row_major_16),
+                                ("down", 16, row_major_16), ("gate_up", 64, None), ("down", 64, None)):
+    ptx = compile_sm90(kernel, block_m, launch=launch).asm["ptx"]
     print("wgmma-e4m3" if re.search(r"wgmma\\.mma_async\\S*e4m3", ptx) else "mma" if "mma.sync" in ptx else "none")
 """
 
@@ -564,9 +569,12 @@ def test_w8a16_kernels_keep_their_dots_in_flight_on_sm90():
 
 def test_kernels_compile_for_sm90():
     """The interpreter runs code the compiler refuses: compile both kernels for sm_90a offline at
-    the decode and prefill row tiles, in a child without the interpreter."""
-    # e4m3 tensor-core products at the prefill tile; below 64 rows Triton's f16 mma on exactly converted e4m3.
-    assert sm90_child_output(SM90_CHILD, timeout=600).split() == ["mma", "mma", "wgmma-e4m3", "wgmma-e4m3"]
+    the default decode and prefill launches and the row-major pair at 16 rows, in a child without
+    the interpreter."""
+    # e4m3 tensor-core products at the default launches (decode's with the weights on the M side);
+    # the row-major pair below 64 rows: Triton's f16 mma on exactly converted e4m3.
+    assert sm90_child_output(SM90_CHILD, timeout=600).split() == ["wgmma-e4m3", "wgmma-e4m3", "mma", "mma",
+                                                                   "wgmma-e4m3", "wgmma-e4m3"]
 
 
 def test_folded_gate_up_keeps_its_dots_in_flight_on_sm90():
