@@ -220,7 +220,8 @@ def measure_parts(block: SparseMoE, tokens: int, device: str) -> dict:
     H = block.experts_down.shape[1]
     x = torch.randn(tokens, H, device=device, generator=torch.Generator(device=device).manual_seed(tokens)).bfloat16()
     experts, _ = block.route(x)
-    counts = torch.diff(ops.moe_align(experts, block.num_experts).ends.long(), prepend=torch.zeros(1, device=device).long())
+    ends = ops.moe_align(experts, block.num_experts).ends.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E] rows an expert
     hit = int((counts > 0).sum())
     quantized = grouped_gemm.quantize_act(x)
     launch = grouped_gemm.default_launch(experts.numel(), block.num_experts)
@@ -228,7 +229,8 @@ def measure_parts(block: SparseMoE, tokens: int, device: str) -> dict:
     skipped = {
         "layout": [mock.patch.object(ops, "moe_align", lambda *args: layout)],
         "quantize": [mock.patch.object(grouped_gemm, "quantize_act", lambda _x: quantized)],
-        "gate_up": [mock.patch.object(grouped_gemm, name, _Skipped()) for name in ("_gate_up_kernel", "gate_up_swapped_kernel")],
+        "gate_up": [mock.patch.object(grouped_gemm, name, _Skipped())
+                    for name in ("_gate_up_kernel", "gate_up_swapped_kernel", "gate_up_folded_kernel")],
         "down": [mock.patch.object(grouped_gemm, name, _Skipped()) for name in ("_down_kernel", "down_swapped_kernel")],
     }
     kernel = ops.implementation("moe_fp8", True)

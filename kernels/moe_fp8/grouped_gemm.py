@@ -17,9 +17,11 @@ of them at H = 2,048); numbered row tile fastest, every column block re-read all
 
 The gate|up program owns 128 gate and the matching 128 up columns: its epilogue forms
 silu(gate) · up in fp32 and quantizes it per (row, 128-column group), which is exactly one group
-of the down GEMM's activations, so the [T·k, 2I] intermediate is never written. Two other pairs
-take the same arguments: `swapped.py` (W8A8 with the weights on the dots' M side, for decode's
-few rows an expert) and `w8a16.py` (16-bit activations). Reference: kernels/ref/moe_fp8.py.
+of the down GEMM's activations, so the [T·k, 2I] intermediate is never written. Other kernels
+take the same tiles and rows: `swapped.py` (this pair with the weights on the dots' M side, for
+decode's few rows an expert: the decode default), `folded.py` (gate|up with the weight scales
+folded into its rows' quantization, opt-in) and `w8a16.py` (16-bit activations, opt-in).
+Reference: kernels/ref/moe_fp8.py.
 """
 from __future__ import annotations
 
@@ -86,8 +88,8 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     is rarely mostly padding; wider batches want wide ones for weight reuse. Measured at 35B-A3B
     shapes (docs/BENCHMARKS.md, "FP8 experts"): 16 rows, 3 stages up to ~24 rows an expert (H200:
     0.274 / 0.293 ms at 256 / 512 tokens), the weights on the dots' M side (`swapped.py`; H100:
-    0.98x the row-major pair at 256 / 384 / 1,024 tokens); 64 rows, 8 warps, 4 stages from 32 (H200: 0.95-0.99x
-    the time of 3 stages at 2,048 / 8,192 / 32,768 tokens); from WIDE_ROWS_PER_EXPERT (8,192
+    0.98x the row-major pair at 256 / 384 / 1,024 tokens); 64 rows, 8 warps, 4 stages from 32
+    (H200: 0.95-0.99x the time of 3 stages at 2,048 / 8,192 / 32,768 tokens); from WIDE_ROWS_PER_EXPERT (8,192
     tokens) gate|up on 128-row tiles over 16 warps, down unchanged (H100: 0.96x / 0.91x at 8,192 /
     32,768 tokens). BATCHINFER_MOE_DECODE_LAUNCH / BATCHINFER_MOE_PREFILL_LAUNCH (`parse_launch`'s
     text) replace the launch of the decode-sized steps / of every step wider; W8A16 only where

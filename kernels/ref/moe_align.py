@@ -4,8 +4,8 @@ it before the op existed.
 Assignment i = t·k + j is token t's j-th expert. Sorted stably by expert (argsort), row r of the
 sorted order reads token `token_of[r]`; `slot[t, j]` is where assignment (t, j) landed; expert e
 owns rows [ends[e-1], ends[e]); with `block_m` the row tiles of the grouped FP8 GEMM
-(`kernels/moe_fp8/tiles.py`), and with `down_block_m` its down kernel's own where they differ. Every output has a fixed size (no host sync: decode steps stay
-graph-capturable).
+(`kernels/moe_fp8/tiles.py`), and with `down_block_m` its down kernel's own where they differ.
+Every output has a fixed size (no host sync: decode steps stay graph-capturable).
 """
 from __future__ import annotations
 

@@ -72,10 +72,12 @@ def test_each_part_is_left_out_alone_and_everything_comes_back(monkeypatch):
         return lambda *args, **kwargs: ran[-1].add(name) or fn(*args, **kwargs)
 
     run_experts = block._run_experts
-    monkeypatch.setattr(block, "_run_experts", lambda *args, **kwargs: ran.append(set()) or run_experts(*args, **kwargs))
+    monkeypatch.setattr(block, "_run_experts",
+                        lambda *args, **kwargs: ran.append(set()) or run_experts(*args, **kwargs))
     monkeypatch.setattr(ops, "moe_align", recorded_function("layout", ops.moe_align))
     monkeypatch.setattr(grouped_gemm, "quantize_act", recorded_function("quantize", grouped_gemm.quantize_act))
-    kernels = {"gate_up": ("_gate_up_kernel", "gate_up_swapped_kernel"), "down": ("_down_kernel", "down_swapped_kernel")}
+    kernels = {"gate_up": ("_gate_up_kernel", "gate_up_swapped_kernel"),
+               "down": ("_down_kernel", "down_swapped_kernel")}
     for part, names in kernels.items():  # whichever pair the default launch runs
         for name in names:
             monkeypatch.setattr(grouped_gemm, name, Recorded(part, getattr(grouped_gemm, name)))

@@ -126,7 +126,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from batchinfer.kernels.moe_align import align as K
 
-KERNELS = {  # kernel: (pointer types, constexprs) at the 35B-A3B's 256 experts, top-8, 16-row tiles (the scan: 128 / 64)
+# kernel: (pointer types, constexprs) at the 35B-A3B's 256 experts, top-8, 16-row tiles (the scan: 128 / 64)
+KERNELS = {
     "_count_kernel": (dict(experts_ptr="*i64", counts_ptr="*i32", rank_ptr="*i32"), dict(BLOCK=K.BLOCK)),
     "_scan_kernel": (dict(counts_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32", tile_ends_ptr="*i32",
                           down_tile_ends_ptr="*i32"), dict(BLOCK_M=128, DOWN_BLOCK_M=64, BLOCK_E=256)),

@@ -526,7 +526,8 @@ for launch in (MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3, swap_ab=
     for kernel in ("gate_up", "down"):
         ptx = compile_sm90(kernel, 0, launch=launch).asm["ptx"]
         dots = set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.(m64n\\d+k32)\\.f32\\.e4m3\\.e4m3", ptx))
-        print(kernel, ",".join(sorted(dots)) or "none", "mma.sync" in ptx, len(re.findall(r"cvt\\.rn\\.f16x2\\.e4m3x2", ptx)))
+        conversions = len(re.findall(r"cvt\\.rn\\.f16x2\\.e4m3x2", ptx))
+        print(kernel, ",".join(sorted(dots)) or "none", "mma.sync" in ptx, conversions)
 """
 
 
