@@ -230,7 +230,7 @@ def measure_parts(block: SparseMoE, tokens: int, device: str) -> dict:
         "layout": [mock.patch.object(ops, "moe_align", lambda *args: layout)],
         "quantize": [mock.patch.object(grouped_gemm, "quantize_act", lambda _x: quantized)],
         "gate_up": [mock.patch.object(grouped_gemm, name, _Skipped())
-                    for name in ("_gate_up_kernel", "gate_up_swapped_kernel", "gate_up_folded_kernel")],
+                    for name in ("_gate_up_kernel", "gate_up_swapped_kernel")],
         "down": [mock.patch.object(grouped_gemm, name, _Skipped()) for name in ("_down_kernel", "down_swapped_kernel")],
     }
     kernel = ops.implementation("moe_fp8", True)

@@ -16,7 +16,6 @@ def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from batchinfer.kernels.moe_fp8 import folded as F
     from batchinfer.kernels.moe_fp8 import grouped_gemm as K
     from batchinfer.kernels.moe_fp8 import swapped as S
     from batchinfer.kernels.moe_fp8 import w8a16 as W
@@ -37,10 +36,6 @@ def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: in
         fn = W.gate_up_w8a16_kernel if up else W.down_w8a16_kernel
         types = dict(x_ptr=act, token_ptr=i32, h_ptr=act) if up else dict(h_ptr=act, y_ptr="*bf16")
         constexprs.update(PRECISION="tf32", FP16_DOTS=launch.fp16_dots)
-    elif launch.fold_scales and up:  # bf16 rows and their groups' amax, quantized in the kernel
-        fn = F.gate_up_folded_kernel
-        types = dict(x_ptr="*bf16", amax_ptr=fp32, token_ptr=i32, hq_ptr=fp8, hs_ptr=fp32)
-        constexprs.update(BLOCK_KT=1 << (hidden // GROUP - 1).bit_length())
     else:
         fn = (S.gate_up_swapped_kernel if up else S.down_swapped_kernel) if launch.swap_ab else \
             (K._gate_up_kernel if up else K._down_kernel)
@@ -77,7 +72,6 @@ def print_sm90(launches: list | None = None) -> None:
         pending = max((int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)), default=0)
         mode = (" w8a16" + (" fp16 dots" if launch.fp16_dots else "")) if launch is not None and launch.w8a16 else ""
         mode += " swap" if launch is not None and launch.swap_ab else ""
-        mode += " fold" if launch is not None and launch.fold_scales and kernel == "gate_up" else ""
         shown = block_m if launch is None else f"{getattr(launch, kernel)}{mode}"
         print(f"{kernel:8} {shown}  registers {registers:4d}  spill {spills:5d} B  "
               f"smem {compiled.metadata.shared:7d} B  {kind} {mma}  in flight {pending}  e4m3 cvt {conversions}")

@@ -19,8 +19,7 @@ The gate|up program owns 128 gate and the matching 128 up columns: its epilogue 
 silu(gate) · up in fp32 and quantizes it per (row, 128-column group), which is exactly one group
 of the down GEMM's activations, so the [T·k, 2I] intermediate is never written. Other kernels
 take the same tiles and rows: `swapped.py` (this pair with the weights on the dots' M side, for
-decode's few rows an expert: the decode default), `folded.py` (gate|up with the weight scales
-folded into its rows' quantization, opt-in) and `w8a16.py` (16-bit activations, opt-in).
+decode's few rows an expert: the decode default) and `w8a16.py` (16-bit activations, opt-in).
 Reference: kernels/ref/moe_fp8.py.
 """
 from __future__ import annotations
@@ -34,7 +33,6 @@ import triton.language as tl
 
 from batchinfer.kernels.fp8_gemm.reference import FP8_DTYPE, GROUP
 from batchinfer.kernels.fp8_gemm.triton_fp8 import quantize_act
-from batchinfer.kernels.moe_fp8.folded import gate_up_folded_kernel, group_amax
 from batchinfer.kernels.moe_fp8.programs import (down_rows_and_columns, gate_up_columns, program_tile,
                                                   quantize_groups_and_store, tile_tokens)
 from batchinfer.kernels.moe_fp8.swapped import down_swapped_kernel, gate_up_swapped_kernel
@@ -64,11 +62,10 @@ class MoeFp8Launch:
     w8a16: bool = False  # activations unquantized, 16-bit dots on dequantized weight tiles (`w8a16.py`)
     fp16_dots: bool = False  # with w8a16: the dots in fp16 (activations converted), the cheaper dequantization
     swap_ab: bool = False  # W8A8 with the weights on the dots' M side (`swapped.py`): e4m3 wgmma at few rows
-    fold_scales: bool = False  # gate|up quantizes its rows with the weight scales folded in (`folded.py`)
 
     def __post_init__(self):
         assert self.w8a16 or not self.fp16_dots, "fp16_dots is a W8A16 option"
-        assert sum((self.w8a16, self.swap_ab, self.fold_scales)) <= 1, "one kernel variant at a time"
+        assert not (self.w8a16 and self.swap_ab), "the W8A16 pair has its weights on the M side already"
 
     @classmethod
     def same(cls, block_m: int, num_warps: int = 4, num_stages: int = 3, **kwargs) -> "MoeFp8Launch":
@@ -110,14 +107,13 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
 
 
 def parse_launch(text: str) -> MoeFp8Launch:
-    """`GATE_UP[/DOWN[:BLOCK_N]][+a16|+f16|+swap|+fold]`, each `BLOCK_M:WARPS:STAGES`; a trailing
-    `:rows` on the gate|up part numbers the programs row tile fastest; `+a16`: the W8A16 kernels,
-    `+f16` with their dots in fp16; `+swap`: the W8A8 pair with the weights on the dots' M side;
-    `+fold`: the gate|up kernel with the weight scales folded into its rows' quantization. One
-    part: both kernels on that launch. E.g. `64:8:4`, `128:16:3/64:8:4+fold`, `16:4:3+swap`."""
+    """`GATE_UP[/DOWN[:BLOCK_N]][+a16|+f16|+swap]`, each `BLOCK_M:WARPS:STAGES`; a trailing `:rows` on
+    the gate|up part numbers the programs row tile fastest; `+a16`: the W8A16 kernels, `+f16` with
+    their dots in fp16; `+swap`: the W8A8 pair with the weights on the dots' M side. One part: both
+    kernels on that launch. E.g. `64:8:4`, `128:16:3/64:8:4`, `16:4:3+swap`."""
     try:
         body, plus, mode = text.strip().partition("+")
-        if plus and mode not in ("a16", "f16", "swap", "fold"):
+        if plus and mode not in ("a16", "f16", "swap"):
             raise ValueError(f"unknown suffix +{mode}")
         up_text, _, down_text = body.partition("/")
         up_fields = up_text.split(":")
@@ -132,8 +128,7 @@ def parse_launch(text: str) -> MoeFp8Launch:
     except ValueError as error:
         raise ValueError(f"MoE FP8 launch {text!r}: {error}") from None
     return MoeFp8Launch(gate_up, down, block_n_down=block_n, columns_fastest=up_fields[3:] != ["rows"],
-                        w8a16=mode in ("a16", "f16"), fp16_dots=mode == "f16", swap_ab=mode == "swap",
-                        fold_scales=mode == "fold")
+                        w8a16=mode in ("a16", "f16"), fp16_dots=mode == "f16", swap_ab=mode == "swap")
 
 
 def w8a16_requested() -> bool:
@@ -290,20 +285,11 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     hs = torch.empty((M + shared_rows, I // GROUP), dtype=torch.float32, device=x.device)
     gate_up_kernel, down_kernel = ((gate_up_swapped_kernel, down_swapped_kernel) if launch.swap_ab
                                    else (_gate_up_kernel, _down_kernel))
-    if launch.fold_scales:  # the rows in their dtype and each group's amax: the kernel quantizes them
-        assert x.stride(1) == 1 and H % GROUP == 0
-        amax = group_amax(x)  # [T, H/128]
-        up_sizes.update(BLOCK_KT=triton.next_power_of_2(H // GROUP))
-        gate_up_folded_kernel[up_grid](
-            x, amax, token_of, w13, s13, shared_w13, shared_s13, hq, hs, tiles.expert, tiles.start, tiles.end, I,
-            x.stride(0), amax.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-            hq.stride(0), hs.stride(0), tiles.capacity, up_tiles, M, shared_rows, **up_sizes)
-    else:
-        xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
-        gate_up_kernel[up_grid](
-            xq, xs, token_of, w13, s13, shared_w13, shared_s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
-            xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-            hq.stride(0), hs.stride(0), tiles.capacity, up_tiles, M, shared_rows, **up_sizes)
+    xq, xs = quantize_act(x)  # T rows, not T·k: quantization is per row, the kernel gathers
+    gate_up_kernel[up_grid](
+        xq, xs, token_of, w13, s13, shared_w13, shared_s13, hq, hs, tiles.expert, tiles.start, tiles.end, H, I,
+        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        hq.stride(0), hs.stride(0), tiles.capacity, up_tiles, M, shared_rows, **up_sizes)
     down_kernel[down_grid](
         hq, hs, w2, s2, shared_w2, shared_s2, y, down_tiles.expert, down_tiles.start, down_tiles.end, H, I,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),

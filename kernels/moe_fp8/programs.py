@@ -1,5 +1,5 @@
 """Which rows, tokens and weights a program of the grouped expert kernels owns (the FP8-activation
-kernels in `grouped_gemm.py`, `swapped.py` and `folded.py`, the bf16-activation ones in `w8a16.py`),
+kernels in `grouped_gemm.py` and `swapped.py`, the bf16-activation ones in `w8a16.py`),
 and how a gate|up program stores silu(gate) · up for the down kernel."""
 from __future__ import annotations
 

@@ -6,9 +6,7 @@ Per expert: the token rows quantized per (token, 128-column group) as the dense 
 times the dequantized gate|up block; `silu(gate) · up` in fp32; that quantized per 128-column
 group again; times the dequantized down block. Products in fp32, output rounded once. W8A16
 (`launch.w8a16`, `kernels/moe_fp8/w8a16.py`): the rows as they are, the weights dequantized to
-their dtype, `silu(gate) · up` rounded to it. Folded scales (`launch.fold_scales`,
-`kernels/moe_fp8/folded.py`): the gate|up rows quantized per (row, 128-column block of the
-weights, K group) at the weight block's scale folded in, times the weights' e4m3 values.
+their dtype, `silu(gate) · up` rounded to it.
 """
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from batchinfer.kernels.fp8_gemm.reference import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP, block_dequantize,
-                                                   quantize_act_reference)
+from batchinfer.kernels.fp8_gemm.reference import GROUP, block_dequantize, quantize_act_reference
 
 
 def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
@@ -63,33 +60,13 @@ class _W8A16(NamedTuple):
         return (q.to(torch.float16) * scale.to(torch.float16)).float()
 
 
-def folded_gate_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor) -> torch.Tensor:
-    """Rows x [rows, H] (fp32 values of the activations' dtype) through one expert's gate|up as
-    `folded.py` computes it → [rows, 2I] fp32: for each 128-row block j of w13, each row quantized
-    per K group g at the scale c / s13[j, g], c = max_g amax[row, g] · s13[j, g] / 448, times the
-    block's e4m3 values, then times c."""
-    rows, H = x.shape
-    groups = x.view(rows, H // GROUP, GROUP)  # [rows, G, 128]
-    amax = groups.abs().amax(-1)  # [rows, G]
-    out = torch.empty(rows, w13.shape[0], dtype=torch.float32, device=x.device)
-    for j in range(w13.shape[0] // GROUP):
-        scales = s13[j].float()  # [G]
-        c = (amax * scales).amax(-1).clamp_min(AMAX_FLOOR) / torch.full((rows,), FP8_MAX, device=x.device)
-        factor = scales[None, :] / c[:, None]  # [rows, G]
-        q = (groups * factor[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float().view(rows, H)
-        out[:, j * GROUP:(j + 1) * GROUP] = (q @ w13[j * GROUP:(j + 1) * GROUP].float().t()) * c[:, None]
-    return out
-
-
 def _expert(a: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-            w8a16: _W8A16 | None = None, folded: bool = False) -> torch.Tensor:
+            w8a16: _W8A16 | None = None) -> torch.Tensor:
     """Rows a [rows, H] (fp32) through one FP8 expert → [rows, H] in fp32. W8A8: `a` already
-    quantized-dequantized, silu(gate)·up quantized the same way; `folded`: `a` as it is, gate|up
-    as `folded_gate_up`; W8A16: `a` as the dots take it, the weights dequantized as they do,
-    silu(gate)·up rounded to the activations' dtype."""
+    quantized-dequantized, silu(gate)·up quantized the same way; W8A16: `a` as the dots take it,
+    the weights dequantized as they do, silu(gate)·up rounded to the activations' dtype."""
     dequantize = block_dequantize if w8a16 is None else (lambda q, s: w8a16.weights(q, s))
-    gate_up = folded_gate_up(a, w13, s13) if folded else a @ dequantize(w13, s13).t()
-    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = (a @ dequantize(w13, s13).t()).chunk(2, dim=-1)
     h = F.silu(gate) * up  # [rows, I]
     h = quantize_dequantize(h) if w8a16 is None else w8a16.operand(h)
     return h @ dequantize(w2, s2).t()
@@ -107,19 +84,17 @@ def moe_fp8(x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor, w13: to
     `out`, when given, receives the result."""
     M, H = token_of.shape[0], x.shape[1]
     w8a16 = _W8A16(x.dtype, launch.fp16_dots) if launch is not None and launch.w8a16 else None
-    folded = launch is not None and launch.fold_scales
-    # [T, H]: per-row quantization commutes with the gather; W8A16 and the folded gate|up take the
-    # activations as they are (the folded one quantizes them per weight block itself)
-    a_tokens = w8a16.operand(x) if w8a16 is not None else x.float() if folded else quantize_dequantize(x)
+    # [T, H]: per-row quantization commutes with the gather; W8A16 takes the activations as they are
+    a_tokens = quantize_dequantize(x) if w8a16 is None else w8a16.operand(x)
     y = torch.zeros(M, H, dtype=torch.float32, device=x.device)
     a = a_tokens[token_of.long()]  # [M, H]
     start = 0
     for expert, end in enumerate(ends.tolist()):
         if end > start:
-            y[start:end] = _expert(a[start:end], w13[expert], s13[expert], w2[expert], s2[expert], w8a16, folded)
+            y[start:end] = _expert(a[start:end], w13[expert], s13[expert], w2[expert], s2[expert], w8a16)
         start = end
     if shared is not None:
-        y = torch.cat([y, _expert(a_tokens, *shared, w8a16, folded)])
+        y = torch.cat([y, _expert(a_tokens, *shared, w8a16)])
     y = y.to(x.dtype)
     if out is not None:
         out.copy_(y)

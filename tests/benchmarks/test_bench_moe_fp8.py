@@ -34,8 +34,6 @@ def test_launch_text_names_each_kernel():
     assert parse_launch("64:8:3+a16") == MoeFp8Launch.same(64, 8, 3, w8a16=True)
     assert parse_launch("64:8:3/16:4:3+a16").w8a16
     assert parse_launch("16:4:3/16:4:3:256+swap") == MoeFp8Launch.same(16, 4, 3, block_n_down=256, swap_ab=True)
-    assert parse_launch("128:16:3/64:8:4+fold") == MoeFp8Launch(KernelLaunch(128, 16, 3), KernelLaunch(64, 8, 4),
-                                                                 fold_scales=True)
 
 
 @interpreter_only

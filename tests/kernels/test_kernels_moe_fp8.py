@@ -28,12 +28,8 @@ LAUNCHES = [MoeFp8Launch.same(block_m=16, block_n_down=64, num_warps=4, num_stag
             MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256),
             # The weights on the dots' M side (`swapped.py`): one table, and each kernel its own with a wide down tile.
             MoeFp8Launch.same(block_m=16, block_n_down=64, num_warps=4, num_stages=1, swap_ab=True),
-            MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256, swap_ab=True),
-            # gate|up quantizing its rows with the weight scales folded in (`folded.py`): its own maths.
-            MoeFp8Launch.same(block_m=16, block_n_down=64, num_warps=4, num_stages=1, fold_scales=True),
-            MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256, fold_scales=True)]
-LAUNCH_IDS = ["m16n64", "m32n128", "m16n64-rows-fastest", "m32-down-m16n256", "swap-m16n64", "swap-m32-down-m16n256",
-              "fold-m16n64", "fold-m32-down-m16n256"]
+            MoeFp8Launch(KernelLaunch(32, 4, 1), KernelLaunch(16, 4, 1), block_n_down=256, swap_ab=True)]
+LAUNCH_IDS = ["m16n64", "m32n128", "m16n64-rows-fastest", "m32-down-m16n256", "swap-m16n64", "swap-m32-down-m16n256"]
 
 
 def _inputs(counts: list[int], seed: int, T: int = 23, dtype=torch.float32):
@@ -87,31 +83,6 @@ def test_kernel_matches_the_fp32_reference(counts, launch):
     # And FP8 is near the unquantized experts (e4m3: ~2^-4 relative per operand).
     exact = _unquantized(*args)
     assert (ref.cpu() - exact).abs().max() <= 0.1 * exact.abs().max()
-
-
-@interpreter_only
-@pytest.mark.parametrize("counts", COUNTS)
-@pytest.mark.parametrize("outlier", [1.0, 300.0])
-def test_folded_gate_up_computes_its_own_maths_as_accurately(counts, outlier):
-    """The folded gate|up (`folded.py`) quantizes its rows per weight block: the kernel matches
-    that reference to fp32 summation order, which is another approximation than the row-major
-    maths (a discriminating check), and as near the unquantized experts as the row-major maths,
-    also with one 128-column group of every row `outlier` times the others (massive activations)."""
-    launch = LAUNCHES[6]
-    x, *rest = _inputs(counts, seed=11)
-    x = x.clone()
-    x[:, :128] *= outlier
-    args = (x, *rest)
-    out = torch.full((sum(counts), H), float("nan"), device=DEVICE)
-    triton_moe_fp8(*args, launch=launch, out=out)
-    folded, row_major = reference_moe_fp8(*args, launch=launch), reference_moe_fp8(*args)
-    scale = folded.abs().max()
-    assert (out - folded).abs().max() <= 1e-5 * scale  # the interpreter's fp32 dots: only the order differs
-    # another quantization, which the check tells apart: the kernel sits far nearer its own maths
-    assert (out - folded).norm() <= 1e-2 * (folded - row_major).norm()
-    exact = _unquantized(*args)
-    error = lambda y: ((y.cpu() - exact).norm() / exact.norm()).item()  # noqa: E731
-    assert error(folded) <= 1.25 * error(row_major), (error(folded), error(row_major))
 
 
 def _shared_expert(seed: int) -> SharedExpert:
@@ -254,15 +225,15 @@ def test_ops_dispatches_moe_fp8():
     assert ops.implementation("moe_fp8", False) is reference_moe_fp8
 
 
-# -- the model: a tiny FP8 MoE (every layer MoE, 4 experts top-2, hidden 128 unless asked, experts 128 wide).
+# -- the model: a tiny FP8 MoE (every layer MoE, 4 experts top-2, hidden 128, experts 128 wide).
 
-def _tiny_fp8_moe(hidden: int = 128):
+def _tiny_fp8_moe():
     from batchinfer.models.config import model_config_from_dict
     from batchinfer.models.fp8_model import random_fp8_model
     from batchinfer.models.presets import PRESETS
 
     raw = {**PRESETS["tiny"], "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-           "hidden_size": hidden, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+           "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
            "linear_value_head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
            "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
@@ -311,29 +282,6 @@ def test_tiny_fp8_moe_logits_grouped_fp8_vs_dequantized(monkeypatch):
 
 
 @interpreter_only
-def test_tiny_fp8_moe_logits_with_the_folded_gate_up(monkeypatch):
-    """A launch with `+fold` set by the environment reaches the layer: the logits are the folded
-    maths' (the reference op given the same launch), not the row-major kernel's, and as near the
-    dequantized model."""
-    from batchinfer.models.layers import mlp
-
-    model = _tiny_fp8_moe(hidden=256)  # two K groups: with one, the folded quantization is the row-major one
-    dequantized = _logits(model)
-    kernel = ops.implementation("moe_fp8", True)
-    monkeypatch.setattr(mlp, "_grouped_fp8_op", lambda x: kernel)
-    row_major = _logits(model)
-    monkeypatch.setenv("BATCHINFER_MOE_DECODE_LAUNCH", "16:4:1+fold")  # the tiny model's steps are decode-sized
-    folded = _logits(model)
-    monkeypatch.setattr(mlp, "_grouped_fp8_op", lambda x: ops.implementation("moe_fp8", False))
-    reference = _logits(model)
-    torch.testing.assert_close(folded, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
-    assert (folded - reference).norm() <= 1e-2 * (folded - row_major).norm()
-    scale = dequantized.abs().max()
-    assert (folded - dequantized).abs().max() / scale < 0.05
-    assert (folded.argmax(-1) == dequantized.argmax(-1)).float().mean() >= 0.8
-
-
-@interpreter_only
 def test_tiny_fp8_moe_layer_hands_its_layouts_down_tiles_to_the_kernel(monkeypatch):
     """Where gate|up and down take different row tiles (the prefill default's 128 / 64), both
     tables come from the layer's layout, none is built in the kernel, and the logits are those of
@@ -379,12 +327,10 @@ def test_tiny_fp8_moe_logits_with_the_shared_expert_in_the_grouped_kernel(monkey
 @requires_cuda
 @pytest.mark.parametrize("tokens", [256, 4096])
 @pytest.mark.parametrize("launch", ["default", "w8a16", "64:8:3+f16", "128:16:3/128:8:3", "64:8:4/64:8:3:256",
-                                    "16:4:3+swap", "32:4:3+swap", "16:4:3/16:4:3:256+swap",
-                                    "128:16:3/64:8:4+fold", "64:8:4+fold"])
+                                    "16:4:3", "32:4:3+swap", "16:4:3/16:4:3:256+swap"])
 def test_kernels_at_the_35b_a3b_expert_shapes_on_cuda(tokens, launch):
     """The real shapes compile to other instructions than the interpreter's tiny ones (wgmma at
-    64-row tiles and in the swapped pair, mma.sync below, rows quantized in registers for the
-    folded gate|up): each launch against the fp32 reference on the GPU, with the
+    64-row tiles and in the swapped pair, mma.sync below): each launch against the fp32 reference on the GPU, with the
     shared expert's rows, outputs NaN-poisoned."""
     from batchinfer.kernels.moe_fp8.grouped_gemm import parse_launch
 
@@ -531,17 +477,6 @@ for launch in (MoeFp8Launch.same(block_m=16, num_warps=4, num_stages=3, swap_ab=
 """
 
 
-SM90_FOLDED_CHILD = """
-import re
-from batchinfer.kernels.moe_fp8.grouped_gemm import parse_launch
-from benchmarks.moe_fp8_sm90 import compile_sm90
-for text in ("128:16:3/64:8:4+fold", "64:8:4+fold"):
-    ptx = compile_sm90("gate_up", 0, launch=parse_launch(text)).asm["ptx"]
-    waits = [int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned (\\d+)", ptx)]
-    print(text, "e4m3" if re.search(r"wgmma\\.mma_async\\S*\\.e4m3\\.e4m3", ptx) else "none", max(waits, default=0))
-"""
-
-
 SM90_W8A16_CHILD = """
 import re
 from batchinfer.kernels.moe_fp8.grouped_gemm import MoeFp8Launch
@@ -576,14 +511,6 @@ def test_kernels_compile_for_sm90():
     # the row-major pair below 64 rows: Triton's f16 mma on exactly converted e4m3.
     assert sm90_child_output(SM90_CHILD, timeout=600).split() == ["wgmma-e4m3", "wgmma-e4m3", "mma", "mma",
                                                                    "wgmma-e4m3", "wgmma-e4m3"]
-
-
-def test_folded_gate_up_keeps_its_dots_in_flight_on_sm90():
-    """The point of the folded gate|up: its e4m3 dots accumulate into the loop's accumulators
-    (A quantized in registers), so the waits leave groups in flight (the row-major kernel: 0)."""
-    for line in sm90_child_output(SM90_FOLDED_CHILD, timeout=600).splitlines():
-        text, dots, in_flight = line.split()
-        assert dots == "e4m3" and int(in_flight) > 0, line
 
 
 def test_swapped_kernels_run_e4m3_wgmma_at_decode_tiles_on_sm90():
