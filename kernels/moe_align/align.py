@@ -114,17 +114,18 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int = 0, down_bl
         _scan_kernel[(1,)](counts, starts, ends, tile_ends, down_tile_ends, E, BLOCK_M=block_m,
                            DOWN_BLOCK_M=down_block_m, BLOCK_E=block_e)
         _scatter_kernel[(triton.cdiv(M, BLOCK),)](flat, rank, starts, token_of, slot, M, K=k, BLOCK=BLOCK)
-    tiles = _tiles(tile_ends, starts, ends, tables[:3], block_m, capacity) if block_m else None
-    down_tiles = _tiles(down_tile_ends, starts, ends, tables[3:], down_block_m, down_capacity) if down_block_m else None
+    tiles = _tiles(tile_ends, starts, ends, tables[:3], block_m, capacity, block_e) if block_m else None
+    down_tiles = (_tiles(down_tile_ends, starts, ends, tables[3:], down_block_m, down_capacity, block_e)
+                  if down_block_m else None)
     return ExpertLayout(token_of, slot.view(T, k), ends, tiles, down_tiles)
 
 
 def _tiles(tile_ends: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, table: list[torch.Tensor],
-           block_m: int, capacity: int) -> ExpertTiles:
+           block_m: int, capacity: int, block_e: int) -> ExpertTiles:
     """The row tiles of `block_m` rows into `table` (expert, start, end: [capacity] each)."""
     expert, start, end = table
     if capacity > 0:
         _tiles_kernel[(triton.cdiv(capacity, BLOCK_TILES),)](
             tile_ends, starts, ends, expert, start, end, ends.numel(), capacity,
-            BLOCK_M=block_m, BLOCK_T=BLOCK_TILES, BLOCK_E=triton.next_power_of_2(max(ends.numel(), 1)))
+            BLOCK_M=block_m, BLOCK_T=BLOCK_TILES, BLOCK_E=block_e)
     return ExpertTiles(expert, start, end, capacity)
