@@ -83,13 +83,21 @@ def down_rows_and_columns(start, end, pid_n, N, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def quantize_groups_and_store(h, rows, row_ok, cols, pid_n, hq_ptr, hs_ptr, stride_hm, stride_hsm):
-    """silu(gate) · up [BM, 128] (one 128-column group of the down GEMM's input per row) → e4m3 at
-    its row's scale amax / 448, stored with the scale: the down kernel's operand."""
-    amax = tl.maximum(tl.max(tl.abs(h), axis=1), _AMAX_FLOOR)
-    scale = tl.math.div_rn(amax, _FP8_MAX)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -_FP8_MAX), _FP8_MAX)
-    rows64 = rows.to(tl.int64)
-    tl.store(hq_ptr + rows64[:, None] * stride_hm + cols[None, :], _round_to_e4m3(q).to(tl.float8e4nv),
-             mask=row_ok[:, None])
-    tl.store(hs_ptr + rows64 * stride_hsm + pid_n, scale, mask=row_ok)
+def quantize_groups_and_store(h, rows, row_ok, cols, pid_n, hq_ptr, hs_ptr, stride_hm, stride_hsm,
+                              ROWS_ON_COLUMNS: tl.constexpr = False):
+    """silu(gate) · up, one 128-column group of the down GEMM's input per row, → e4m3 at its row's
+    scale amax / 448, stored with the scale: the down kernel's operand. h is [BM rows, 128], or
+    [128, BM rows] with ROWS_ON_COLUMNS (the swapped kernel's transposed accumulator)."""
+    if ROWS_ON_COLUMNS:
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=0), _AMAX_FLOOR), _FP8_MAX)  # [BM]
+        q = tl.math.div_rn(h, scale[None, :])
+        offsets = rows.to(tl.int64)[None, :] * stride_hm + cols[:, None]
+        row_mask = row_ok[None, :]
+    else:
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), _AMAX_FLOOR), _FP8_MAX)  # [BM]
+        q = tl.math.div_rn(h, scale[:, None])
+        offsets = rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
+        row_mask = row_ok[:, None]
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    tl.store(hq_ptr + offsets, _round_to_e4m3(q).to(tl.float8e4nv), mask=row_mask)
+    tl.store(hs_ptr + rows.to(tl.int64) * stride_hsm + pid_n, scale, mask=row_ok)

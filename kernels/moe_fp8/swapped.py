@@ -21,12 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchinfer.kernels.fp8_gemm.reference import AMAX_FLOOR, FP8_MAX
-from batchinfer.kernels.fp8_gemm.triton_fp8 import _round_to_e4m3
-from batchinfer.kernels.moe_fp8.programs import down_rows_and_columns, gate_up_columns, program_tile, tile_tokens
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+from batchinfer.kernels.moe_fp8.programs import (down_rows_and_columns, gate_up_columns, program_tile,
+                                                  quantize_groups_and_store, tile_tokens)
 
 
 @triton.jit(do_not_specialize=["num_tiles", "total_tiles", "num_rows", "num_tokens"])
@@ -65,13 +61,8 @@ def gate_up_swapped_kernel(xq_ptr, xs_ptr, token_ptr, w_ptr, ws_ptr, shared_w_pt
         u_ptrs += BLOCK_K
 
     h = acc_g * tl.sigmoid(acc_g) * acc_u  # [128, BM]: each row's one quantization group of the down input
-    amax = tl.maximum(tl.max(tl.abs(h), axis=0), _AMAX_FLOOR)  # [BM]
-    scale = tl.math.div_rn(amax, _FP8_MAX)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[None, :]), -_FP8_MAX), _FP8_MAX)
-    rows64 = rows.to(tl.int64)
-    tl.store(hq_ptr + rows64[None, :] * stride_hm + cols[:, None], _round_to_e4m3(q).to(tl.float8e4nv),
-             mask=row_ok[None, :])
-    tl.store(hs_ptr + rows64 * stride_hsm + pid_n, scale, mask=row_ok)
+    quantize_groups_and_store(h, rows, row_ok, cols, pid_n, hq_ptr, hs_ptr, stride_hm, stride_hsm,
+                              ROWS_ON_COLUMNS=True)
 
 
 @triton.jit(do_not_specialize=["num_tiles", "total_tiles", "num_rows", "num_tokens"])
