@@ -170,6 +170,10 @@ for part in "$@"; do
              step moe_decode_sweep 80 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 256,384,1024 \
                --parts --launches 16:4:3,16:4:3+swap,16:4:2+swap,32:4:3+swap,64:8:4
              jobs8k peer35fp8 340 qwen3.5-35b-a3b-fp8 "1024$GEN" ;;
+    # moe_round without its GPU tests (they passed on an H100 on this tree): the H200's sweep and job
+    moe_job) step moe_decode_sweep 80 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 256,384,1024 \
+               --parts --launches 16:4:3,16:4:3+swap,32:4:3+swap,64:8:4
+             jobs8k peer35fp8 340 qwen3.5-35b-a3b-fp8 "1024$GEN" ;;
     # The FP8 35B-A3B 8k / 1k job at the defaults (the swapped decode experts) against the row-major pair, one process
     moe_swap_ab) jobs8k moe_swap_ab 420 qwen3.5-35b-a3b-fp8 "256$GEN,256$GEN/env.BATCHINFER_MOE_DECODE_LAUNCH=16:4:3" ;;
     # The same job at the defaults against the W8A16 experts (bf16 dots, fp16 dots), one process
