@@ -20,7 +20,7 @@ def compile_sm90(kernel: str, block_m: int, hidden: int = 2048, intermediate: in
     from batchinfer.kernels.moe_fp8 import swapped as S
     from batchinfer.kernels.moe_fp8 import w8a16 as W
     if launch is None:
-        launch = next(K.default_launch(rows, 256) for rows in (256 * 8, 1024 * 8, 8192 * 8)
+        launch = next(K.default_launch(rows, 256) for rows in (256 * 8, 1024 * 8, 2048 * 8, 8192 * 8)
                       if K.default_launch(rows, 256).gate_up.block_m == block_m)
     fp8, fp32, i32 = "*fp8e4nv", "*fp32", "*i32"
     up = kernel == "gate_up"
@@ -57,7 +57,7 @@ def print_sm90(launches: list | None = None) -> None:
     import re
 
     from benchmarks.sm90_compile import ptxas_resources
-    cases = [(kernel, block_m, None) for kernel in ("gate_up", "down") for block_m in (16, 64)]
+    cases = [(kernel, block_m, None) for kernel in ("gate_up", "down") for block_m in (16, 32, 64)]
     if launches:
         cases = [(kernel, 0, launch) for launch in launches for kernel in ("gate_up", "down")]
     for kernel, block_m, launch in cases:

@@ -194,7 +194,9 @@ def test_default_launch_tiles_decode_rows_small(monkeypatch):
     monkeypatch.delenv("BATCHINFER_MOE_DECODE_LAUNCH", raising=False)
     # 8 rows an expert: 16-row tiles with the weights on the dots' M side (e4m3 wgmma at 16 rows)
     assert default_launch(256 * 8, 256) == MoeFp8Launch.same(16, 4, 3, swap_ab=True)
-    assert default_launch(1024 * 8, 256).gate_up.block_m == 64  # measured fastest at 32 rows an expert
+    assert default_launch(768 * 8, 256) == MoeFp8Launch.same(16, 4, 3, swap_ab=True)  # 24 rows an expert
+    assert default_launch(1024 * 8, 256) == MoeFp8Launch.same(32, 4, 3, swap_ab=True)  # 32: measured fastest
+    assert default_launch(1536 * 8, 256) == MoeFp8Launch.same(64, 8, 4)  # 48: 64-row tiles win again
     assert default_launch(2048 * 8, 256) == MoeFp8Launch.same(64, 8, 4)
     wide = default_launch(8192 * 8, 256)  # 256 rows an expert: gate|up on 128-row tiles, down on 64
     assert wide == MoeFp8Launch(KernelLaunch(128, 16, 3), KernelLaunch(64, 8, 4))
@@ -212,8 +214,9 @@ def test_the_prefill_launch_switch_leaves_decode_alone(monkeypatch):
 
 def test_the_decode_launch_switch_leaves_prefill_alone(monkeypatch):
     monkeypatch.delenv("BATCHINFER_MOE_PREFILL_LAUNCH", raising=False)
-    monkeypatch.setenv("BATCHINFER_MOE_DECODE_LAUNCH", "16:4:3+swap")
-    assert default_launch(256 * 8, 256) == MoeFp8Launch.same(16, 4, 3, swap_ab=True)
+    monkeypatch.setenv("BATCHINFER_MOE_DECODE_LAUNCH", "16:4:2")
+    assert default_launch(256 * 8, 256) == MoeFp8Launch.same(16, 4, 2)
+    assert default_launch(1024 * 8, 256) == MoeFp8Launch.same(16, 4, 2)  # every decode-sized step
     assert default_launch(2048 * 8, 256) == MoeFp8Launch.same(64, 8, 4)  # wider steps keep theirs
     with pytest.raises(ValueError, match="unknown suffix"):
         monkeypatch.setenv("BATCHINFER_MOE_DECODE_LAUNCH", "16:4:3+swapped")
