@@ -170,7 +170,7 @@ for part in "$@"; do
              step moe_decode_sweep 80 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 256,384,1024 \
                --parts --launches 16:4:3,16:4:3+swap,16:4:2+swap,32:4:3+swap,64:8:4
              jobs8k peer35fp8 340 qwen3.5-35b-a3b-fp8 "1024$GEN" ;;
-    # moe_round without its GPU tests (they passed on an H100 on this tree): the H200's sweep and job
+    # moe_round without its GPU tests: the decode sweep and the 1,024-prompt job alone (~7 min)
     moe_job) step moe_decode_sweep 80 python3 -m benchmarks.bench_moe_fp8 --preset qwen3.5-35b-a3b --tokens 256,384,1024 \
                --parts --launches 16:4:3,16:4:3+swap,32:4:3+swap,64:8:4
              jobs8k peer35fp8 340 qwen3.5-35b-a3b-fp8 "1024$GEN" ;;
