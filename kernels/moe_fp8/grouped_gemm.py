@@ -74,7 +74,9 @@ class MoeFp8Launch:
         return cls(launch, launch, **kwargs)
 
 
-# Rows an expert up to which a step is decode-sized (the swapped pair's 16- and 32-row tiles).
+# Rows an expert up to which a step is decode-sized: 16-row tiles up to NARROW, the swapped pair's
+# 32-row ones up to DECODE.
+NARROW_ROWS_PER_EXPERT = 24
 DECODE_ROWS_PER_EXPERT = 32
 # Rows an expert above which a step is prefill-wide (the 128-row gate|up tile fills).
 WIDE_ROWS_PER_EXPERT = 256
@@ -86,9 +88,9 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     """By rows per expert: decode (a few to tens of rows each) wants small row tiles, so a tile
     is rarely mostly padding; wider batches want wide ones for weight reuse. Measured at 35B-A3B
     shapes (docs/BENCHMARKS.md, "FP8 experts"), with the weights on the dots' M side (`swapped.py`)
-    up to DECODE_ROWS_PER_EXPERT: 16-row tiles, 3 stages up to 24 rows an expert (H200: 0.98-0.99x
-    the row-major pair at 256 / 384 tokens), 32-row tiles at 32 (H200: 0.91x 64:8:4 at 1,024
-    tokens, where 64:8:4 wins again at 48); above, 64 rows, 8 warps, 4 stages (H200: 0.95-0.99x the
+    up to DECODE_ROWS_PER_EXPERT: 16-row tiles, 3 stages up to NARROW_ROWS_PER_EXPERT (H200:
+    0.98-0.99x the row-major pair at 256 / 384 tokens), 32-row tiles at 32 (H200: 0.91x 64:8:4 at
+    1,024 tokens, where 64:8:4 wins again at 48); above, 64 rows, 8 warps, 4 stages (H200: 0.95-0.99x the
     time of 3 stages at 2,048 / 8,192 / 32,768 tokens); from WIDE_ROWS_PER_EXPERT (8,192 tokens)
     gate|up on 128-row tiles over 16 warps, down unchanged (H100: 0.96x / 0.91x at 8,192 / 32,768
     tokens). BATCHINFER_MOE_DECODE_LAUNCH / BATCHINFER_MOE_PREFILL_LAUNCH (`parse_launch`'s text)
@@ -96,14 +98,16 @@ def default_launch(num_rows: int, num_experts: int) -> MoeFp8Launch:
     BATCHINFER_MOE_W8A16 asks (2x slower on the H100 at every size)."""
     per_expert = num_rows / max(num_experts, 1)
     if w8a16_requested():
-        return MoeFp8Launch.same(block_m=16 if per_expert <= 24 else 64, num_warps=8, num_stages=3, w8a16=True,
+        return MoeFp8Launch.same(block_m=16 if per_expert <= NARROW_ROWS_PER_EXPERT else 64, num_warps=8,
+                                 num_stages=3, w8a16=True,
                                  fp16_dots=os.environ["BATCHINFER_MOE_W8A16"].strip() == "fp16")
     decode = per_expert <= DECODE_ROWS_PER_EXPERT
     override = os.environ.get(DECODE_LAUNCH_ENV if decode else PREFILL_LAUNCH_ENV, "").strip()
     if override:
         return parse_launch(override)
     if decode:
-        return MoeFp8Launch.same(block_m=16 if per_expert <= 24 else 32, num_warps=4, num_stages=3, swap_ab=True)
+        return MoeFp8Launch.same(block_m=16 if per_expert <= NARROW_ROWS_PER_EXPERT else 32, num_warps=4,
+                                 num_stages=3, swap_ab=True)
     if per_expert >= WIDE_ROWS_PER_EXPERT:
         return MoeFp8Launch(KernelLaunch(128, 16, 3), KernelLaunch(64, 8, 4))
     return MoeFp8Launch.same(block_m=64, num_warps=8, num_stages=4)
