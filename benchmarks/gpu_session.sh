@@ -184,6 +184,17 @@ for part in "$@"; do
                --prompts 4 --policies sdpa-cudnn
              step probe_moe 150 python3 -m benchmarks.decode_profile --preset qwen3.5-35b-a3b-fp8 --layers 8 \
                --batch 256 --prompt-len 8192 --output-tokens 12 --attention-probe ;;
+    # The dense 27B: the engine_arms regression check at 64 layers (8,192 tokens a step, the issue's
+    # reference, then rag at the 32,768-token default), then where its 8k prefill step (bf16, FP8)
+    # and its FP8 decode step at 96 rows go, kernel by kernel (16 layers)
+    dense_round) step arms64 250 python3 -m benchmarks.engine_arms --layers 64 --arms replay+extra_buffer --json "$out/arms64.json"
+             step arms64_32k 90 python3 -m benchmarks.engine_arms --layers 64 --arms replay+extra_buffer --workloads rag \
+               --max-batch-tokens 32768 --no-floor --json "$out/arms64_32k.json"
+             for preset in qwen3.5-27b qwen3.5-27b-fp8; do
+               step prefill_$preset 70 python3 -m benchmarks.prefill_profile --preset $preset --layers 16 --prompts 2 --policies sdpa-cudnn
+             done
+             step decode_fp8_96 90 python3 -m benchmarks.decode_profile --preset qwen3.5-27b-fp8 --layers 16 \
+               --batch 96 --prompt-len 8192 --output-tokens 12 ;;
   esac
 done
 for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done
