@@ -3,12 +3,20 @@
     python -m benchmarks.bench_fp8_gemm            # H200: M = 256 (decode) and 8192 (prefill)
     python -m benchmarks.bench_fp8_gemm --quick    # CPU smoke run (interpreter, tiny shapes)
     python -m benchmarks.bench_fp8_gemm --sm90     # no GPU: compile both kernels for sm_90a, resources
+    python -m benchmarks.bench_fp8_gemm --decode 32,96,128,256 --swapped 128:4:4,64:4:4
+                                                   # decode rows: the swapped GEMM against cuBLAS
+    python -m benchmarks.bench_fp8_gemm --sm90 --swapped 128:4:4,64:4:4   # their sm_90a resources
 
 Per shape: bf16 `torch.matmul` TFLOP/s, ours end to end (activation quant + GEMM) with the
 default launch and with the best of a small launch sweep, the GEMM alone, the ratio over bf16,
 `torch._scaled_mm` with block scales where this torch accepts them, the op as the model
 calls it (`fp8_gemm`: cuBLAS's block-scaled GEMM where it runs, activation quant included), and the max error of ours
 against the fp32 dequantize-then-matmul reference (relative to the reference's max). Table last.
+
+`--decode ROWS`: at each decode row count and shape, the GEMM alone on quantized activations as
+CUDA-graph replays (decode runs them so): cuBLAS's block-scaled GEMM against the swapped GEMM
+(`kernels/fp8_gemm/swapped.py`) at each `--swapped` launch (BLOCK_N:WARPS:STAGES[:SPLITS]), each
+as TB/s of its weight bytes and against the copy rate measured in the same run.
 """
 from __future__ import annotations
 
@@ -17,7 +25,9 @@ import argparse
 import torch
 
 from batchinfer.kernels.fp8_gemm import block_quantize, fp8_gemm_reference
+from batchinfer.kernels.fp8_gemm.swapped import SwappedLaunch, fp8_block_matmul_swapped, row_tile
 from batchinfer.kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, default_launch, fp8_block_matmul, quantize_act
+from benchmarks.bench_utils import print_table as print_rows
 from benchmarks.bench_utils import time_ms
 
 HIDDEN = 5120
@@ -110,10 +120,50 @@ def compile_sm90(launch: Fp8GemmLaunch | None, k_tiles: int = HIDDEN // 128):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def print_sm90() -> None:
+def compile_swapped_sm90(launch: SwappedLaunch, M: int, K: int = HIDDEN, splits: int = 1):
+    """Offline sm_90a compile of the swapped GEMM at `launch` for M rows."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from batchinfer.kernels.fp8_gemm import swapped
+    fn = swapped._fp8_gemm_swapped_kernel
+    types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16",
+             "part_ptr": "*fp32", "count_ptr": "*i32"}
+    k_tiles = K // 128
+    constexprs = dict(BLOCK_N=launch.block_n, BLOCK_M=row_tile(M), BLOCK_K=128, K_TILES=k_tiles, SPLITS=splits,
+                      TILES_PER_SPLIT=k_tiles // splits, EVEN_K=True)
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    divisible = [i for i, n in enumerate(names) if n not in constexprs and n not in ("M", "stride_xsg")]
+    source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+
+
+def parse_swapped(text: str) -> list[SwappedLaunch]:
+    """'128:4:4,64:4:4:2' → launches (BLOCK_N:WARPS:STAGES[:SPLITS])."""
+    launches = []
+    for item in filter(None, text.split(",")):
+        parts = [int(p) for p in item.split(":")]
+        launches.append(SwappedLaunch(*parts[:3], splits=parts[3] if len(parts) > 3 else None))
+    return launches
+
+
+def print_sm90(swapped_launches: list[SwappedLaunch] | None = None) -> None:
     import re
 
     from benchmarks.sm90_compile import ptxas_resources
+    if swapped_launches:
+        for launch in swapped_launches:
+            for M, splits in ((96, 1), (128, 4), (256, 1)):
+                kernel = compile_swapped_sm90(launch, M, splits=splits)
+                registers, spills = ptxas_resources(kernel.asm["ptx"])
+                wgmma = len(re.findall(r"wgmma\.mma_async[^\n]*e4m3", kernel.asm["ptx"]))
+                print(f"swapped {launch.block_n}:{launch.num_warps}:{launch.num_stages} M {M:3d} splits {splits}  "
+                      f"registers {registers:4d}  spill {spills:5d} B  smem {kernel.metadata.shared:7d} B  e4m3 wgmma {wgmma}")
+        return
     for launch in [None] + SWEEP:
         kernel = compile_sm90(launch)
         ptx = kernel.asm["ptx"]
@@ -138,14 +188,96 @@ def print_table(rows: list[dict]) -> None:
         print(f"torch._scaled_mm (block scales): {note}")
 
 
+def graph_ms(fn, device: str, reps: int = 20) -> float:
+    """Median ms of fn as a CUDA-graph replay (10 calls a graph); eager time elsewhere."""
+    if device != "cuda":
+        return time_ms(fn, device)
+    import statistics
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 10)
+    return statistics.median(times)
+
+
+def copy_tbs(device: str) -> float:
+    """Device-to-device copy rate (bytes read + written) of 1 GiB, TB/s: the ceiling for these rows."""
+    if device != "cuda":
+        return float("nan")
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return 2 * a.numel() / time_ms(lambda: b.copy_(a), device) / 1e9
+
+
+def bench_decode(rows: list[int], launches: list[SwappedLaunch], device: str, shapes=SHAPES_27B) -> list[str]:
+    """Per (rows, shape): cuBLAS and each swapped launch as TB/s of the weight's bytes (graph
+    replays of the GEMM alone, activations quantized outside), and each one's error against the
+    fp32 reference (relative to its max)."""
+    from batchinfer.kernels.fp8_gemm import cublas_fp8
+    copy = copy_tbs(device)
+    lines = []
+    for M in rows:
+        for name, N, K in shapes:
+            g = torch.Generator(device=device).manual_seed(M + N + K)
+            x = torch.randn(M, K, device=device, generator=g).bfloat16()
+            w_q, w_s = block_quantize(torch.randn(N, K, device=device, generator=g) * K ** -0.5)
+            ref = fp8_gemm_reference(x, w_q, w_s, torch.float32)
+            weight_bytes = w_q.numel() + 4 * w_s.numel()
+            cells = []
+            if device == "cuda" and cublas_fp8.available(x.device) and cublas_fp8.shapes_supported(K, w_s):
+                pq, ps = quantize_act(x, rows=cublas_fp8.padded_rows(M), scales_transposed=True)
+                ms = graph_ms(lambda: cublas_fp8.block_scaled_mm(pq, ps.t(), w_q, w_s, torch.bfloat16), device)
+                cells.append(f"cublas {weight_bytes / ms / 1e9:5.2f}")
+            else:
+                cells.append("cublas   -  ")
+            xq, xs = quantize_act(x)
+            for launch in launches:
+                out = torch.full((M, N), float("nan"), device=device)
+                fp8_block_matmul_swapped(xq, xs, w_q, w_s, torch.float32, launch=launch, out=out)
+                err = ((out - ref).abs().max() / ref.abs().max()).item()
+                ms = graph_ms(lambda: fp8_block_matmul_swapped(xq, xs, w_q, w_s, torch.bfloat16, launch=launch), device)
+                splits = launch.splits or "a"
+                cells.append(f"{launch.block_n}:{launch.num_warps}:{launch.num_stages}:{splits} "
+                             f"{weight_bytes / ms / 1e9:5.2f} (err {err:.0e})")
+            lines.append(f"{M:5d} {name:18} {N:6d} {K:6d}  " + "  ".join(cells))
+            del w_q, w_s, ref
+    header = (f"{'M':>5} {'shape':18} {'N':>6} {'K':>6}  TB/s of the weight's bytes, graph replays "
+              f"(copy {copy:.2f} TB/s read + write)")
+    print_rows(header, lines)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, no sweep")
     parser.add_argument("--sm90", action="store_true", help="no GPU: compile for sm_90a and print resources")
     parser.add_argument("--no-sweep", action="store_true", help="only the default Triton launch")
+    parser.add_argument("--decode", default="", help="decode row counts: the swapped GEMM against cuBLAS")
+    parser.add_argument("--swapped", default=None,
+                        help="swapped launches BLOCK_N:WARPS:STAGES[:SPLITS] (with --decode: default 128:4:4,64:4:4)")
     args = parser.parse_args()
     if args.sm90:
-        return print_sm90()
+        return print_sm90(parse_swapped(args.swapped) if args.swapped else None)
+    if args.decode:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        shapes = SHAPES_27B if device == "cuda" else [("tiny", 256, 512)]
+        bench_decode([int(m) for m in args.decode.split(",")], parse_swapped(args.swapped or "128:4:4,64:4:4"), device, shapes)
+        return
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     if args.quick:
         cases = [("tiny", 16, 256, 384)]

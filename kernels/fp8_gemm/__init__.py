@@ -2,8 +2,9 @@
 
 `fp8_gemm(x [M, K], weight e4m3 [N, K], scale_inv fp32 [ceil(N/128), ceil(K/128)]) -> [M, N]`
 quantizes x per (token, 128-column group) on the fly (scale = amax / 448, e4m3) and
-multiplies with fp32 accumulation; output in x's dtype (or `out_dtype`). CUDA: the Triton
-kernels in `triton_fp8.py`; elsewhere (or `BATCHINFER_KERNELS=ref`) `fp8_gemm_reference`
+multiplies with fp32 accumulation; output in x's dtype (or `out_dtype`). CUDA: on sm_90 the
+swapped Triton GEMM (`swapped.py`) for decode's few rows and cuBLAS's block-scaled GEMM
+(`cublas_fp8.py`) above them, else the Triton kernels in `triton_fp8.py`; elsewhere (or `BATCHINFER_KERNELS=ref`) `fp8_gemm_reference`
 (dequantize, then an fp32 matmul). `block_quantize` / `block_dequantize` convert weights;
 `dequantize_weight` is `block_dequantize` with a Triton kernel on CUDA (one pass: 1 byte read,
 2 written per bf16 element; the model dequantizes FP8 routed experts with it).
@@ -34,8 +35,9 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gemm_backend() -> str:
-    """BATCHINFER_FP8_GEMM: `auto` (cuBLAS's block-scaled GEMM where it runs, else Triton),
-    `cublas` or `triton` (benchmarks compare them)."""
+    """BATCHINFER_FP8_GEMM: `auto` (on sm_90 the swapped GEMM up to SWAPPED_MAX_ROWS rows, cuBLAS's
+    block-scaled GEMM above them where it runs, else Triton), `cublas` (cuBLAS at every row count)
+    or `triton` (benchmarks compare them)."""
     return os.environ.get("BATCHINFER_FP8_GEMM", "auto").strip().lower() or "auto"
 
 
@@ -43,11 +45,14 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if not _use_triton(x):
         return fp8_gemm_reference(x, weight, scale_inv, out_dtype)
-    from batchinfer.kernels.fp8_gemm import cublas_fp8
+    from batchinfer.kernels.fp8_gemm import cublas_fp8, swapped
     from batchinfer.kernels.fp8_gemm.triton_fp8 import fp8_block_matmul
     from batchinfer.kernels.fp8_gemm.triton_fp8 import quantize_act as triton_quantize_act
 
     out_dtype = out_dtype or x.dtype
+    if (gemm_backend() == "auto" and x.dim() == 2 and x.shape[0] <= swapped.SWAPPED_MAX_ROWS
+            and swapped.swapped_available(x.device)):
+        return swapped.fp8_block_matmul_swapped(*triton_quantize_act(x), weight, scale_inv, out_dtype)
     if (gemm_backend() != "triton" and x.dim() == 2 and cublas_fp8.shapes_supported(x.shape[1], scale_inv)
             and cublas_fp8.available(x.device)):
         M = x.shape[0]

@@ -5,6 +5,7 @@ import torch
 
 from batchinfer.kernels.fp8_gemm import (FP8_DTYPE, block_dequantize, block_quantize, fp8_gemm, fp8_gemm_reference,
                               quantize_act_reference)
+from batchinfer.kernels.fp8_gemm.swapped import SwappedLaunch, default_splits, fp8_block_matmul_swapped
 from batchinfer.kernels.fp8_gemm.triton_fp8 import Fp8GemmLaunch, fp8_block_matmul, quantize_act
 from batchinfer.kernels.fp8_gemm.triton_fp8 import fp8_gemm as triton_fp8_gemm
 from tests.conftest import interpreter_only, requires_cuda
@@ -95,19 +96,100 @@ def test_bad_scale_grid_is_refused():
 
 
 SM90_CHILD = """
-from benchmarks.bench_fp8_gemm import compile_sm90
+from benchmarks.bench_fp8_gemm import compile_sm90, compile_swapped_sm90
+from batchinfer.kernels.fp8_gemm.swapped import SwappedLaunch
 from batchinfer.kernels.fp8_gemm.triton_fp8 import default_launch
 import re
+wgmma = lambda kernel: bool(re.search(r"wgmma\\.mma_async[^\\n]*e4m3", kernel.asm["ptx"]))
 print("cvt.rn.satfinite.e4m3x2" in compile_sm90(None).asm["ptx"])
 for M in (256, 8192):  # e4m3 tensor-core products (wgmma) at the decode and prefill launches
-    print(bool(re.search(r"wgmma\\.mma_async[^\\n]*e4m3", compile_sm90(default_launch(M, 5120, 5120)).asm["ptx"])))
+    print(wgmma(compile_sm90(default_launch(M, 5120, 5120))))
+kernel = compile_swapped_sm90(SwappedLaunch(), 96, splits=4)  # the decode default, K split
+print(wgmma(kernel), "atom.global.gpu.acq_rel" in kernel.asm["ptx"])
 """
 
 
 def test_kernels_compile_for_sm90():
     """The interpreter runs code the compiler refuses (e.g. a plain global read in a kernel):
-    compile both kernels for sm_90a offline, in a child without the interpreter."""
-    assert sm90_child_output(SM90_CHILD).split() == ["True"] * 3
+    compile the kernels for sm_90a offline, in a child without the interpreter."""
+    assert sm90_child_output(SM90_CHILD).split() == ["True"] * 5
+
+
+@pytest.mark.parametrize("M,N,K,launch", [
+    (5, 256, 512, SwappedLaunch(128, num_stages=1, splits=1)),
+    (17, 200, 300, SwappedLaunch(64, num_stages=1, splits=1)),  # ragged last weight tile and K group
+    (3, 384, 1024, SwappedLaunch(128, num_stages=1, splits=4)),  # K split, whole steps a split
+    (33, 136, 640, SwappedLaunch(64, num_stages=1, splits=2)),  # K split, the last split short
+])
+def test_swapped_gemm_matches_the_fp32_reference(M, N, K, launch):
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g).bfloat16().to(DEVICE)
+    w_q, w_s = block_quantize(torch.randn(N, K, generator=g).to(DEVICE) * K ** -0.5)
+    xq, xs = quantize_act(x)
+    out = torch.full((M, N), float("nan"), dtype=torch.float32, device=DEVICE)
+    fp8_block_matmul_swapped(xq, xs, w_q, w_s, launch=launch, out=out)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, fp8_gemm_reference(x, w_q, w_s, torch.float32), **TOL)
+
+
+def test_swapped_gemm_splits_fill_the_sms_and_keep_long_k_steps():
+    assert default_splits(272, 40, 132) == 1  # the 27B's gate|up: 272 weight tiles of 128
+    assert default_splits(40, 136, 132) == 4  # its down: 40 tiles, 136 K steps
+    assert default_splits(40, 48, 132) == 4  # o_proj / out_proj: 12 steps a split
+    assert default_splits(40, 16, 132) == 2  # no split shorter than 8 steps
+    assert default_splits(40, 8, 132) == 1
+
+
+@interpreter_only
+def test_fp8_gemm_runs_the_swapped_gemm_for_few_rows_on_sm90(monkeypatch):
+    """Dispatch on a (pretend) sm_90 device: up to SWAPPED_MAX_ROWS rows the swapped GEMM, above
+    them cuBLAS; BATCHINFER_FP8_GEMM=cublas sends every row count to cuBLAS."""
+    import batchinfer.kernels.fp8_gemm as fp8
+    from batchinfer.kernels.fp8_gemm import cublas_fp8, swapped
+
+    monkeypatch.setattr(fp8, "_use_triton", lambda x: True)
+    monkeypatch.setattr(swapped, "swapped_available", lambda device: True)
+    monkeypatch.setattr(cublas_fp8, "available", lambda device: True)
+    cublas_calls: list[int] = []
+    monkeypatch.setattr(cublas_fp8, "block_scaled_mm", _fake_block_scaled_mm(cublas_calls))
+    swapped_calls: list[int] = []
+    real = swapped.fp8_block_matmul_swapped
+    monkeypatch.setattr(swapped, "fp8_block_matmul_swapped",
+                        lambda xq, *args, **kwargs: swapped_calls.append(xq.shape[0]) or real(xq, *args, **kwargs))
+    monkeypatch.setattr(swapped, "SWAPPED_MAX_ROWS", 8)
+    g = torch.Generator().manual_seed(5)
+    w_q, w_s = block_quantize(torch.randn(256, 512, generator=g) * 512 ** -0.5)
+    for M in (8, 9):
+        x = torch.randn(M, 512, generator=g).bfloat16()
+        torch.testing.assert_close(fp8.fp8_gemm(x, w_q, w_s, torch.float32),
+                                   fp8_gemm_reference(x, w_q, w_s, torch.float32), rtol=1e-5, atol=1e-5)
+    assert swapped_calls == [8] and cublas_calls == [12]
+    monkeypatch.setenv("BATCHINFER_FP8_GEMM", "cublas")
+    fp8.fp8_gemm(torch.randn(3, 512, generator=g).bfloat16(), w_q, w_s)
+    assert swapped_calls == [8] and cublas_calls == [12, 4]
+
+
+@requires_cuda
+def test_swapped_gemm_matches_the_reference_on_gpu_and_in_a_graph():
+    """At the 27B's decode shapes, K split or not, eagerly and as CUDA-graph replays (the split
+    counts are zeroed by every call, so a replay finds them as the first call did)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for M, N, K in [(1, 256, 512), (96, 5120, 17408), (128, 34816, 5120), (37, 5120, 6144)]:
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        w_q, w_s = block_quantize(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5)
+        xq, xs = quantize_act(x)
+        ref = fp8_gemm_reference(x, w_q, w_s, torch.float32)
+        for launch in (SwappedLaunch(), SwappedLaunch(64), SwappedLaunch(splits=1)):
+            out = fp8_block_matmul_swapped(xq, xs, w_q, w_s, torch.float32, launch=launch)
+            torch.testing.assert_close(out, ref, rtol=3e-3, atol=3e-3)
+        out = torch.full((M, N), float("nan"), device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fp8_block_matmul_swapped(xq, xs, w_q, w_s, launch=SwappedLaunch(), out=out)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.testing.assert_close(out, ref, rtol=3e-3, atol=3e-3)
 
 
 @pytest.mark.parametrize("shape", [(3, 256, 384), (200, 300)])
