@@ -255,7 +255,6 @@ def bench_decode(rows: list[int], launches: list[SwappedLaunch], device: str, sh
                 cells.append(f"{launch.block_n}:{launch.num_warps}:{launch.num_stages}:{splits} "
                              f"{weight_bytes / ms / 1e9:5.2f} (err {err:.0e})")
             lines.append(f"{M:5d} {name:18} {N:6d} {K:6d}  " + "  ".join(cells))
-            del w_q, w_s, ref
     header = (f"{'M':>5} {'shape':18} {'N':>6} {'K':>6}  TB/s of the weight's bytes, graph replays "
               f"(copy {copy:.2f} TB/s read + write)")
     print_rows(header, lines)
