@@ -196,14 +196,13 @@ for part in "$@"; do
              step decode_fp8_96 90 python3 -m benchmarks.decode_profile --preset qwen3.5-27b-fp8 --layers 16 \
                --batch 96 --prompt-len 8192 --output-tokens 12 ;;
     # The swapped FP8 GEMM for decode rows (kernels/fp8_gemm/swapped.py): its tests, the GEMMs alone
-    # against cuBLAS's at the 27B's shapes, then the FP8 27B 8k / 1k job at the defaults against
-    # cuBLAS at every row count (one process), then where its 96-row decode step goes (16 layers)
+    # against cuBLAS's at the 27B's shapes, then FP8 27B 8k / 1k jobs in one process: 96 rows at the
+    # defaults, 16 rows with cuBLAS at every row count against the defaults (the swapped GEMM), 96 rows
+    # with FP8 KV
     fp8_decode_gemm) step fp8gemm_tests 80 python3 -m pytest -q --tb=short tests/kernels/test_fp8_gemm.py
-             step fp8_decode_gemm 170 python3 -m benchmarks.bench_fp8_gemm --decode 32,96,128,192 \
-               --swapped 128:4:4,64:4:4,128:8:4,64:4:6
-             jobs8k fp8_decode_jobs 270 qwen3.5-27b-fp8 "96$GEN,96$GEN/env.BATCHINFER_FP8_GEMM=cublas"
-             step decode_fp8_96 70 python3 -m benchmarks.decode_profile --preset qwen3.5-27b-fp8 --layers 16 \
-               --batch 96 --prompt-len 8192 --output-tokens 12 ;;
+             step fp8_decode_gemm 90 python3 -m benchmarks.bench_fp8_gemm --decode 8,32,48 --swapped 128:4:3,64:4:3,64:4:4
+             jobs8k fp8_decode_jobs 380 qwen3.5-27b-fp8 \
+               "96$GEN,16x8192x1024@16/env.BATCHINFER_FP8_GEMM=cublas,16x8192x1024@16,96$GEN/kv_cache_dtype=fp8_e4m3" ;;
   esac
 done
 for f in "$out"/*.log; do echo "---- $(basename "$f")"; tail -n 25 "$f"; done

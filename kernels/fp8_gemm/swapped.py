@@ -5,7 +5,7 @@ Why: at decode a projection multiplies 16-256 rows by a weight read once from HB
 is bound by the weight's bytes. Hopper's FP8 tensor-core instruction (wgmma) takes at least 64
 rows on its M side; with the rows there, a tile pads them or converts operands, and cuBLAS's
 block-scaled GEMM streamed the 27B's FP8 weights at ~57% of HBM bandwidth in a 96-row decode
-step (docs/BENCHMARKS.md, "FP8 dense projections at decode"). Here a program owns `block_n`
+step (docs/BENCHMARKS.md, "FP8 projections at decode rows: the swapped GEMM"). Here a program owns `block_n`
 weight rows (output columns, the M side) and all the step's rows (the N side, which wgmma takes
 down to 8), so every weight byte is read once, by one program, as e4m3 wgmma operands. Both
 operands stay K-major, as 8-bit wgmma requires: the weights [N, K] and the activations [M, K] as
@@ -27,8 +27,12 @@ import triton.language as tl
 
 from batchinfer.kernels.fp8_gemm.reference import GROUP
 
-# Rows (tokens) up to which `fp8_gemm` runs this kernel on sm_90 instead of cuBLAS's.
-SWAPPED_MAX_ROWS = 128
+# Rows (tokens) up to which `fp8_gemm` runs this kernel on sm_90 instead of cuBLAS's: at the 27B's
+# projections on an H100 (bench_fp8_gemm --decode) it streamed the weights 1.14x / 1.17x as fast as
+# cuBLAS at 8 / 32 rows, level at 48-64, slower from 96 (its tile holds all rows: 0.5-0.9x).
+SWAPPED_MAX_ROWS = 32
+# Outputs up to this many columns take 128-row weight tiles (few tiles, K split), wider ones 64.
+NARROW_OUTPUT = 8192
 # A split keeps at least this many 128-deep K steps: fewer leave the pipeline too short to fill.
 MIN_K_TILES_PER_SPLIT = 8
 
@@ -40,11 +44,17 @@ class SwappedLaunch:
 
     block_n: int = 128
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
     splits: int | None = None
 
     def __post_init__(self):
         assert GROUP % self.block_n == 0 and self.block_n >= 64, "block_n: 64 or 128"
+
+
+def default_launch(N: int) -> SwappedLaunch:
+    """The H100 sweep's best at 8-32 rows: 128 weight rows a program for outputs of up to
+    NARROW_OUTPUT columns (5,120: 1.4x cuBLAS), 64 for wider ones (more programs, no split)."""
+    return SwappedLaunch(128 if N <= NARROW_OUTPUT else 64, num_warps=4, num_stages=3)
 
 
 def row_tile(M: int) -> int:
@@ -138,7 +148,8 @@ def fp8_block_matmul_swapped(xq: torch.Tensor, x_scale: torch.Tensor, weight: to
                              out: torch.Tensor | None = None) -> torch.Tensor:
     """Quantized activations (e4m3 [M, K] unit column stride, fp32 scales [M, ceil(K/128)] of any
     strides) · weight (e4m3 [N, K], scale_inv [ceil(N/128), ceil(K/128)])ᵀ → [M, N] in out_dtype
-    (into `out` [M, N], unit column stride, when given). M up to 256."""
+    (into `out` [M, N], unit column stride, when given). M up to 256 (one row tile: the kernel
+    pays for rows past SWAPPED_MAX_ROWS)."""
     M, K = xq.shape
     N = weight.shape[0]
     assert weight.shape[1] == K and xq.stride(1) == 1 and weight.stride(1) == 1
@@ -149,7 +160,7 @@ def fp8_block_matmul_swapped(xq: torch.Tensor, x_scale: torch.Tensor, weight: to
     assert out.shape == (M, N) and out.stride(1) == 1
     if M == 0:
         return out
-    launch = launch or SwappedLaunch()
+    launch = launch or default_launch(N)
     block_m = row_tile(M)
     tiles = triton.cdiv(N, launch.block_n)
     k_tiles = triton.cdiv(K, GROUP)

@@ -97,14 +97,14 @@ def test_bad_scale_grid_is_refused():
 
 SM90_CHILD = """
 from benchmarks.bench_fp8_gemm import compile_sm90, compile_swapped_sm90
-from batchinfer.kernels.fp8_gemm.swapped import SwappedLaunch
+from batchinfer.kernels.fp8_gemm.swapped import default_launch as swapped_launch
 from batchinfer.kernels.fp8_gemm.triton_fp8 import default_launch
 import re
 wgmma = lambda kernel: bool(re.search(r"wgmma\\.mma_async[^\\n]*e4m3", kernel.asm["ptx"]))
 print("cvt.rn.satfinite.e4m3x2" in compile_sm90(None).asm["ptx"])
 for M in (256, 8192):  # e4m3 tensor-core products (wgmma) at the decode and prefill launches
     print(wgmma(compile_sm90(default_launch(M, 5120, 5120))))
-kernel = compile_swapped_sm90(SwappedLaunch(), 96, splits=4)  # the decode default, K split
+kernel = compile_swapped_sm90(swapped_launch(5120), 32, splits=4)  # the decode default, K split
 print(wgmma(kernel), "atom.global.gpu.acq_rel" in kernel.asm["ptx"])
 """
 
@@ -174,18 +174,18 @@ def test_swapped_gemm_matches_the_reference_on_gpu_and_in_a_graph():
     """At the 27B's decode shapes, K split or not, eagerly and as CUDA-graph replays (the split
     counts are zeroed by every call, so a replay finds them as the first call did)."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    for M, N, K in [(1, 256, 512), (96, 5120, 17408), (128, 34816, 5120), (37, 5120, 6144)]:
+    for M, N, K in [(1, 256, 512), (32, 5120, 17408), (128, 34816, 5120), (37, 5120, 6144)]:
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         w_q, w_s = block_quantize(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5)
         xq, xs = quantize_act(x)
         ref = fp8_gemm_reference(x, w_q, w_s, torch.float32)
-        for launch in (SwappedLaunch(), SwappedLaunch(64), SwappedLaunch(splits=1)):
+        for launch in (None, SwappedLaunch(64), SwappedLaunch(128, splits=1)):
             out = fp8_block_matmul_swapped(xq, xs, w_q, w_s, torch.float32, launch=launch)
             torch.testing.assert_close(out, ref, rtol=3e-3, atol=3e-3)
         out = torch.full((M, N), float("nan"), device="cuda")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fp8_block_matmul_swapped(xq, xs, w_q, w_s, launch=SwappedLaunch(), out=out)
+            fp8_block_matmul_swapped(xq, xs, w_q, w_s, out=out)
         for _ in range(3):
             out.fill_(float("nan"))
             graph.replay()
