@@ -60,8 +60,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         try:
             return cublas_fp8.block_scaled_mm(xq, xs.t(), weight, scale_inv, out_dtype)[:M]
         except RuntimeError as error:  # this torch / cuBLAS cannot: Triton from now on
-            if gemm_backend() == "cublas":
-                raise
+            if gemm_backend() == "cublas" or isinstance(error, torch.OutOfMemoryError):
+                raise  # out of memory is the step's to handle, not a broken cuBLAS
             cublas_fp8.mark_broken(x.device, error)
             return fp8_block_matmul(xq[:M], xs[:M].contiguous(), weight, scale_inv, out_dtype)
     xq, xs = triton_quantize_act(x)

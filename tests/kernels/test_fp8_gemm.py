@@ -223,7 +223,8 @@ def _fake_block_scaled_mm(calls):
 @interpreter_only
 def test_fp8_gemm_takes_the_cublas_path_and_falls_back_to_triton(monkeypatch):
     """Dispatch on a (pretend) sm_90 device: 4-aligned K blocks go to cuBLAS with padded rows and
-    transposed scales; a cuBLAS failure falls back to the Triton GEMM, right, and sticks."""
+    transposed scales; a cuBLAS failure falls back to the Triton GEMM, right, and sticks; running
+    out of memory is raised, not taken for a failure."""
     import batchinfer.kernels.fp8_gemm as fp8
     from batchinfer.kernels.fp8_gemm import cublas_fp8
 
@@ -244,6 +245,13 @@ def test_fp8_gemm_takes_the_cublas_path_and_falls_back_to_triton(monkeypatch):
     torch.testing.assert_close(fp8.fp8_gemm(x3, w3_q, w3_s, torch.float32),
                                fp8_gemm_reference(x3, w3_q, w3_s, torch.float32), rtol=1e-5, atol=1e-5)
     assert calls == [8]
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.12 GiB")
+    monkeypatch.setattr(cublas_fp8, "block_scaled_mm", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):  # not a broken cuBLAS: no fallback, nothing marked
+        fp8.fp8_gemm(x, w_q, w_s, torch.float32)
+    assert cublas_fp8._BROKEN == set()
 
     def failing(*args):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
