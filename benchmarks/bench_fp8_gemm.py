@@ -162,7 +162,8 @@ def print_sm90(swapped_launches: list[SwappedLaunch] | None = None) -> None:
                 registers, spills = ptxas_resources(kernel.asm["ptx"])
                 wgmma = len(re.findall(r"wgmma\.mma_async[^\n]*e4m3", kernel.asm["ptx"]))
                 print(f"swapped {launch.block_n}:{launch.num_warps}:{launch.num_stages} M {M:3d} splits {splits}  "
-                      f"registers {registers:4d}  spill {spills:5d} B  smem {kernel.metadata.shared:7d} B  e4m3 wgmma {wgmma}")
+                      f"registers {registers:4d}  spill {spills:5d} B  smem {kernel.metadata.shared:7d} B  "
+                      f"e4m3 wgmma {wgmma}")
         return
     for launch in [None] + SWEEP:
         kernel = compile_sm90(launch)
@@ -279,7 +280,8 @@ def main() -> None:
     if args.decode:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         shapes = SHAPES_27B if device == "cuda" else [("tiny", 256, 512)]
-        bench_decode([int(m) for m in args.decode.split(",")], parse_swapped(args.swapped or "128:4:3,64:4:3"), device, shapes)
+        rows = [int(m) for m in args.decode.split(",")]
+        bench_decode(rows, parse_swapped(args.swapped or "128:4:3,64:4:3"), device, shapes)
         return
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     if args.quick:

@@ -4,10 +4,11 @@
 quantizes x per (token, 128-column group) on the fly (scale = amax / 448, e4m3) and
 multiplies with fp32 accumulation; output in x's dtype (or `out_dtype`). CUDA: on sm_90 the
 swapped Triton GEMM (`swapped.py`) for decode's few rows and cuBLAS's block-scaled GEMM
-(`cublas_fp8.py`) above them, else the Triton kernels in `triton_fp8.py`; elsewhere (or `BATCHINFER_KERNELS=ref`) `fp8_gemm_reference`
-(dequantize, then an fp32 matmul). `block_quantize` / `block_dequantize` convert weights;
-`dequantize_weight` is `block_dequantize` with a Triton kernel on CUDA (one pass: 1 byte read,
-2 written per bf16 element; the model dequantizes FP8 routed experts with it).
+(`cublas_fp8.py`) above them, else the Triton kernels in `triton_fp8.py`; elsewhere (or
+`BATCHINFER_KERNELS=ref`) `fp8_gemm_reference` (dequantize, then an fp32 matmul).
+`block_quantize` / `block_dequantize` convert weights; `dequantize_weight` is `block_dequantize`
+with a Triton kernel on CUDA (one pass: 1 byte read, 2 written per bf16 element; the model
+dequantizes FP8 routed experts with it).
 """
 from __future__ import annotations
 

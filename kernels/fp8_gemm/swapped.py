@@ -1,15 +1,14 @@
 """The block-scaled FP8 GEMM for decode's few rows, with the weights on the dots' M side
 (outᵀ = W · xᵀ): the same operands and result as `triton_fp8.fp8_block_matmul`.
 
-Why: at decode a projection multiplies 16-256 rows by a weight read once from HBM, so the GEMM
-is bound by the weight's bytes. Hopper's FP8 tensor-core instruction (wgmma) takes at least 64
-rows on its M side; with the rows there, a tile pads them or converts operands, and cuBLAS's
-block-scaled GEMM streamed the 27B's FP8 weights at ~57% of HBM bandwidth in a 96-row decode
-step (docs/BENCHMARKS.md, "FP8 projections at decode rows: the swapped GEMM"). Here a program owns `block_n`
-weight rows (output columns, the M side) and all the step's rows (the N side, which wgmma takes
-down to 8), so every weight byte is read once, by one program, as e4m3 wgmma operands. Both
-operands stay K-major, as 8-bit wgmma requires: the weights [N, K] and the activations [M, K] as
-stored.
+Why: at decode a projection multiplies a few rows by a weight read once from HBM, so the GEMM is
+bound by the weight's bytes. Hopper's FP8 tensor-core instruction (wgmma) takes at least 64 rows
+on its M side, which a step of 8-32 rows pads. Here a program owns `block_n` weight rows (output
+columns, the M side) and all the step's rows (the N side, which wgmma takes down to 8), so every
+weight byte is read once, by one program, as e4m3 wgmma operands. Both operands stay K-major, as
+8-bit wgmma requires: the weights [N, K] and the activations [M, K] as stored. Up to 32 rows it
+streams the 27B's FP8 weights 1.14-1.17x as fast as cuBLAS's block-scaled GEMM; from 96 rows its
+one row tile loses to cuBLAS (docs/BENCHMARKS.md, "FP8 projections at decode rows").
 
 Few weight tiles (an output of 5,120 columns is 40 tiles of 128) leave SMs idle, so K may be
 split: each split's program stores its fp32 partial, and the last of a tile's programs to
