@@ -95,51 +95,46 @@ def bench_shape(name: str, M: int, N: int, K: int, device: str, sweep: list[Fp8G
     return row
 
 
-def compile_sm90(launch: Fp8GemmLaunch | None, k_tiles: int = HIDDEN // 128):
-    """Offline sm_90a compile (Triton's own ptxas, no GPU): the GEMM at `launch`, or the
-    activation-quant kernel when None. Returns the compiled kernel (`.asm["ptx"]`, `.metadata`)."""
+def _compile_sm90(fn, types: dict, constexprs: dict, options: dict, not_divisible: tuple = ()):
+    """Offline sm_90a compile (Triton's own ptxas, no GPU) of `fn` with pointer `types` (other
+    arguments i32, divisible by 16 unless named in `not_divisible`, as the launcher specialises
+    contiguous tensors' sizes). Returns the compiled kernel (`.asm["ptx"]`, `.metadata`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from batchinfer.kernels.fp8_gemm import triton_fp8 as kernels
-    if launch is None:
-        fn, types = kernels._quant_act_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-        constexprs, options = dict(BLOCK_G=8, GROUP_SIZE=128), {"num_warps": 4}
-    else:
-        fn = kernels._fp8_gemm_kernel
-        types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
-        constexprs = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=128, GROUP_M=launch.group_m,
-                          SCALE_BLOCK_N=128, K_TILES=k_tiles)
-        options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    divisible = [i for i, n in enumerate(names) if n not in constexprs]  # contiguous, sizes multiples of 16
+    divisible = [i for i, n in enumerate(names) if n not in constexprs and n not in not_divisible]
     source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                        attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_swapped_sm90(launch: SwappedLaunch, M: int, K: int = HIDDEN, splits: int = 1):
-    """Offline sm_90a compile of the swapped GEMM at `launch` for M rows."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def compile_sm90(launch: Fp8GemmLaunch | None, k_tiles: int = HIDDEN // 128):
+    """The Triton GEMM at `launch` compiled for sm_90a, or the activation-quant kernel when None."""
+    from batchinfer.kernels.fp8_gemm import triton_fp8 as kernels
+    if launch is None:
+        return _compile_sm90(kernels._quant_act_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                             dict(BLOCK_G=8, GROUP_SIZE=128), {"num_warps": 4})
+    types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
+    constexprs = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=128, GROUP_M=launch.group_m,
+                      SCALE_BLOCK_N=128, K_TILES=k_tiles)
+    return _compile_sm90(kernels._fp8_gemm_kernel, types, constexprs,
+                         {"num_warps": launch.num_warps, "num_stages": launch.num_stages})
 
+
+def compile_swapped_sm90(launch: SwappedLaunch, M: int, K: int = HIDDEN, splits: int = 1):
+    """The swapped GEMM at `launch` for M rows compiled for sm_90a."""
     from batchinfer.kernels.fp8_gemm import swapped
-    fn = swapped._fp8_gemm_swapped_kernel
     types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16",
              "part_ptr": "*fp32", "count_ptr": "*i32"}
     k_tiles = K // 128
     constexprs = dict(BLOCK_N=launch.block_n, BLOCK_M=row_tile(M), BLOCK_K=128, K_TILES=k_tiles, SPLITS=splits,
                       TILES_PER_SPLIT=k_tiles // splits, EVEN_K=True)
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    divisible = [i for i, n in enumerate(names) if n not in constexprs and n not in ("M", "stride_xsg")]
-    source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
-                       attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    return _compile_sm90(swapped._fp8_gemm_swapped_kernel, types, constexprs,
+                         {"num_warps": launch.num_warps, "num_stages": launch.num_stages},
+                         not_divisible=("M", "stride_xsg"))
 
 
 def parse_swapped(text: str) -> list[SwappedLaunch]:
@@ -189,40 +184,12 @@ def print_table(rows: list[dict]) -> None:
         print(f"torch._scaled_mm (block scales): {note}")
 
 
-def graph_ms(fn, device: str, reps: int = 20) -> float:
-    """Median ms of fn as a CUDA-graph replay (10 calls a graph); eager time elsewhere."""
+def graph_ms(fn, device: str) -> float:
+    """ms of fn as a CUDA-graph replay, as decode runs it (eager time elsewhere)."""
     if device != "cuda":
         return time_ms(fn, device)
-    import statistics
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 10)
-    return statistics.median(times)
-
-
-def copy_tbs(device: str) -> float:
-    """Device-to-device copy rate (bytes read + written) of 1 GiB, TB/s: the ceiling for these rows."""
-    if device != "cuda":
-        return float("nan")
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    return 2 * a.numel() / time_ms(lambda: b.copy_(a), device) / 1e9
+    from benchmarks.decode_floor import graphed
+    return time_ms(graphed(fn), device)
 
 
 def bench_decode(rows: list[int], launches: list[SwappedLaunch], device: str, shapes=SHAPES_27B) -> list[str]:
@@ -230,7 +197,8 @@ def bench_decode(rows: list[int], launches: list[SwappedLaunch], device: str, sh
     replays of the GEMM alone, activations quantized outside), and each one's error against the
     fp32 reference (relative to its max)."""
     from batchinfer.kernels.fp8_gemm import cublas_fp8
-    copy = copy_tbs(device)
+    from benchmarks.decode_floor import copy_bandwidth
+    copy = copy_bandwidth(torch.device(device)) / 1e12 if device == "cuda" else float("nan")
     lines = []
     for M in rows:
         for name, N, K in shapes:

@@ -17,13 +17,13 @@ result does not depend on which program finishes last. Reference: `reference.fp8
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from batchinfer.kernels._common import cuda_capability, multiprocessor_count
 from batchinfer.kernels.fp8_gemm.reference import GROUP
 
 # Rows (tokens) up to which `fp8_gemm` runs this kernel on sm_90 instead of cuBLAS's: at the 27B's
@@ -70,21 +70,8 @@ def default_splits(weight_tiles: int, k_tiles: int, sms: int) -> int:
     return splits
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """The device's SMs (an H200's 132 where there is no GPU: the interpreter's launches then match)."""
-    if device.type != "cuda":
-        return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def swapped_available(device: torch.device) -> bool:
     """Hopper (sm_90): where e4m3 wgmma runs and this kernel was measured."""
-    from batchinfer.kernels.public import cuda_capability
     return device.type == "cuda" and cuda_capability(device) == (9, 0)
 
 
@@ -163,7 +150,7 @@ def fp8_block_matmul_swapped(xq: torch.Tensor, x_scale: torch.Tensor, weight: to
     block_m = row_tile(M)
     tiles = triton.cdiv(N, launch.block_n)
     k_tiles = triton.cdiv(K, GROUP)
-    splits = launch.splits or default_splits(tiles, k_tiles, sm_count(xq.device))
+    splits = launch.splits or default_splits(tiles, k_tiles, multiprocessor_count(xq.device))
     per_split = triton.cdiv(k_tiles, splits)
     if splits > 1:
         part = torch.empty((splits, tiles * launch.block_n, block_m), dtype=torch.float32, device=xq.device)
